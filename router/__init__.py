@@ -1,0 +1,1 @@
+"""kvroute router: the OpenAI-compatible gateway process."""

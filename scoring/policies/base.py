@@ -1,0 +1,97 @@
+"""The common policy interface shared by the live router and the offline replay.
+
+A policy sees only plain data: the request (its block-key chain and size) and one
+:class:`PodView` per candidate pod (index hits + load).  It returns a :class:`Decision`.
+It is told when a request it routed finished, so stateful policies (round robin,
+approximate prefix trees, session tables) can keep their own bookkeeping.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+
+class PolicyParams(BaseModel):
+    """Base of every policy's parameter model: unknown fields are an error."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """What a policy knows about one request."""
+
+    request_id: str
+    model: str
+    prompt_tokens: int
+    block_keys: Sequence[int]
+    block_size: int
+    lora: str | None = None
+    session: str | None = None  # session id from a header / body field, if any
+    max_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class PodView:
+    """What a policy knows about one candidate pod at decision time."""
+
+    pod: str
+    #: tier -> leading blocks servable from that tier or faster (see scoring.index.base)
+    hits: dict[str, int] = field(default_factory=dict)
+    #: requests routed here and not finished (router-tracked, shared across replicas)
+    inflight: int = 0
+    #: prompt tokens routed here whose prefill has not finished (router-tracked)
+    outstanding_prefill_tokens: int = 0
+    #: scraped from the pod's /metrics (None when unknown or stale)
+    waiting: int | None = None
+    running: int | None = None
+    kv_usage: float | None = None  # 0..1
+
+    def cached_blocks(self, tier: str = "GPU") -> int:
+        return self.hits.get(tier, 0)
+
+    def best_cached_blocks(self) -> int:
+        return max(self.hits.values(), default=0)
+
+
+@dataclass(slots=True)
+class Decision:
+    """The chosen pod and, for explanation, every candidate's score (higher = better)
+    or predicted cost (lower = better; ``lower_is_better`` says which)."""
+
+    pod: str
+    scores: dict[str, float]
+    lower_is_better: bool = False
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class NoCandidatesError(ValueError):
+    """Raised when a policy is asked to pick among zero pods."""
+
+
+class Policy(ABC):
+    """One routing policy.  Subclasses set ``name`` and ``Params``."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[PolicyParams]]
+
+    def __init__(self, params: PolicyParams | None = None) -> None:
+        self.params = params if params is not None else self.Params()
+
+    @abstractmethod
+    def pick(self, request: RouteRequest, pods: Sequence[PodView]) -> Decision:
+        """Choose one of ``pods`` (non-empty) for ``request``."""
+
+    def on_routed(self, request: RouteRequest, pod: str) -> None:  # noqa: B027
+        """The request was sent to ``pod`` (after any retry)."""
+
+    def on_complete(self, request: RouteRequest, pod: str) -> None:  # noqa: B027
+        """The request finished on ``pod`` (success or failure)."""
+
+    def on_pod_removed(self, pod: str) -> None:  # noqa: B027
+        """``pod`` left the fleet."""
