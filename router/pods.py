@@ -1,0 +1,103 @@
+"""The fleet as the router sees it: pod specs from discovery, and live state per pod.
+
+Discovery (static list, DNS, Kubernetes) produces :class:`PodSpec` sets and calls
+:meth:`PodRegistry.set_pods`; the registry diffs them and tells its listeners (the
+KV-event subscriber, the metrics scraper, the index cleaner) which pods came and went.
+Health checks flip :attr:`PodState.healthy`.  The request path reads
+:meth:`PodRegistry.candidates`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PodSpec:
+    """How to reach one pod."""
+
+    name: str
+    #: HTTP base URL of the pod's OpenAI server, e.g. "http://10.0.0.7:8000"
+    url: str
+    #: ZMQ endpoint of the pod's KV-event publisher to dial (None: the pod connects to
+    #: our bound SUB socket, or publishes no events)
+    events_endpoint: str | None = None
+    #: ZMQ ROUTER endpoint serving replays of recent batches (None: no replay)
+    replay_endpoint: str | None = None
+    #: models the pod serves, if known up front (else learned from GET /v1/models)
+    models: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class PodState:
+    spec: PodSpec
+    healthy: bool = True
+    #: served model names and LoRA adapters, learned from /v1/models (or the spec)
+    models: set[str] = field(default_factory=set)
+    consecutive_failures: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+PodListener = Callable[[str, PodSpec | None], None]
+"""Called with (pod name, spec) when a pod is added or changed, (name, None) when removed."""
+
+
+class PodRegistry:
+    def __init__(self) -> None:
+        self._pods: dict[str, PodState] = {}
+        self._listeners: list[PodListener] = []
+
+    def subscribe(self, listener: PodListener) -> None:
+        self._listeners.append(listener)
+        for name, state in self._pods.items():
+            listener(name, state.spec)
+
+    def _notify(self, name: str, spec: PodSpec | None) -> None:
+        for listener in self._listeners:
+            try:
+                listener(name, spec)
+            except Exception:  # a listener's bug must not stop discovery
+                log.exception("pod listener failed for %s", name)
+
+    def set_pods(self, specs: Iterable[PodSpec]) -> tuple[list[str], list[str]]:
+        """Replace the fleet with ``specs``; returns (added or changed, removed) names."""
+        new = {s.name: s for s in specs}
+        removed = [n for n in self._pods if n not in new]
+        changed = [n for n, s in new.items() if n not in self._pods or self._pods[n].spec != s]
+        for n in removed:
+            del self._pods[n]
+            self._notify(n, None)
+        for n in changed:
+            spec = new[n]
+            old = self._pods.get(n)
+            state = PodState(spec=spec, models=set(spec.models))
+            if old is not None:
+                state.models |= old.models
+                state.healthy = old.healthy
+            self._pods[n] = state
+            self._notify(n, spec)
+        return changed, removed
+
+    def get(self, name: str) -> PodState | None:
+        return self._pods.get(name)
+
+    def all(self) -> list[PodState]:
+        return list(self._pods.values())
+
+    def candidates(self, model: str) -> list[PodState]:
+        """Healthy pods serving ``model`` (a base model or a LoRA adapter name)."""
+        return [p for p in self._pods.values() if p.healthy and model in p.models]
+
+    def served_models(self) -> set[str]:
+        out: set[str] = set()
+        for p in self._pods.values():
+            if p.healthy:
+                out |= p.models
+        return out
