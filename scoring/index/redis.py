@@ -1,0 +1,416 @@
+"""Redis / Valkey backends shared by several router replicas: the block index and the load view.
+
+:class:`RedisIndex` implements :class:`~scoring.index.base.BlockIndex` (same semantics as
+the in-memory index; the shared behaviour suite holds both to them):
+
+* one server round trip per ``lookup`` (a Lua script walks the chain server-side and
+  stops at the first block no remaining candidate holds), per ``add`` / ``remove``
+  batch (a script; batches above ``batch_keys`` go as several scripts in one pipeline)
+  and per ``clear_pod``;
+* counted (pod, key, tier) entries: ``add`` increments, ``remove`` decrements, the entry
+  is deleted at 0;
+* ``clear_pod`` never scans: each (pod, tier) has a *slot id* (its generation); clearing
+  retires the id, so its entries become invisible at once and disappear with the
+  block's TTL (``ttl_s``, refreshed by every ``add`` of the block by any pod) or
+  earlier through :meth:`RedisIndex.sweep`;
+* block keys are unsigned 64-bit ints, stored as 8 raw big-endian bytes in key names.
+
+Key layout and cluster placement: see :mod:`scoring.index.redis_lua` and docs/redis.md.
+
+:class:`RedisLoadStore` is the shared twin of ``router.load.MemoryLoadStore``: per-replica
+counters (a hash per replica, with a heartbeat and a TTL) summed at snapshot time, so a
+crashed replica's in-flight requests vanish from everyone's view after ``ttl_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import uuid
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+
+from scoring.index import redis_lua
+from scoring.index.base import DEFAULT_TIERS, PodHits
+
+__all__ = ["RedisIndex", "RedisLoadStore", "pack_keys"]
+
+log = logging.getLogger(__name__)
+
+_U64 = (1 << 64) - 1
+
+
+def _check_name(what: str, value: str) -> bytes:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
+    if "\0" in value:
+        raise ValueError(f"{what} must not contain NUL characters, got {value!r}")
+    return value.encode()
+
+
+def pack_keys(keys: Sequence[int]) -> bytes:
+    """Block keys -> 8 big-endian bytes each; ValueError naming the bad key otherwise."""
+    try:
+        return struct.pack(f">{len(keys)}Q", *keys)
+    except (struct.error, TypeError):
+        for i, k in enumerate(keys):
+            if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= _U64:
+                raise ValueError(
+                    f"block key #{i} must be an unsigned 64-bit int, got {k!r}"
+                ) from None
+        raise
+
+
+class _Layout:
+    """Key names of one namespace, all sharing the hash tag ``{namespace}``."""
+
+    def __init__(self, namespace: str) -> None:
+        raw = _check_name("namespace", namespace)
+        if b"{" in raw or b"}" in raw:
+            raise ValueError(f"namespace must not contain braces, got {namespace!r}")
+        self.prefix = b"{" + raw + b"}:"
+        self.block = self.prefix + b"b"
+        self.pods = self.prefix + b"pods"
+        self.ids = self.prefix + b"ids"
+        self.next = self.prefix + b"next"
+        self.entries = self.prefix + b"n"
+        self.load_replicas = self.prefix + b"load:r"
+        self.load_hash = self.prefix + b"load:h:"
+
+
+class RedisIndex:
+    """:class:`~scoring.index.base.BlockIndex` stored in Redis >= 7 / Valkey >= 8.
+
+    Parameters: ``client`` -- a ``redis.asyncio.Redis`` with ``decode_responses=False``;
+    ``namespace`` -- isolates indexes sharing one server (one per model is the natural
+    cluster shard, see docs/redis.md); ``tiers`` -- fastest first, identical on every
+    replica; ``ttl_s`` -- seconds a block key lives after the last ``add`` touching it
+    (``None``/0 disables; then only :meth:`sweep` frees retired entries);
+    ``batch_keys`` -- keys per script call (bounds how long one call blocks the server).
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        namespace: str = "kvroute",
+        tiers: Sequence[str] = DEFAULT_TIERS,
+        ttl_s: int | None = 86_400,
+        batch_keys: int = 4096,
+        owns_client: bool = False,
+    ) -> None:
+        if not tiers:
+            raise ValueError("tiers must name at least one tier")
+        for t in tiers:
+            _check_name("tier", t)
+        if len(set(tiers)) != len(tiers):
+            raise ValueError(f"tiers must be distinct, got {list(tiers)!r}")
+        if ttl_s is not None and (not isinstance(ttl_s, int) or ttl_s < 0):
+            raise ValueError(f"ttl_s must be a non-negative int or None, got {ttl_s!r}")
+        if batch_keys <= 0:
+            raise ValueError(f"batch_keys must be positive, got {batch_keys!r}")
+        self.tiers: tuple[str, ...] = tuple(tiers)
+        self.namespace = namespace
+        self.ttl_s = ttl_s or 0
+        self.batch_keys = batch_keys
+        self._k = _Layout(namespace)
+        self._r = client
+        self._owns = owns_client
+        self._tier_args = [str(len(self.tiers)).encode(), *(t.encode() for t in self.tiers)]
+        self._add: AsyncScript = client.register_script(redis_lua.ADD)
+        self._remove: AsyncScript = client.register_script(redis_lua.REMOVE)
+        self._clear: AsyncScript = client.register_script(redis_lua.CLEAR)
+        self._lookup: AsyncScript = client.register_script(redis_lua.LOOKUP)
+        self._entries: AsyncScript = client.register_script(redis_lua.POD_ENTRIES)
+        self._sweep: AsyncScript = client.register_script(redis_lua.SWEEP)
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        namespace: str = "kvroute",
+        tiers: Sequence[str] = DEFAULT_TIERS,
+        ttl_s: int | None = 86_400,
+        batch_keys: int = 4096,
+        **client_kwargs: Any,
+    ) -> RedisIndex:
+        """An index owning a new client for ``url`` (closed by :meth:`close`)."""
+        client = aioredis.Redis.from_url(url, decode_responses=False, **client_kwargs)
+        return cls(
+            client,
+            namespace=namespace,
+            tiers=tiers,
+            ttl_s=ttl_s,
+            batch_keys=batch_keys,
+            owns_client=True,
+        )
+
+    # -- BlockIndex --------------------------------------------------------------------
+
+    def _tier(self, tier: str) -> bytes:
+        if tier not in self.tiers:
+            raise ValueError(f"unknown tier {tier!r}; this index has tiers {list(self.tiers)}")
+        return tier.encode()
+
+    def _chunks(self, keys: Sequence[int]) -> list[bytes]:
+        n = self.batch_keys
+        return [pack_keys(keys[i : i + n]) for i in range(0, len(keys), n)]
+
+    async def _run_batches(
+        self,
+        script: AsyncScript,
+        keys: list[bytes],
+        head: list[Any],
+        chunks: list[bytes],
+        tail: list[Any],
+    ) -> None:
+        if len(chunks) == 1:
+            await script(keys=keys, args=[*head, chunks[0], *tail])
+            return
+        async with self._r.pipeline(transaction=False) as pipe:
+            for c in chunks:
+                await script(keys=keys, args=[*head, c, *tail], client=pipe)
+            await pipe.execute()
+
+    async def add(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
+        """Count one more copy of each key on ``pod`` in ``tier`` (refreshes the TTL)."""
+        p = _check_name("pod", pod)
+        t = self._tier(tier)
+        if not keys:
+            return
+        chunks = self._chunks(keys)
+        k = self._k
+        await self._run_batches(
+            self._add,
+            [k.pods, k.ids, k.next, k.entries],
+            [k.block, p, t, str(self.ttl_s).encode()],
+            chunks,
+            [],
+        )
+
+    async def remove(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
+        """Count one copy fewer of each key; entries at 0 are deleted, unknown keys ignored."""
+        p = _check_name("pod", pod)
+        t = self._tier(tier)
+        if not keys:
+            return
+        chunks = self._chunks(keys)
+        k = self._k
+        await self._run_batches(self._remove, [k.pods, k.entries], [k.block, p, t], chunks, [])
+
+    async def clear_pod(self, pod: str, tier: str | None = None) -> None:
+        """Retire the pod's slot ids (all tiers, or ``tier``): O(tiers), no keyspace scan."""
+        p = _check_name("pod", pod)
+        tiers = [t.encode() for t in self.tiers] if tier is None else [self._tier(tier)]
+        k = self._k
+        await self._clear(keys=[k.pods, k.ids, k.entries], args=[p, *tiers])
+
+    async def lookup(
+        self, keys: Sequence[int], pods: Collection[str] | None = None
+    ) -> dict[str, PodHits]:
+        """Per pod holding block 0: leading blocks servable per tier (cumulative), one trip."""
+        if not keys:
+            return {}
+        packed = pack_keys(keys)
+        args: list[Any] = [self._k.block, packed, *self._tier_args]
+        if pods is not None:
+            cands = sorted({_check_name("pod", p) for p in pods})
+            if not cands:
+                return {}
+            args.extend(cands)
+        flat = await self._lookup(keys=[self._k.pods, self._k.ids], args=args)
+        nt = len(self.tiers)
+        out: dict[str, PodHits] = {}
+        for i in range(0, len(flat), nt + 1):
+            counts = flat[i + 1 : i + 1 + nt]
+            out[flat[i].decode()] = {t: int(c) for t, c in zip(self.tiers, counts, strict=True)}
+        return out
+
+    async def pod_entries(self) -> dict[str, int]:
+        """Distinct (key, tier) entries per pod: added minus removed since the pod's last clear.
+
+        Entries dropped by the TTL are not subtracted (the TTL is a safety net for
+        vanished pods, not the normal removal path).
+        """
+        flat = await self._entries(keys=[self._k.ids, self._k.entries], args=[])
+        return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    async def close(self) -> None:
+        """Close the client if this index created it (:meth:`from_url`)."""
+        if self._owns:
+            await self._r.aclose()
+
+    # -- maintenance -------------------------------------------------------------------
+
+    async def sweep(self, count: int = 1000) -> int:
+        """Delete entries of retired (cleared) slots everywhere; returns how many.
+
+        Not on any request path: it SCANs this namespace's block keys in pages of
+        ``count`` and cleans each page with one script.  Needed only when ``ttl_s`` is
+        disabled, or to reclaim memory before the TTL does.
+        """
+        pattern = _glob_escape(self._k.block) + b"*"
+        removed = 0
+        cursor: int = 0
+        while True:
+            cursor, names = await self._r.scan(cursor=cursor, match=pattern, count=count)
+            if names:
+                removed += int(await self._sweep(keys=[self._k.ids], args=list(names)))
+            if cursor == 0:
+                return removed
+
+    async def block_keys(self) -> int:
+        """Number of block keys stored in this namespace (SCAN; for tests and benchmarks)."""
+        pattern = _glob_escape(self._k.block) + b"*"
+        n = 0
+        async for _ in self._r.scan_iter(match=pattern, count=1000):
+            n += 1
+        return n
+
+
+def _glob_escape(raw: bytes) -> bytes:
+    out = bytearray()
+    for b in raw:
+        if b in b"*?[]\\":
+            out.append(0x5C)
+        out.append(b)
+    return bytes(out)
+
+
+class RedisLoadStore:
+    """Router-tracked load shared by all replicas (the ``router.load.LoadStore`` protocol).
+
+    Each replica keeps its own counters in one hash (``{ns}:load:h:<replica>``), fields
+    ``i NUL pod`` (in-flight requests) and ``t NUL pod`` (outstanding prefill tokens),
+    clamped at 0 like the in-memory store.  A replica registers in a sorted set with
+    an expiry ``now + ttl_s`` (server clock), refreshed by every update and by a
+    heartbeat every ``ttl_s / 3``.  ``snapshot`` sums the hashes of replicas whose
+    expiry is in the future, so a crashed replica's contribution disappears after at
+    most ``ttl_s``.  Every operation is one round trip.
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        namespace: str = "kvroute",
+        replica: str | None = None,
+        ttl_s: float = 15.0,
+        owns_client: bool = False,
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s!r}")
+        self.replica = replica or uuid.uuid4().hex
+        self._replica = _check_name("replica", self.replica)
+        self._k = _Layout(namespace)
+        self.ttl_s = ttl_s
+        self._ttl_ms = str(max(1, int(ttl_s * 1000))).encode()
+        self._r = client
+        self._owns = owns_client
+        self._incr: AsyncScript = client.register_script(redis_lua.LOAD_INCR)
+        self._snap: AsyncScript = client.register_script(redis_lua.LOAD_SNAPSHOT)
+        self._clear: AsyncScript = client.register_script(redis_lua.LOAD_CLEAR_POD)
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        #: heartbeats that failed (the loop keeps going; exported by the router)
+        self.heartbeat_errors = 0
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        namespace: str = "kvroute",
+        replica: str | None = None,
+        ttl_s: float = 15.0,
+        **client_kwargs: Any,
+    ) -> RedisLoadStore:
+        client = aioredis.Redis.from_url(url, decode_responses=False, **client_kwargs)
+        return cls(client, namespace=namespace, replica=replica, ttl_s=ttl_s, owns_client=True)
+
+    @property
+    def _hash(self) -> bytes:
+        return self._k.load_hash + self._replica
+
+    async def incr(self, pod: str, inflight_delta: int, prefill_tokens_delta: int) -> None:
+        """Add the deltas to this replica's counters for ``pod`` (and heartbeat)."""
+        p = _check_name("pod", pod)
+        for name, v in (
+            ("inflight_delta", inflight_delta),
+            ("prefill_tokens_delta", prefill_tokens_delta),
+        ):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{name} must be an int, got {v!r}")
+        self._ensure_heartbeat()
+        await self._incr(
+            keys=[self._k.load_replicas, self._hash],
+            args=[self._replica, self._ttl_ms, p, inflight_delta, prefill_tokens_delta],
+        )
+
+    async def heartbeat(self) -> None:
+        """Refresh this replica's registration (the background task calls it)."""
+        await self._incr(
+            keys=[self._k.load_replicas, self._hash], args=[self._replica, self._ttl_ms]
+        )
+
+    # router.load.LoadStore protocol
+    async def begin(self, pod: str, prefill_tokens: int) -> None:
+        await self.incr(pod, 1, prefill_tokens)
+
+    async def prefill_done(self, pod: str, prefill_tokens: int) -> None:
+        await self.incr(pod, 0, -prefill_tokens)
+
+    async def end(self, pod: str) -> None:
+        await self.incr(pod, -1, 0)
+
+    async def snapshot(self, pods: Iterable[str] | None = None) -> dict[str, tuple[int, int]]:
+        """pod -> (in-flight, outstanding prefill tokens) summed over live replicas.
+
+        With ``pods``, exactly those pods (0, 0 when unknown); else every pod with load.
+        """
+        flat = await self._snap(keys=[self._k.load_replicas], args=[self._k.load_hash])
+        seen = {
+            flat[i].decode(): (int(flat[i + 1]), int(flat[i + 2])) for i in range(0, len(flat), 3)
+        }
+        if pods is None:
+            return seen
+        return {p: seen.get(p, (0, 0)) for p in pods}
+
+    async def clear_pod(self, pod: str) -> None:
+        """Forget ``pod`` in every replica's counters (pod gone)."""
+        p = _check_name("pod", pod)
+        await self._clear(keys=[self._k.load_replicas], args=[self._k.load_hash, p])
+
+    def _ensure_heartbeat(self) -> None:
+        if self._heartbeat_task is None or self._heartbeat_task.done():
+            self._heartbeat_task = asyncio.get_running_loop().create_task(self._beat())
+
+    async def _beat(self) -> None:
+        period = self.ttl_s / 3
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.heartbeat()
+            except (aioredis.RedisError, OSError) as exc:
+                self.heartbeat_errors += 1
+                log.warning("load store heartbeat of replica %s failed: %s", self.replica, exc)
+
+    async def close(self) -> None:
+        """Stop heartbeating and withdraw this replica's counters at once."""
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat_task
+            self._heartbeat_task = None
+        with contextlib.suppress(aioredis.RedisError, OSError):
+            async with self._r.pipeline(transaction=True) as pipe:
+                pipe.zrem(self._k.load_replicas, self._replica)
+                pipe.delete(self._hash)
+                await pipe.execute()
+        if self._owns:
+            await self._r.aclose()
