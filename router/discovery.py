@@ -1,0 +1,409 @@
+"""Pod discovery: where the fleet comes from (static list, DNS, Kubernetes).
+
+Every source produces a full set of :class:`PodSpec` and hands it to
+:meth:`PodRegistry.set_pods`, which diffs it and tells the listeners (KV-event
+subscriber, scraper) which pods came and went.
+
+* ``static`` — the configured list, once.
+* ``dns`` — the A/AAAA records of a (headless service) hostname, re-resolved every
+  ``interval_s``; pod name ``<ip>:<port>``.  A failed lookup keeps the last fleet.
+* ``k8s`` — list + watch Pods matching a label selector in one namespace through the
+  API server's REST API (service-account token and CA), keeping only *Ready* pods with
+  a ``podIP``; re-list on ``410 Gone``.  Pod name = ``metadata.name``; ports come from
+  the annotations ``kvroute.io/port``, ``kvroute.io/events-port``,
+  ``kvroute.io/replay-port`` (and models from ``kvroute.io/models``, comma separated),
+  else from these settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from router.pods import PodRegistry, PodSpec
+
+log = logging.getLogger(__name__)
+
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+class DiscoveryError(RuntimeError):
+    """Discovery cannot run as configured (the message says what is missing)."""
+
+
+class StaticPod(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    url: str = Field(min_length=1, description="HTTP base URL, e.g. http://10.0.0.7:8000")
+    events_endpoint: str | None = Field(None, description="ZMQ PUB to dial, tcp://host:5557")
+    replay_endpoint: str | None = Field(None, description="ZMQ ROUTER for replays")
+    models: list[str] = Field(default_factory=list)
+
+    def spec(self) -> PodSpec:
+        return PodSpec(
+            name=self.name,
+            url=self.url.rstrip("/"),
+            events_endpoint=self.events_endpoint,
+            replay_endpoint=self.replay_endpoint,
+            models=tuple(self.models),
+        )
+
+
+class DnsDiscoverySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hostname: str = Field(min_length=1, description="headless service name")
+    port: int = Field(8000, ge=1, le=65535, description="pods' HTTP port")
+    scheme: Literal["http", "https"] = "http"
+    events_port: int | None = Field(None, ge=1, le=65535, description="pods' KV-event PUB port")
+    replay_port: int | None = Field(None, ge=1, le=65535, description="pods' replay port")
+    models: list[str] = Field(default_factory=list, description="models every pod serves")
+    interval_s: float = Field(10.0, gt=0, description="seconds between resolutions")
+
+
+class K8sDiscoverySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    namespace: str | None = Field(
+        None, description="namespace (default: the service account's own namespace)"
+    )
+    label_selector: str = Field(min_length=1, description="e.g. app=vllm")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port unless annotated")
+    scheme: Literal["http", "https"] = "http"
+    events_port: int | None = Field(None, ge=1, le=65535, description="unless annotated")
+    replay_port: int | None = Field(None, ge=1, le=65535, description="unless annotated")
+    models: list[str] = Field(default_factory=list, description="unless annotated")
+    port_annotation: str = "kvroute.io/port"
+    events_port_annotation: str = "kvroute.io/events-port"
+    replay_port_annotation: str = "kvroute.io/replay-port"
+    models_annotation: str = "kvroute.io/models"
+    api_server: str | None = Field(
+        None,
+        description="API server base URL (default https://$KUBERNETES_SERVICE_HOST:"
+        "$KUBERNETES_SERVICE_PORT)",
+    )
+    token_file: str = f"{SA_DIR}/token"
+    ca_file: str = f"{SA_DIR}/ca.crt"
+    namespace_file: str = f"{SA_DIR}/namespace"
+    watch_timeout_s: int = Field(300, ge=1, description="server-side timeout of one watch")
+    retry_s: float = Field(2.0, gt=0, description="pause after a failed list/watch")
+
+
+class DiscoverySettings(BaseModel):
+    """Where pods come from (nested as ``discovery`` in the router's config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["static", "dns", "k8s"] = "static"
+    static: list[StaticPod] = Field(default_factory=list)
+    dns: DnsDiscoverySettings | None = None
+    k8s: K8sDiscoverySettings | None = None
+
+    @model_validator(mode="after")
+    def _section_present(self) -> DiscoverySettings:
+        if self.kind == "dns" and self.dns is None:
+            raise ValueError("discovery.kind is 'dns' but discovery.dns is not set")
+        if self.kind == "k8s" and self.k8s is None:
+            raise ValueError("discovery.kind is 'k8s' but discovery.k8s is not set")
+        names = [p.name for p in self.static]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"discovery.static: duplicate pod names {dup}")
+        return self
+
+
+class Discovery(Protocol):
+    async def run(self, registry: PodRegistry) -> None:
+        """Keep ``registry`` up to date until cancelled."""
+        ...
+
+
+def _host(ip: str) -> str:
+    """An IP as it goes in a URL / ZMQ endpoint (IPv6 in brackets)."""
+    try:
+        if ipaddress.ip_address(ip).version == 6:
+            return f"[{ip}]"
+    except ValueError:
+        pass
+    return ip
+
+
+def _endpoint(ip: str, port: int | None) -> str | None:
+    return None if port is None else f"tcp://{_host(ip)}:{port}"
+
+
+class StaticDiscovery:
+    def __init__(self, pods: list[StaticPod]) -> None:
+        self.pods = pods
+
+    async def run(self, registry: PodRegistry) -> None:
+        registry.set_pods(p.spec() for p in self.pods)
+
+
+class DnsDiscovery:
+    """Resolves ``hostname`` every ``interval_s``: one pod per address."""
+
+    def __init__(self, settings: DnsDiscoverySettings) -> None:
+        self.settings = settings
+        self.resolutions = 0
+        self.failures = 0
+
+    async def resolve(self) -> list[PodSpec]:
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(s.hostname, s.port, type=socket.SOCK_STREAM)
+        ips = sorted({str(info[4][0]) for info in infos})
+        return [
+            PodSpec(
+                name=f"{ip}:{s.port}",
+                url=f"{s.scheme}://{_host(ip)}:{s.port}",
+                events_endpoint=_endpoint(ip, s.events_port),
+                replay_endpoint=_endpoint(ip, s.replay_port),
+                models=tuple(s.models),
+            )
+            for ip in ips
+        ]
+
+    async def run(self, registry: PodRegistry) -> None:
+        while True:
+            try:
+                specs = await self.resolve()
+            except OSError as exc:  # socket.gaierror included: keep the last fleet
+                self.failures += 1
+                log.warning("DNS discovery: resolving %r failed: %s", self.settings.hostname, exc)
+            else:
+                self.resolutions += 1
+                added, removed = registry.set_pods(specs)
+                if added or removed:
+                    log.info("DNS discovery: +%s -%s", added, removed)
+            await asyncio.sleep(self.settings.interval_s)
+
+
+class _Gone(Exception):
+    """The watch's resourceVersion is too old: re-list."""
+
+
+def pod_is_ready(pod: Mapping[str, Any]) -> bool:
+    """Ready=True condition, a podIP, and not being deleted."""
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    if meta.get("deletionTimestamp") or not status.get("podIP"):
+        return False
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "Ready":
+            return cond.get("status") == "True"
+    return False
+
+
+class K8sDiscovery:
+    """List + watch Pods through the Kubernetes API server."""
+
+    def __init__(self, settings: K8sDiscoverySettings, *, client: httpx.AsyncClient | None = None):
+        self.settings = settings
+        self.namespace = settings.namespace or self._read_namespace()
+        self.base_url = settings.api_server or self._api_server_from_env()
+        self._client = client
+        self._pods: dict[str, dict[str, Any]] = {}
+        self.lists = 0
+        self.relists_on_gone = 0
+        self.watch_events = 0
+        self.errors = 0
+        self.skipped: dict[str, str] = {}
+
+    def _read_namespace(self) -> str:
+        try:
+            return Path(self.settings.namespace_file).read_text().strip()
+        except OSError:
+            raise DiscoveryError(
+                "discovery.k8s.namespace is not set and "
+                f"{self.settings.namespace_file} cannot be read"
+            ) from None
+
+    @staticmethod
+    def _api_server_from_env() -> str:
+        host = os.environ.get("KUBERNETES_SERVICE_HOST")
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise DiscoveryError(
+                "discovery.k8s.api_server is not set and KUBERNETES_SERVICE_HOST is empty "
+                "(not running in a cluster?)"
+            )
+        return f"https://{_host(host)}:{port}"
+
+    def _headers(self) -> dict[str, str]:
+        # re-read every time: projected service-account tokens rotate
+        try:
+            token = Path(self.settings.token_file).read_text().strip()
+        except OSError:
+            return {}
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+    def _make_client(self) -> httpx.AsyncClient:
+        verify: Any = True
+        if self.base_url.startswith("https://") and Path(self.settings.ca_file).is_file():
+            verify = self.settings.ca_file
+        return httpx.AsyncClient(
+            base_url=self.base_url,
+            verify=verify,
+            timeout=httpx.Timeout(10.0, read=self.settings.watch_timeout_s + 30.0),
+        )
+
+    @property
+    def _path(self) -> str:
+        return f"/api/v1/namespaces/{self.namespace}/pods"
+
+    # -- pod -> spec -------------------------------------------------------------------
+
+    def _port(self, ann: Mapping[str, str], key: str, default: int | None, pod: str) -> int | None:
+        raw = ann.get(key)
+        if raw is None:
+            return default
+        try:
+            port = int(raw)
+            if not 0 < port < 65536:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"annotation {key}={raw!r} is not a port number") from None
+        return port
+
+    def spec_of(self, pod: Mapping[str, Any]) -> PodSpec:
+        """The PodSpec of a Ready pod object; ``ValueError`` on a bad annotation."""
+        s = self.settings
+        meta = pod.get("metadata") or {}
+        name = meta["name"]
+        ann = meta.get("annotations") or {}
+        ip = pod["status"]["podIP"]
+        port = self._port(ann, s.port_annotation, s.port, name) or s.port
+        events = self._port(ann, s.events_port_annotation, s.events_port, name)
+        replay = self._port(ann, s.replay_port_annotation, s.replay_port, name)
+        models = ann.get(s.models_annotation)
+        model_list = [m.strip() for m in models.split(",") if m.strip()] if models else s.models
+        return PodSpec(
+            name=name,
+            url=f"{s.scheme}://{_host(ip)}:{port}",
+            events_endpoint=_endpoint(ip, events),
+            replay_endpoint=_endpoint(ip, replay),
+            models=tuple(model_list),
+        )
+
+    def current_specs(self) -> list[PodSpec]:
+        specs: list[PodSpec] = []
+        for name, pod in sorted(self._pods.items()):
+            if not pod_is_ready(pod):
+                continue
+            try:
+                specs.append(self.spec_of(pod))
+            except (KeyError, ValueError) as exc:
+                if self.skipped.get(name) != str(exc):
+                    log.warning("k8s discovery: pod %s skipped: %s", name, exc)
+                self.skipped[name] = str(exc)
+        return specs
+
+    # -- list + watch ------------------------------------------------------------------
+
+    async def list_pods(self, client: httpx.AsyncClient) -> str:
+        """Replace the pod map with a fresh list; return its resourceVersion."""
+        r = await client.get(
+            self._path,
+            params={"labelSelector": self.settings.label_selector},
+            headers=self._headers(),
+        )
+        r.raise_for_status()
+        body = r.json()
+        self._pods = {
+            p["metadata"]["name"]: p for p in body.get("items") or [] if p.get("metadata")
+        }
+        self.lists += 1
+        return str((body.get("metadata") or {}).get("resourceVersion") or "")
+
+    async def _watch_lines(self, client: httpx.AsyncClient, rv: str) -> AsyncIterator[str]:
+        params = {
+            "labelSelector": self.settings.label_selector,
+            "watch": "1",
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(self.settings.watch_timeout_s),
+        }
+        if rv:
+            params["resourceVersion"] = rv
+        async with client.stream("GET", self._path, params=params, headers=self._headers()) as r:
+            if r.status_code == 410:
+                raise _Gone()
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if line.strip():
+                    yield line
+
+    def apply_watch_event(self, ev: Mapping[str, Any]) -> str | None:
+        """Apply one watch event to the pod map; return the new resourceVersion."""
+        if not isinstance(ev, Mapping) or not isinstance(ev.get("object"), Mapping):
+            raise ValueError(f"watch event is not {{type, object}}: {str(ev)[:200]}")
+        kind = ev.get("type")
+        obj = ev["object"]
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise _Gone()
+            raise RuntimeError(f"watch error: {obj.get('message') or obj}")
+        meta = obj.get("metadata") or {}
+        rv = meta.get("resourceVersion")
+        if kind == "BOOKMARK":
+            return str(rv) if rv else None
+        name = meta.get("name")
+        if not name:
+            return str(rv) if rv else None
+        self.watch_events += 1
+        if kind == "DELETED":
+            self._pods.pop(name, None)
+        elif kind in ("ADDED", "MODIFIED"):
+            self._pods[name] = dict(obj)
+        return str(rv) if rv else None
+
+    async def run(self, registry: PodRegistry) -> None:
+        client = self._client or self._make_client()
+        try:
+            while True:
+                try:
+                    rv = await self.list_pods(client)
+                    registry.set_pods(self.current_specs())
+                    while True:  # watch until the resourceVersion expires
+                        async for line in self._watch_lines(client, rv):
+                            try:
+                                new_rv = self.apply_watch_event(json.loads(line))
+                            except ValueError as exc:  # JSONDecodeError included
+                                self.errors += 1
+                                log.warning("k8s discovery: bad watch line skipped: %s", exc)
+                                continue
+                            if new_rv:
+                                rv = new_rv
+                            registry.set_pods(self.current_specs())
+                except _Gone:
+                    self.relists_on_gone += 1
+                    log.info("k8s discovery: resourceVersion expired (410 Gone): re-listing")
+                except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+                    self.errors += 1
+                    log.warning("k8s discovery: %s; retrying in %gs", exc, self.settings.retry_s)
+                    await asyncio.sleep(self.settings.retry_s)
+        finally:
+            if self._client is None:
+                await client.aclose()
+
+
+def build_discovery(settings: DiscoverySettings) -> Discovery:
+    """The discovery source ``settings.kind`` names."""
+    if settings.kind == "dns":
+        assert settings.dns is not None
+        return DnsDiscovery(settings.dns)
+    if settings.kind == "k8s":
+        assert settings.k8s is not None
+        return K8sDiscovery(settings.k8s)
+    return StaticDiscovery(settings.static)

@@ -1,0 +1,432 @@
+"""Pod discovery: static list, DNS re-resolution, Kubernetes list + watch.
+
+The Kubernetes tests run a small fake API server (FastAPI on uvicorn, loopback, a free
+port) that serves the Pods list and a watch stream of JSON lines the test feeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from router.discovery import (
+    DiscoveryError,
+    DiscoverySettings,
+    DnsDiscovery,
+    DnsDiscoverySettings,
+    K8sDiscovery,
+    K8sDiscoverySettings,
+    StaticDiscovery,
+    build_discovery,
+    pod_is_ready,
+)
+from router.pods import PodRegistry
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: FastAPI) -> AsyncIterator[str]:
+    """Run ``app`` on a free loopback port in this loop; yield its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        server.force_exit = True
+        await task
+        sock.close()
+
+
+async def wait_for(cond: Any, timeout: float = 10.0) -> None:
+    """Poll ``cond()`` until true (a deadline against hangs, not a speed assertion)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.01)
+
+
+# -- settings ------------------------------------------------------------------------
+
+
+def test_settings_reject_a_kind_without_its_section() -> None:
+    with pytest.raises(ValidationError, match=r"discovery\.dns is not set"):
+        DiscoverySettings(kind="dns")
+    with pytest.raises(ValidationError, match=r"discovery\.k8s is not set"):
+        DiscoverySettings(kind="k8s")
+
+
+def test_settings_reject_unknown_fields_and_duplicate_static_names() -> None:
+    with pytest.raises(ValidationError, match="hostnme"):
+        DiscoverySettings.model_validate({"kind": "dns", "dns": {"hostnme": "x"}})
+    pod = {"name": "a", "url": "http://127.0.0.1:1"}
+    with pytest.raises(ValidationError, match="duplicate pod names"):
+        DiscoverySettings.model_validate({"static": [pod, pod]})
+
+
+# -- static --------------------------------------------------------------------------
+
+
+async def test_static_discovery_registers_the_configured_pods() -> None:
+    settings = DiscoverySettings.model_validate(
+        {
+            "static": [
+                {
+                    "name": "p0",
+                    "url": "http://127.0.0.1:8001/",
+                    "events_endpoint": "tcp://127.0.0.1:5557",
+                    "replay_endpoint": "tcp://127.0.0.1:5657",
+                    "models": ["m"],
+                },
+                {"name": "p1", "url": "http://127.0.0.1:8002"},
+            ]
+        }
+    )
+    disc = build_discovery(settings)
+    assert isinstance(disc, StaticDiscovery)
+    reg = PodRegistry()
+    await disc.run(reg)
+    p0 = reg.get("p0")
+    assert p0 is not None
+    assert p0.spec.url == "http://127.0.0.1:8001"  # trailing slash dropped
+    assert p0.spec.events_endpoint == "tcp://127.0.0.1:5557"
+    assert p0.spec.replay_endpoint == "tcp://127.0.0.1:5657"
+    assert p0.models == {"m"}
+    assert sorted(p.name for p in reg.all()) == ["p0", "p1"]
+
+
+# -- DNS -----------------------------------------------------------------------------
+
+
+async def test_dns_discovery_makes_one_pod_per_address_of_the_hostname() -> None:
+    disc = DnsDiscovery(
+        DnsDiscoverySettings(
+            hostname="localhost", port=8123, events_port=5557, replay_port=5657, models=["m"]
+        )
+    )
+    specs = {s.name: s for s in await disc.resolve()}
+    assert "127.0.0.1:8123" in specs
+    spec = specs["127.0.0.1:8123"]
+    assert spec.url == "http://127.0.0.1:8123"
+    assert spec.events_endpoint == "tcp://127.0.0.1:5557"
+    assert spec.replay_endpoint == "tcp://127.0.0.1:5657"
+    assert spec.models == ("m",)
+    for s in specs.values():  # IPv6 addresses are bracketed in URLs and endpoints
+        if ":" in s.name.rsplit(":", 1)[0]:
+            assert s.url.startswith("http://[")
+
+
+async def test_dns_discovery_re_resolves_and_fills_the_registry() -> None:
+    disc = DnsDiscovery(DnsDiscoverySettings(hostname="localhost", port=8123, interval_s=0.01))
+    reg = PodRegistry()
+    task = asyncio.create_task(disc.run(reg))
+    try:
+        await wait_for(lambda: disc.resolutions >= 2)
+        assert reg.get("127.0.0.1:8123") is not None
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_dns_discovery_keeps_the_last_fleet_when_resolution_fails() -> None:
+    settings = DnsDiscoverySettings(hostname="localhost", port=8123, interval_s=0.01)
+    disc = DnsDiscovery(settings)
+    reg = PodRegistry()
+    reg.set_pods(await disc.resolve())
+    before = sorted(p.name for p in reg.all())
+    settings.hostname = "kvroute-no-such-host.invalid"
+    task = asyncio.create_task(disc.run(reg))
+    try:
+        await wait_for(lambda: disc.failures >= 1, timeout=30)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert sorted(p.name for p in reg.all()) == before
+
+
+# -- Kubernetes ----------------------------------------------------------------------
+
+
+def k8s_pod(
+    name: str,
+    ip: str | None = "10.0.0.1",
+    ready: bool = True,
+    annotations: dict[str, str] | None = None,
+    rv: str = "1",
+) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]
+    }
+    if ip:
+        status["podIP"] = ip
+    return {
+        "metadata": {
+            "name": name,
+            "resourceVersion": rv,
+            "annotations": annotations or {},
+        },
+        "status": status,
+    }
+
+
+class FakeApiServer:
+    """The two Pod endpoints of a Kubernetes API server, scripted by the test."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.list_rv = "100"
+        self.watch_queue: asyncio.Queue[dict[str, Any] | str | None] = asyncio.Queue()
+        self.requests: list[dict[str, Any]] = []
+        self.gone_on_next_watch = False
+        app = FastAPI()
+
+        @app.get("/api/v1/namespaces/{ns}/pods")
+        async def pods(ns: str, request: Request) -> Any:
+            q = dict(request.query_params)
+            self.requests.append(
+                {"ns": ns, "query": q, "auth": request.headers.get("authorization")}
+            )
+            if q.get("watch") not in ("1", "true"):
+                return {
+                    "kind": "PodList",
+                    "metadata": {"resourceVersion": self.list_rv},
+                    "items": self.items,
+                }
+            if self.gone_on_next_watch:
+                self.gone_on_next_watch = False
+                return JSONResponse({"kind": "Status", "code": 410}, status_code=410)
+
+            async def lines() -> AsyncIterator[bytes]:
+                while True:
+                    ev = await self.watch_queue.get()
+                    if ev is None:  # end this watch stream (server-side timeout)
+                        return
+                    line = ev if isinstance(ev, str) else json.dumps(ev)
+                    yield (line + "\n").encode()
+
+            return StreamingResponse(lines(), media_type="application/json")
+
+        self.app = app
+
+    def watches(self) -> list[dict[str, Any]]:
+        return [r for r in self.requests if r["query"].get("watch")]
+
+    def lists(self) -> list[dict[str, Any]]:
+        return [r for r in self.requests if not r["query"].get("watch")]
+
+
+def k8s_settings(url: str, tmp_path: Path, **kw: Any) -> K8sDiscoverySettings:
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    return K8sDiscoverySettings(
+        namespace="llm",
+        label_selector="app=vllm",
+        api_server=url,
+        token_file=str(token),
+        events_port=5557,
+        retry_s=0.05,
+        **kw,
+    )
+
+
+def test_only_ready_pods_with_an_ip_that_are_not_terminating_count() -> None:
+    assert pod_is_ready(k8s_pod("a"))
+    assert not pod_is_ready(k8s_pod("a", ready=False))
+    assert not pod_is_ready(k8s_pod("a", ip=None))
+    terminating = k8s_pod("a")
+    terminating["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert not pod_is_ready(terminating)
+    assert not pod_is_ready({"metadata": {"name": "a"}, "status": {"podIP": "10.0.0.1"}})
+
+
+def test_ports_and_models_come_from_annotations_else_settings(tmp_path: Path) -> None:
+    disc = K8sDiscovery(k8s_settings("http://127.0.0.1:1", tmp_path, models=["base"]))
+    plain = disc.spec_of(k8s_pod("a", ip="10.0.0.1"))
+    assert plain.url == "http://10.0.0.1:8000"
+    assert plain.events_endpoint == "tcp://10.0.0.1:5557"
+    assert plain.replay_endpoint is None
+    assert plain.models == ("base",)
+    annotated = disc.spec_of(
+        k8s_pod(
+            "b",
+            ip="10.0.0.2",
+            annotations={
+                "kvroute.io/port": "9000",
+                "kvroute.io/events-port": "6000",
+                "kvroute.io/replay-port": "6001",
+                "kvroute.io/models": "m1, m2",
+            },
+        )
+    )
+    assert annotated.url == "http://10.0.0.2:9000"
+    assert annotated.events_endpoint == "tcp://10.0.0.2:6000"
+    assert annotated.replay_endpoint == "tcp://10.0.0.2:6001"
+    assert annotated.models == ("m1", "m2")
+    with pytest.raises(ValueError, match=r"kvroute\.io/port='http' is not a port"):
+        disc.spec_of(k8s_pod("c", annotations={"kvroute.io/port": "http"}))
+
+
+def test_missing_api_server_and_namespace_are_named_in_the_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(DiscoveryError, match="KUBERNETES_SERVICE_HOST"):
+        K8sDiscovery(K8sDiscoverySettings(namespace="x", label_selector="app=vllm"))
+    with pytest.raises(DiscoveryError, match="namespace"):
+        K8sDiscovery(
+            K8sDiscoverySettings(
+                label_selector="app=vllm",
+                api_server="http://127.0.0.1:1",
+                namespace_file=str(tmp_path / "nope"),
+            )
+        )
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "6443")
+    ns = tmp_path / "namespace"
+    ns.write_text("prod\n")
+    disc = K8sDiscovery(K8sDiscoverySettings(label_selector="a=b", namespace_file=str(ns)))
+    assert disc.base_url == "https://10.96.0.1:6443"
+    assert disc.namespace == "prod"
+
+
+async def test_k8s_discovery_lists_then_follows_the_watch_stream(tmp_path: Path) -> None:
+    api = FakeApiServer()
+    api.items = [
+        k8s_pod("a", ip="10.0.0.1"),
+        k8s_pod("b", ip="10.0.0.2", ready=False),
+        k8s_pod("bad", ip="10.0.0.9", annotations={"kvroute.io/port": "x"}),
+    ]
+    async with serve_app(api.app) as url:
+        disc = K8sDiscovery(k8s_settings(url, tmp_path))
+        reg = PodRegistry()
+        task = asyncio.create_task(disc.run(reg))
+        try:
+            await wait_for(lambda: len(api.watches()) == 1)
+            assert [p.name for p in reg.all()] == ["a"]  # b not Ready, bad skipped
+            assert "bad" in disc.skipped
+            listed = api.lists()[0]
+            assert listed["ns"] == "llm"
+            assert listed["query"]["labelSelector"] == "app=vllm"
+            assert listed["auth"] == "Bearer s3cret-token"
+            watch = api.watches()[0]
+            assert watch["query"]["resourceVersion"] == "100"
+            assert watch["auth"] == "Bearer s3cret-token"
+
+            # b becomes Ready
+            await api.watch_queue.put({"type": "MODIFIED", "object": k8s_pod("b", "10.0.0.2")})
+            await wait_for(lambda: reg.get("b") is not None)
+            assert reg.get("b").spec.url == "http://10.0.0.2:8000"  # type: ignore[union-attr]
+            # a is deleted
+            await api.watch_queue.put(
+                {"type": "DELETED", "object": k8s_pod("a", "10.0.0.1", rv="102")}
+            )
+            await wait_for(lambda: reg.get("a") is None)
+            assert [p.name for p in reg.all()] == ["b"]
+            # b loses readiness
+            await api.watch_queue.put(
+                {"type": "MODIFIED", "object": k8s_pod("b", "10.0.0.2", ready=False, rv="103")}
+            )
+            await wait_for(lambda: reg.get("b") is None)
+            # a bookmark moves the resourceVersion; the stream ends; the next watch resumes
+            await api.watch_queue.put(
+                {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "150"}}}
+            )
+            await api.watch_queue.put(None)
+            await wait_for(lambda: len(api.watches()) == 2)
+            assert api.watches()[1]["query"]["resourceVersion"] == "150"
+            assert len(api.lists()) == 1  # resumed, not re-listed
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def test_k8s_discovery_relists_when_the_watch_says_410_gone(tmp_path: Path) -> None:
+    api = FakeApiServer()
+    api.items = [k8s_pod("a")]
+    async with serve_app(api.app) as url:
+        disc = K8sDiscovery(k8s_settings(url, tmp_path))
+        reg = PodRegistry()
+        task = asyncio.create_task(disc.run(reg))
+        try:
+            await wait_for(lambda: len(api.watches()) == 1)
+            # while we were not watching, a went away and c came
+            api.items = [k8s_pod("c", ip="10.0.0.3")]
+            api.list_rv = "200"
+            await api.watch_queue.put(
+                {"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "too old"}}
+            )
+            await wait_for(lambda: disc.relists_on_gone == 1)
+            await wait_for(lambda: len(api.watches()) == 2)
+            assert [p.name for p in reg.all()] == ["c"]
+            assert api.watches()[1]["query"]["resourceVersion"] == "200"
+
+            # an HTTP 410 answer to the watch request re-lists too
+            api.gone_on_next_watch = True
+            await api.watch_queue.put(None)
+            await wait_for(lambda: disc.relists_on_gone == 2)
+            assert len(api.lists()) == 3
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def test_k8s_discovery_counts_and_skips_garbage_watch_lines(tmp_path: Path) -> None:
+    api = FakeApiServer()
+    api.items = [k8s_pod("a")]
+    async with serve_app(api.app) as url:
+        disc = K8sDiscovery(k8s_settings(url, tmp_path))
+        reg = PodRegistry()
+        task = asyncio.create_task(disc.run(reg))
+        try:
+            await wait_for(lambda: len(api.watches()) == 1)
+            api.watch_queue.put_nowait({"type": "ADDED", "object": k8s_pod("b", "10.0.0.2")})
+            await wait_for(lambda: reg.get("b") is not None)
+            # a line that is not JSON, or not an event, is counted and skipped
+            await api.watch_queue.put("{not json")
+            await api.watch_queue.put({"type": "ADDED", "object": "not-a-pod"})
+            await api.watch_queue.put({"type": "ADDED", "object": k8s_pod("d", "10.0.0.4")})
+            await wait_for(lambda: reg.get("d") is not None)
+            assert disc.errors == 2
+            assert len(api.watches()) == 1  # the same stream went on
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def test_k8s_discovery_retries_after_the_api_server_is_unreachable(tmp_path: Path) -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    dead_port = sock.getsockname()[1]
+    sock.close()  # nothing listens there
+    disc = K8sDiscovery(k8s_settings(f"http://127.0.0.1:{dead_port}", tmp_path))
+    reg = PodRegistry()
+    task = asyncio.create_task(disc.run(reg))
+    try:
+        await wait_for(lambda: disc.errors >= 2)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert reg.all() == []
