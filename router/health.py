@@ -1,0 +1,160 @@
+"""Health checks: eject a failing pod, re-admit it when it answers again.
+
+Every ``interval_s`` each pod gets ``GET {url}{path}`` (vLLM: ``/health``) with a
+``timeout_s`` deadline.  A 2xx answer is a success; anything else (error status,
+refused connection, timeout) a failure.  After ``failure_threshold`` consecutive
+failures the pod is ejected (``PodState.healthy = False``: no request goes there);
+the first success re-admits it.  On success the pod's served models are refreshed
+from ``GET {url}/v1/models`` (the ``id`` of every entry: base model and LoRA
+adapters): ``PodState.models = spec.models | ids``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import Iterator
+
+import httpx
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.pods import PodRegistry, PodState
+
+log = logging.getLogger(__name__)
+
+
+class HealthSettings(BaseModel):
+    """Pod health checks (nested as ``health`` in the router's config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    interval_s: float = Field(5.0, gt=0, description="seconds between checks of all pods")
+    timeout_s: float = Field(2.0, gt=0, description="deadline of one check")
+    failure_threshold: int = Field(3, ge=1, description="consecutive failures that eject")
+    path: str = Field("/health", description="health endpoint of a pod")
+    refresh_models: bool = Field(True, description="learn served models from /v1/models")
+    models_path: str = "/v1/models"
+
+
+class HealthChecker:
+    """Checks every pod in ``registry``; ``run()`` loops, ``check_all()`` is one round."""
+
+    def __init__(
+        self,
+        registry: PodRegistry,
+        settings: HealthSettings,
+        *,
+        client: httpx.AsyncClient | None = None,
+        metrics_registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.registry = registry
+        self.settings = settings
+        self._client = client
+        self._own_client = client is None
+        self.checks: dict[str, int] = defaultdict(int)
+        self.failures: dict[str, int] = defaultdict(int)
+        self.ejections: dict[str, int] = defaultdict(int)
+        self.readmissions: dict[str, int] = defaultdict(int)
+        if metrics_registry is not None:
+            metrics_registry.register(_HealthCollector(self))
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.settings.timeout_s)
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._own_client and self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(p) for p in self.registry.all()))
+
+    async def _probe(self, state: PodState) -> str | None:
+        """None when healthy, else why not."""
+        url = state.spec.url + self.settings.path
+        try:
+            r = await self.client.get(url, timeout=self.settings.timeout_s)
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if not r.is_success:
+            return f"HTTP {r.status_code}"
+        return None
+
+    async def _models(self, state: PodState) -> set[str] | None:
+        url = state.spec.url + self.settings.models_path
+        try:
+            r = await self.client.get(url, timeout=self.settings.timeout_s)
+            r.raise_for_status()
+            data = r.json().get("data")
+            return {str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")}
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:
+            log.warning("health: %s: cannot read %s: %s", state.name, url, exc)
+            return None
+
+    async def check(self, state: PodState) -> bool:
+        """One check of one pod; updates its state; True when healthy."""
+        name = state.name
+        self.checks[name] += 1
+        problem = await self._probe(state)
+        if problem is not None:
+            self.failures[name] += 1
+            state.consecutive_failures += 1
+            if state.healthy and state.consecutive_failures >= self.settings.failure_threshold:
+                state.healthy = False
+                self.ejections[name] += 1
+                log.warning(
+                    "health: %s ejected after %d failures (%s)",
+                    name,
+                    state.consecutive_failures,
+                    problem,
+                )
+            return False
+        state.consecutive_failures = 0
+        if not state.healthy:
+            state.healthy = True
+            self.readmissions[name] += 1
+            log.info("health: %s re-admitted", name)
+        if self.settings.refresh_models:
+            ids = await self._models(state)
+            if ids is not None:
+                state.models = set(state.spec.models) | ids
+        return True
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self.check_all()
+                await asyncio.sleep(self.settings.interval_s)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.aclose()
+
+
+class _HealthCollector(Collector):
+    def __init__(self, checker: HealthChecker) -> None:
+        self._c = checker
+
+    def collect(self) -> Iterator[Metric]:
+        healthy = GaugeMetricFamily(
+            "kvroute_pod_healthy", "1 when the pod receives requests", labels=["pod"]
+        )
+        for p in self._c.registry.all():
+            healthy.add_metric([p.name], 1.0 if p.healthy else 0.0)
+        yield healthy
+        for attr, doc in (
+            ("failures", "failed health checks"),
+            ("ejections", "times a pod was ejected by health checks"),
+            ("readmissions", "times an ejected pod was re-admitted"),
+        ):
+            fam = CounterMetricFamily(f"kvroute_health_{attr}", doc, labels=["pod"])
+            for pod, n in getattr(self._c, attr).items():
+                fam.add_metric([pod], n)
+            yield fam

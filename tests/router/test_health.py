@@ -1,0 +1,193 @@
+"""Health checks against a real HTTP pod stand-in on loopback (FastAPI + uvicorn)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from pydantic import ValidationError
+
+from router.health import HealthChecker, HealthSettings
+from router.pods import PodRegistry, PodSpec
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: FastAPI) -> AsyncIterator[str]:
+    """Run ``app`` on a free loopback port in this loop; yield its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        server.force_exit = True
+        await task
+        sock.close()
+
+
+class FakePod:
+    """A pod's /health and /v1/models, switchable by the test."""
+
+    def __init__(self) -> None:
+        self.status = 200
+        self.hang_s = 0.0
+        self.models: list[str] = ["base-model"]
+        self.models_status = 200
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> Response:
+            if self.hang_s:
+                await asyncio.sleep(self.hang_s)
+            return Response(status_code=self.status)
+
+        @app.get("/v1/models")
+        async def models() -> Any:
+            if self.models_status != 200:
+                return Response("boom", status_code=self.models_status)
+            return {"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]}
+
+        self.app = app
+
+
+def free_dead_url() -> str:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return f"http://127.0.0.1:{port}"
+
+
+def one_pod(url: str, models: tuple[str, ...] = ()) -> PodRegistry:
+    reg = PodRegistry()
+    reg.set_pods([PodSpec(name="p", url=url, models=models)])
+    return reg
+
+
+def test_settings_reject_unknown_fields_and_bad_values() -> None:
+    with pytest.raises(ValidationError, match="intervl_s"):
+        HealthSettings.model_validate({"intervl_s": 1})
+    with pytest.raises(ValidationError, match="failure_threshold"):
+        HealthSettings(failure_threshold=0)
+
+
+async def test_pod_is_ejected_after_threshold_consecutive_failures_and_readmitted() -> None:
+    pod = FakePod()
+    async with serve_app(pod.app) as url:
+        reg = one_pod(url)
+        checker = HealthChecker(reg, HealthSettings(failure_threshold=3))
+        state = reg.get("p")
+        assert state is not None
+        pod.status = 503
+        await checker.check_all()
+        await checker.check_all()
+        assert state.healthy  # 2 failures < threshold 3
+        assert state.consecutive_failures == 2
+        await checker.check_all()
+        assert not state.healthy
+        assert checker.ejections["p"] == 1
+        assert reg.candidates("base-model") == []
+        await checker.check_all()  # still failing: ejected once only
+        assert checker.ejections["p"] == 1
+        pod.status = 200
+        await checker.check_all()
+        assert state.healthy
+        assert state.consecutive_failures == 0
+        assert checker.readmissions["p"] == 1
+        assert [p.name for p in reg.candidates("base-model")] == ["p"]
+        await checker.aclose()
+
+
+async def test_a_success_resets_the_consecutive_failure_count() -> None:
+    pod = FakePod()
+    async with serve_app(pod.app) as url:
+        reg = one_pod(url)
+        checker = HealthChecker(reg, HealthSettings(failure_threshold=2))
+        state = reg.get("p")
+        assert state is not None
+        for status in (500, 200, 500, 200, 500):
+            pod.status = status
+            await checker.check_all()
+        assert state.healthy
+        assert checker.failures["p"] == 3
+        await checker.aclose()
+
+
+async def test_refused_connections_and_timeouts_count_as_failures() -> None:
+    reg = one_pod(free_dead_url())
+    checker = HealthChecker(reg, HealthSettings(failure_threshold=1, timeout_s=0.2))
+    await checker.check_all()
+    state = reg.get("p")
+    assert state is not None and not state.healthy
+    await checker.aclose()
+
+    pod = FakePod()
+    pod.hang_s = 2.0
+    async with serve_app(pod.app) as url:
+        reg = one_pod(url)
+        checker = HealthChecker(reg, HealthSettings(failure_threshold=1, timeout_s=0.1))
+        await checker.check_all()
+        state = reg.get("p")
+        assert state is not None and not state.healthy
+        await checker.aclose()
+
+
+async def test_models_are_refreshed_from_v1_models_including_lora_adapters() -> None:
+    pod = FakePod()
+    pod.models = ["base-model", "sql-lora"]
+    async with serve_app(pod.app) as url:
+        reg = one_pod(url, models=("declared",))
+        checker = HealthChecker(reg, HealthSettings())
+        await checker.check_all()
+        state = reg.get("p")
+        assert state is not None
+        assert state.models == {"declared", "base-model", "sql-lora"}
+        assert [p.name for p in reg.candidates("sql-lora")] == ["p"]
+        pod.models = ["base-model"]  # adapter unloaded
+        await checker.check_all()
+        assert state.models == {"declared", "base-model"}
+        pod.models_status = 500  # a broken /v1/models keeps what we knew
+        await checker.check_all()
+        assert state.models == {"declared", "base-model"}
+        assert state.healthy
+        await checker.aclose()
+
+
+async def test_run_checks_periodically_until_cancelled() -> None:
+    pod = FakePod()
+    async with serve_app(pod.app) as url:
+        reg = one_pod(url)
+        checker = HealthChecker(reg, HealthSettings(interval_s=0.01))
+        task = asyncio.create_task(checker.run())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while checker.checks["p"] < 3:
+            assert loop.time() < deadline, "checker did not run"
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_health_metrics_are_exposed_in_the_given_registry() -> None:
+    reg = one_pod(free_dead_url())
+    metrics = CollectorRegistry()
+    checker = HealthChecker(reg, HealthSettings(failure_threshold=1), metrics_registry=metrics)
+    await checker.check_all()
+    text = generate_latest(metrics).decode()
+    assert 'kvroute_pod_healthy{pod="p"} 0.0' in text
+    assert 'kvroute_health_failures_total{pod="p"} 1.0' in text
+    assert 'kvroute_health_ejections_total{pod="p"} 1.0' in text
+    await checker.aclose()
