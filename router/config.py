@@ -1,0 +1,255 @@
+"""The one configuration model of `kvroute serve`.
+
+Sources, highest precedence first:
+
+1. CLI flags (``--port 9000``, nested with a dot: ``--proxy.read-timeout-s 30``),
+2. environment variables ``KVROUTE_*`` (nested with ``__``: ``KVROUTE_PROXY__READ_TIMEOUT_S``),
+3. a YAML file given by ``--config FILE`` (or ``KVROUTE_CONFIG``),
+4. the defaults below.
+
+Unknown keys are an error everywhere (``extra="forbid"``), so a typo never silently
+falls back to a default.  ``docs/config.md`` is the table of every setting.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from router.discovery import DiscoverySettings
+from router.events.settings import EventsSettings
+from router.health import HealthSettings
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProxySettings(_Section):
+    """How requests are forwarded to pods."""
+
+    connect_timeout_s: float = Field(default=2.0, gt=0, description="TCP connect timeout to a pod")
+    read_timeout_s: float = Field(
+        default=600.0, gt=0, description="max wait for the next byte from a pod (long generations)"
+    )
+    max_connections: int = Field(default=1000, ge=1, description="pooled connections, all pods")
+    max_keepalive: int = Field(default=200, ge=0, description="idle keep-alive connections kept")
+    max_body_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024, description="largest request body accepted (413 above)"
+    )
+    retries: int = Field(
+        default=1,
+        ge=0,
+        le=3,
+        description="retries on the next-best pod when connecting fails or the pod answers "
+        "502/503 before any byte reached the client",
+    )
+
+
+class ScrapeSettings(_Section):
+    """Scraping each pod's /metrics for the load view."""
+
+    interval_s: float = Field(default=1.0, gt=0, description="seconds between scrapes of one pod")
+    timeout_s: float = Field(default=1.0, gt=0, description="timeout of one scrape")
+    stale_after_s: float = Field(
+        default=5.0, gt=0, description="scraped values older than this are treated as unknown"
+    )
+
+
+class FleetSettings(_Section):
+    """The embedded simulated fleet started when no pods are configured."""
+
+    enabled: bool = Field(default=True, description="start it when no pods are configured")
+    pods: int = Field(default=4, ge=1, le=64, description="number of simulated pods")
+    model: str = Field(default="sim-model", description="model name the simulated pods serve")
+    block_size: int = Field(default=16, ge=1, description="simulated KV block size (tokens)")
+    capacity_tokens: int = Field(
+        default=65536, ge=1, description="prefix-cache capacity of each simulated pod (tokens)"
+    )
+    prefill_tokens_per_s: float = Field(default=20000.0, gt=0, description="simulated prefill rate")
+    decode_tokens_per_s: float = Field(default=200.0, gt=0, description="simulated decode rate")
+
+
+class Settings(BaseSettings):
+    """Every setting of `kvroute serve` (see docs/config.md)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVROUTE_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    host: str = Field(default="127.0.0.1", description="listen address (0.0.0.0 in a container)")
+    port: int = Field(default=8000, ge=0, le=65535, description="listen port (0 = any free port)")
+    workers: int = Field(default=1, ge=1, description="uvicorn worker processes")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    policy: str = Field(default="cost", description="routing policy (scoring.policies)")
+    policy_params: dict[str, Any] = Field(
+        default_factory=dict, description="the policy's parameters (validated by the policy)"
+    )
+
+    models: list[str] = Field(
+        default_factory=list,
+        description="models that must be served for /ready (empty: every model pods serve)",
+    )
+    tokenizer: str = Field(
+        default="builtin",
+        description="default tokenizer spec: builtin | <model dir> | remote | approx",
+    )
+    tokenizers: dict[str, str] = Field(
+        default_factory=dict, description="per-model tokenizer spec overriding `tokenizer`"
+    )
+    block_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV block size in tokens for every model (else learned from the pods' "
+        "vllm:cache_config_info, else 16)",
+    )
+    block_sizes: dict[str, int] = Field(
+        default_factory=dict, description="per-model block size overriding `block_size`"
+    )
+    max_model_len: dict[str, int] = Field(
+        default_factory=dict,
+        description="per-model max prompt+output length (also learned from /v1/models)",
+    )
+
+    redis_url: str | None = Field(
+        default=None,
+        description="share the index and the load view through this Redis (redis://...)",
+    )
+    redis_namespace: str = Field(
+        default="kvroute", min_length=1, description="key prefix in Redis (one per router fleet)"
+    )
+    index_capacity: int = Field(
+        default=10_000_000, ge=1, description="in-memory index: max (pod, block) entries (LRU)"
+    )
+
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="router-level API keys (Bearer); empty: Authorization passed through",
+    )
+    pod_header: str = Field(default="x-kvroute-pod", description="response header naming the pod")
+    session_header: str = Field(
+        default="x-session-id", description="request header with a session id (else body `user`)"
+    )
+
+    proxy: ProxySettings = Field(default_factory=ProxySettings)
+    scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
+    fleet: FleetSettings = Field(default_factory=FleetSettings)
+    discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
+    events: EventsSettings = Field(default_factory=EventsSettings)
+    health: HealthSettings = Field(default_factory=HealthSettings)  # type: ignore[arg-type]
+
+    @field_validator("pod_header", "session_header")
+    @classmethod
+    def _header_name(cls, v: str) -> str:
+        if not v or any(c.isspace() or c == ":" for c in v):
+            raise ValueError(f"not a valid HTTP header name: {v!r}")
+        return v.lower()
+
+    @field_validator("block_sizes", "max_model_len")
+    @classmethod
+    def _positive_values(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = [k for k, n in v.items() if n <= 0]
+        if bad:
+            raise ValueError(f"must be positive for {', '.join(bad)}")
+        return v
+
+    @model_validator(mode="after")
+    def _policy_known(self) -> Settings:
+        from scoring.policies.registry import available_policies
+
+        if self.policy not in available_policies():
+            raise ValueError(
+                f"unknown policy {self.policy!r}; available: {', '.join(available_policies())}"
+            )
+        return self
+
+    # -- loading -----------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, argv: Sequence[str] | None = None, *, env_config: bool = True) -> Settings:
+        """Settings from CLI ``argv`` > ``KVROUTE_*`` env > YAML (``--config``) > defaults."""
+        args = list(argv or [])
+        config_file, args = _pop_config_flag(args)
+        if config_file is None and env_config:
+            config_file = os.environ.get("KVROUTE_CONFIG") or None
+        if config_file is not None and not Path(config_file).is_file():
+            raise FileNotFoundError(f"--config: no such file: {config_file}")
+        loaded = _with_sources(cls, args, config_file)()
+        return cls.model_validate(loaded.model_dump())
+
+    def block_size_for(self, model: str) -> int | None:
+        """The configured block size of ``model`` (None: learn it from the pods)."""
+        return self.block_sizes.get(model, self.block_size)
+
+    def tokenizer_for(self, model: str) -> str:
+        return self.tokenizers.get(model, self.tokenizer)
+
+
+def _pop_config_flag(args: list[str]) -> tuple[str | None, list[str]]:
+    out: list[str] = []
+    config: str | None = None
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--config":
+            if i + 1 >= len(args):
+                raise ValueError("--config needs a file name")
+            config = args[i + 1]
+            i += 2
+            continue
+        if a.startswith("--config="):
+            config = a.split("=", 1)[1]
+        else:
+            out.append(a)
+        i += 1
+    return config, out
+
+
+def _with_sources(
+    base: type[Settings], cli_args: list[str], yaml_file: str | None
+) -> type[Settings]:
+    """A subclass of ``base`` whose sources are exactly CLI > env > YAML > defaults."""
+
+    class _Loaded(base):  # type: ignore[valid-type,misc]
+        model_config = SettingsConfigDict(**{**base.model_config, "yaml_file": yaml_file})
+
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            sources: list[PydanticBaseSettingsSource] = [init_settings]
+            cli: CliSettingsSource[Any] = CliSettingsSource(
+                settings_cls,
+                cli_parse_args=cli_args,
+                cli_prog_name="kvroute serve",
+                cli_kebab_case=True,
+                cli_implicit_flags=True,
+                cli_exit_on_error=True,
+            )
+            sources += [cli, env_settings]
+            if yaml_file is not None:
+                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
+            return tuple(sources)
+
+    _Loaded.__name__ = base.__name__
+    return _Loaded

@@ -1,0 +1,313 @@
+"""The load view: what the router knows about how busy each pod is.
+
+Two sources, merged per pod into the :class:`~scoring.policies.PodView` fields:
+
+* **Router-tracked** (exact, immediate): ``inflight`` — requests routed to the pod and not
+  finished; ``outstanding_prefill_tokens`` — prompt tokens of those requests whose prefill
+  has not finished, i.e. until the first streamed token (or the whole response when not
+  streaming) came back.  Kept in memory (:class:`MemoryLoadStore`) or, with ``redis_url``,
+  in Redis so that every replica sees the same load (:class:`RedisLoadStore`).
+* **Scraped** from each pod's ``/metrics`` every ``scrape.interval_s``:
+  ``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``
+  (summed / averaged over engines) and ``vllm:cache_config_info{block_size=...}``.  A value
+  older than ``scrape.stale_after_s`` is reported as unknown (None), never as stale truth.
+  ``max_model_len`` is learned from ``GET /v1/models`` on the same loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from router.pods import PodRegistry
+
+log = logging.getLogger(__name__)
+
+
+# -- router-tracked load ----------------------------------------------------------------
+
+
+class LoadStore(Protocol):
+    """Per-pod counters of in-flight requests and outstanding prefill tokens."""
+
+    async def begin(self, pod: str, prefill_tokens: int) -> None:
+        """A request with ``prefill_tokens`` uncached-or-not prompt tokens went to ``pod``."""
+        ...
+
+    async def prefill_done(self, pod: str, prefill_tokens: int) -> None:
+        """Its first token (or whole response) came back: prefill no longer outstanding."""
+        ...
+
+    async def end(self, pod: str) -> None:
+        """The request finished (success, error or cancel)."""
+        ...
+
+    async def snapshot(self, pods: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """pod -> (inflight, outstanding prefill tokens)."""
+        ...
+
+    async def clear_pod(self, pod: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class MemoryLoadStore:
+    """The load store of a single replica."""
+
+    def __init__(self) -> None:
+        self._inflight: dict[str, int] = {}
+        self._prefill: dict[str, int] = {}
+
+    async def begin(self, pod: str, prefill_tokens: int) -> None:
+        self._inflight[pod] = self._inflight.get(pod, 0) + 1
+        self._prefill[pod] = self._prefill.get(pod, 0) + prefill_tokens
+
+    async def prefill_done(self, pod: str, prefill_tokens: int) -> None:
+        self._prefill[pod] = max(0, self._prefill.get(pod, 0) - prefill_tokens)
+
+    async def end(self, pod: str) -> None:
+        self._inflight[pod] = max(0, self._inflight.get(pod, 0) - 1)
+
+    async def snapshot(self, pods: Iterable[str]) -> dict[str, tuple[int, int]]:
+        return {p: (self._inflight.get(p, 0), self._prefill.get(p, 0)) for p in pods}
+
+    async def clear_pod(self, pod: str) -> None:
+        self._inflight.pop(pod, None)
+        self._prefill.pop(pod, None)
+
+    async def close(self) -> None:
+        return None
+
+
+class RequestLoad:
+    """The load one request puts on its pod; guarantees each counter is undone once."""
+
+    __slots__ = ("_ended", "_prefilled", "pod", "prefill_tokens", "store")
+
+    def __init__(self, store: LoadStore, pod: str, prefill_tokens: int) -> None:
+        self.store = store
+        self.pod = pod
+        self.prefill_tokens = prefill_tokens
+        self._prefilled = False
+        self._ended = False
+
+    async def begin(self) -> None:
+        await self.store.begin(self.pod, self.prefill_tokens)
+
+    async def first_token(self) -> None:
+        if not self._prefilled:
+            self._prefilled = True
+            await self.store.prefill_done(self.pod, self.prefill_tokens)
+
+    async def end(self) -> None:
+        if self._ended:
+            return
+        await self.first_token()
+        self._ended = True
+        await self.store.end(self.pod)
+
+
+# -- scraped metrics --------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Scraped:
+    """One pod's last successful scrape."""
+
+    at: float  # time.monotonic() of the scrape
+    waiting: int | None = None
+    running: int | None = None
+    kv_usage: float | None = None
+    block_size: int | None = None
+
+
+def parse_vllm_metrics(text: str) -> Scraped:
+    """Pick the routing-relevant series out of a Prometheus text exposition.
+
+    Sums ``num_requests_waiting/running`` over engines, averages ``kv_cache_usage_perc``
+    (older engines call it ``gpu_cache_usage_perc``), takes ``block_size`` from the
+    labels of ``vllm:cache_config_info``.
+    """
+    waiting = running = 0.0
+    seen_w = seen_r = False
+    usage: list[float] = []
+    block_size: int | None = None
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_end = line.find("{")
+        if name_end < 0:
+            name_end = line.find(" ")
+            labels = ""
+            rest = line[name_end:]
+        else:
+            close = line.rfind("}")
+            labels = line[name_end + 1 : close]
+            rest = line[close + 1 :]
+        name = line[:name_end]
+        parts = rest.split()
+        if not parts:
+            continue
+        try:
+            value = float(parts[0])
+        except ValueError:
+            continue
+        if name == "vllm:num_requests_waiting":
+            waiting += value
+            seen_w = True
+        elif name == "vllm:num_requests_running":
+            running += value
+            seen_r = True
+        elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+            usage.append(value)
+        elif name == "vllm:cache_config_info":
+            bs = _label(labels, "block_size")
+            if bs is not None and bs.isdigit() and int(bs) > 0:
+                block_size = int(bs)
+    return Scraped(
+        at=time.monotonic(),
+        waiting=int(waiting) if seen_w else None,
+        running=int(running) if seen_r else None,
+        kv_usage=(sum(usage) / len(usage)) if usage else None,
+        block_size=block_size,
+    )
+
+
+def _label(labels: str, key: str) -> str | None:
+    needle = key + '="'
+    i = labels.find(needle)
+    while i > 0 and labels[i - 1] not in ", ":
+        i = labels.find(needle, i + 1)
+    if i < 0:
+        return None
+    start = i + len(needle)
+    end = labels.find('"', start)
+    return labels[start:end] if end >= 0 else None
+
+
+class MetricsScraper:
+    """Scrapes every registered pod's /metrics on an interval (one task for all pods)."""
+
+    def __init__(
+        self,
+        registry: PodRegistry,
+        client: httpx.AsyncClient,
+        *,
+        interval_s: float,
+        timeout_s: float,
+        stale_after_s: float,
+        on_error: Callable[[str], None] | None = None,
+        models_every: int = 10,
+    ) -> None:
+        self.registry = registry
+        self.client = client
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.stale_after_s = stale_after_s
+        self.on_error = on_error
+        self.models_every = models_every
+        self._scraped: dict[str, Scraped] = {}
+        #: pod -> {model id: max_model_len} from /v1/models
+        self.max_model_len: dict[str, dict[str, int]] = {}
+        #: LoRA adapter id -> base model id (the ``parent`` field of /v1/models)
+        self.parents: dict[str, str] = {}
+        self._rounds = 0
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    # reading ---------------------------------------------------------------------------
+
+    def get(self, pod: str, now: float | None = None) -> Scraped | None:
+        """The pod's scraped values, or None when never scraped or stale."""
+        s = self._scraped.get(pod)
+        if s is None:
+            return None
+        if (now if now is not None else time.monotonic()) - s.at > self.stale_after_s:
+            return None
+        return s
+
+    def block_size(self, pods: Iterable[str]) -> int | None:
+        """The block size the given pods report (the first fresh one; they should agree)."""
+        for p in pods:
+            s = self._scraped.get(p)
+            if s is not None and s.block_size:
+                return s.block_size
+        return None
+
+    def model_max_len(self, model: str, pods: Iterable[str]) -> int | None:
+        lens = [self.max_model_len.get(p, {}).get(model) for p in pods]
+        known = [n for n in lens if n]
+        return min(known) if known else None
+
+    # running ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kvroute-metrics-scraper")
+
+    def trigger(self) -> None:
+        """Scrape now (e.g. a pod was added) instead of waiting for the interval."""
+        self._wake.set()
+
+    def forget(self, pod: str) -> None:
+        self._scraped.pop(pod, None)
+        self.max_model_len.pop(pod, None)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.scrape_all()
+            except Exception:  # never let one bad round kill the loop
+                log.exception("metrics scrape round failed")
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+
+    async def scrape_all(self) -> None:
+        pods = self.registry.all()
+        with_models = self._rounds % self.models_every == 0
+        self._rounds += 1
+        await asyncio.gather(*(self._scrape(p.spec.name, p.spec.url, with_models) for p in pods))
+
+    async def _scrape(self, pod: str, url: str, with_models: bool) -> None:
+        try:
+            r = await self.client.get(url.rstrip("/") + "/metrics", timeout=self.timeout_s)
+            r.raise_for_status()
+            self._scraped[pod] = parse_vllm_metrics(r.text)
+        except Exception as exc:
+            log.debug("scrape of %s failed: %s", pod, exc)
+            if self.on_error is not None:
+                self.on_error(pod)
+            return
+        if with_models or pod not in self.max_model_len:
+            await self._scrape_models(pod, url)
+
+    async def _scrape_models(self, pod: str, url: str) -> None:
+        try:
+            r = await self.client.get(url.rstrip("/") + "/v1/models", timeout=self.timeout_s)
+            r.raise_for_status()
+            data: Any = r.json().get("data", [])
+            lens = {
+                str(m["id"]): int(m["max_model_len"])
+                for m in data
+                if isinstance(m, dict) and m.get("id") and m.get("max_model_len")
+            }
+            self.max_model_len[pod] = lens
+            for m in data:
+                if isinstance(m, dict) and m.get("parent") and m.get("id") != m.get("parent"):
+                    self.parents[str(m["id"])] = str(m["parent"])
+        except Exception as exc:
+            log.debug("/v1/models of %s failed: %s", pod, exc)
