@@ -1,0 +1,25 @@
+"""KV-event subscription: vLLM publishers -> (seq tracking, replay, resync) -> index.
+
+See :mod:`router.events.subscriber` for the semantics.
+"""
+
+from router.events.replay import ReplayError, fetch_replay
+from router.events.settings import EventsSettings
+from router.events.stats import EventStats, EventStatsCollector, PodEventStats
+from router.events.subscriber import DecodedBatch, EventSink, KVEventSubscriber
+from router.events.topic import TopicError, make_topic, parse_topic
+
+__all__ = [
+    "DecodedBatch",
+    "EventSink",
+    "EventStats",
+    "EventStatsCollector",
+    "EventsSettings",
+    "KVEventSubscriber",
+    "PodEventStats",
+    "ReplayError",
+    "TopicError",
+    "fetch_replay",
+    "make_topic",
+    "parse_topic",
+]

@@ -1,0 +1,130 @@
+"""Counters of the KV-event subscriber, and their Prometheus exposition.
+
+The subscriber only bumps plain integers (cheap, no locks: one event loop); a
+:class:`EventStatsCollector` registered in a ``CollectorRegistry`` turns them into
+``kvroute_event_*`` metric families at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+#: reasons a pod's index entries are dropped and re-learned
+RESYNC_REASONS = ("gap", "overflow", "decode_error", "apply_error", "restart", "removed")
+
+
+@dataclass
+class PodEventStats:
+    """Counters for one pod (kept after the pod goes away: counters never go back)."""
+
+    batches: int = 0
+    events: int = 0
+    gaps: int = 0
+    missed_batches: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    replayed_batches: int = 0
+    restarts: int = 0
+    resyncs: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    malformed_frames: int = 0
+    decode_errors: int = 0
+    apply_errors: int = 0
+    dropped: int = 0
+    #: seconds between the batch's engine timestamp and its application (last batch)
+    lag_s: float = 0.0
+    last_seq: int = -1
+
+    @property
+    def total_resyncs(self) -> int:
+        return sum(self.resyncs.values())
+
+
+@dataclass
+class EventStats:
+    """All counters of one subscriber."""
+
+    pods: dict[str, PodEventStats] = field(default_factory=lambda: defaultdict(PodEventStats))
+    #: bind mode: batches whose topic named no registered pod, or was not kv@<pod>@<model>
+    unknown_pod_batches: int = 0
+    bad_topics: int = 0
+    queue_depth: Callable[[], int] = lambda: 0
+
+    def pod(self, name: str) -> PodEventStats:
+        return self.pods[name]
+
+    def total(self, attr: str) -> int:
+        return sum(getattr(p, attr) for p in self.pods.values())
+
+
+_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("event_batches", "batches", "KV-event batches applied to the index"),
+    ("events_ingested", "events", "KV events applied to the index"),
+    ("event_gaps", "gaps", "seq gaps detected (batches lost between publisher and us)"),
+    ("event_missed_batches", "missed_batches", "batches missing across all gaps"),
+    ("event_replays", "replays", "replay requests that recovered a gap"),
+    ("event_replay_failures", "replay_failures", "replay requests that failed"),
+    ("event_replayed_batches", "replayed_batches", "batches recovered by replay"),
+    ("event_engine_restarts", "restarts", "engine restarts detected (seq went down)"),
+    ("event_malformed_frames", "malformed_frames", "ZMQ messages with bad framing"),
+    ("event_decode_errors", "decode_errors", "payloads that failed to decode"),
+    ("event_apply_errors", "apply_errors", "batches the index failed to apply"),
+    ("event_queue_dropped", "dropped", "batches dropped because the queue was full"),
+)
+
+
+class EventStatsCollector(Collector):
+    """Exposes :class:`EventStats` as ``kvroute_event_*`` metrics."""
+
+    def __init__(self, stats: EventStats) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        pods = list(self._stats.pods.items())
+        for name, attr, doc in _COUNTERS:
+            fam = CounterMetricFamily(f"kvroute_{name}", doc, labels=["pod"])
+            for pod, st in pods:
+                fam.add_metric([pod], getattr(st, attr))
+            yield fam
+        resync = CounterMetricFamily(
+            "kvroute_event_resyncs",
+            "times a pod's index entries were cleared to be re-learned, by reason",
+            labels=["pod", "reason"],
+        )
+        for pod, st in pods:
+            for reason, n in st.resyncs.items():
+                resync.add_metric([pod, reason], n)
+        yield resync
+        lag = GaugeMetricFamily(
+            "kvroute_event_lag_seconds",
+            "now minus the engine timestamp of the pod's last applied batch",
+            labels=["pod"],
+        )
+        for pod, st in pods:
+            lag.add_metric([pod], st.lag_s)
+        yield lag
+        yield CounterMetricFamily(
+            "kvroute_event_unknown_pod_batches",
+            "bind mode: batches from a topic naming no registered pod",
+            value=self._stats.unknown_pod_batches,
+        )
+        yield CounterMetricFamily(
+            "kvroute_event_bad_topics",
+            "bind mode: batches whose topic is not kv@<pod>@<model>",
+            value=self._stats.bad_topics,
+        )
+        yield GaugeMetricFamily(
+            "kvroute_event_queue_depth",
+            "batches waiting between the socket readers and the index writer",
+            value=self._stats.queue_depth(),
+        )
+
+
+def register_event_stats(stats: EventStats, registry: CollectorRegistry) -> EventStatsCollector:
+    collector = EventStatsCollector(stats)
+    registry.register(collector)
+    return collector
