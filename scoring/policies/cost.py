@@ -19,13 +19,33 @@ are tied; among them the winner is chosen by rendezvous hashing of the request i
 pods, with no bias toward the first candidate.  ``Decision.scores`` holds each pod's
 predicted TTFT in seconds (``lower_is_better``).
 
-``outstanding_prefill_tokens`` counts whole prompts (the router does not know how much
-of a queued prompt will hit), so ``queue_wait`` is an upper bound: requests queued
-behind cached work look slower than they are, which errs toward spreading load.
+``outstanding_prefill_tokens`` counts whole prompts, cached parts included.  With
+``discount_queued_hits`` (default on) the policy scales it by the uncached share it
+predicted for the requests it routed to that pod and that have not completed::
+
+    queued_tokens = outstanding_prefill_tokens * sum(predicted uncached) / sum(prompt)
+
+(a ledger filled by ``on_routed`` and emptied by ``on_complete``; a pod with no ledger
+entries, or a request re-routed to a pod it was not scored for, counts whole prompts).
+Without it, a pod whose queue is mostly cache hits looks busier than it is, and the
+policy drifts away from the pods that hold the prefixes.
+
+With ``count_inflight_prefixes`` (default on) the policy also remembers the block keys
+of the requests it routed that have not completed: a pod counts as holding a prefix that
+an earlier in-flight request will have computed by the time this one (queued behind it,
+FCFS) runs.  ``cached`` above becomes ``max(index hits, in-flight hits)`` (in-flight
+blocks count as GPU blocks).  The index only learns a block once the engine stores it,
+so without this a burst of requests sharing a new prefix scatters over the fleet.
+
+``miss_weight`` scales the uncached term: 1 predicts TTFT exactly; larger values also
+charge a miss for the work it adds to the fleet (every recomputed token delays the
+requests queued behind it, and duplicates a prefix in a second cache).  The default
+(10) was chosen on the Mooncake traces with ``kvroute replay`` (docs/replay.md).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import xxhash
@@ -42,6 +62,7 @@ from scoring.policies.base import (
 )
 
 _h64 = xxhash.xxh3_64_intdigest
+_MAX_SCORED = 65_536
 
 
 class CostParams(PolicyParams):
@@ -56,6 +77,15 @@ class CostParams(PolicyParams):
     decode_slowdown_per_running: float = Field(
         default=0.0, ge=0.0, description="fractional prefill slowdown per running request"
     )
+    miss_weight: float = Field(
+        default=10.0, ge=0.0, description="weight of uncached prompt tokens (1 = pure TTFT)"
+    )
+    count_inflight_prefixes: bool = Field(
+        default=True, description="treat prefixes of in-flight requests as cached"
+    )
+    discount_queued_hits: bool = Field(
+        default=True, description="scale outstanding tokens by their predicted miss share"
+    )
     tie_epsilon_s: float = Field(default=0.001, ge=0.0, description="predictions this close tie")
     seed: int = 0
 
@@ -68,8 +98,18 @@ class CostParams(PolicyParams):
         return v
 
 
-def predict_ttft(request: RouteRequest, pod: PodView, p: CostParams) -> tuple[float, int]:
-    """Predicted TTFT (s) of ``request`` on ``pod`` and the prompt tokens it would reuse."""
+def predict_ttft(
+    request: RouteRequest,
+    pod: PodView,
+    p: CostParams,
+    queued_tokens: float | None = None,
+    inflight_blocks: int = 0,
+) -> tuple[float, int]:
+    """Predicted cost (s) of ``request`` on ``pod`` and the prompt tokens it would reuse.
+
+    ``queued_tokens`` overrides ``pod.outstanding_prefill_tokens`` as the queued work;
+    ``inflight_blocks`` leading blocks will be computed by requests queued ahead.
+    """
     prompt = request.prompt_tokens
     bs = request.block_size
     cached = 0
@@ -92,9 +132,11 @@ def predict_ttft(request: RouteRequest, pod: PodView, p: CostParams) -> tuple[fl
                 transfer += (tok - cached) / rate
                 cached = tok
         first = False
+    cached = max(cached, min(inflight_blocks * bs, prompt))
     running = pod.running if pod.running is not None else pod.inflight
     slowdown = 1.0 + p.decode_slowdown_per_running * running
-    work = pod.outstanding_prefill_tokens + (prompt - cached)
+    queued = pod.outstanding_prefill_tokens if queued_tokens is None else queued_tokens
+    work = queued + p.miss_weight * (prompt - cached)
     return work / p.prefill_rate_tokens_per_s * slowdown + transfer, cached
 
 
@@ -106,6 +148,33 @@ class CostPolicy(Policy):
         super().__init__(params)
         assert isinstance(self.params, CostParams)
         self._p: CostParams = self.params
+        # request id -> (prompt tokens, {pod: predicted uncached tokens}), until routed
+        self._scored: OrderedDict[str, tuple[int, dict[str, int]]] = OrderedDict()
+        # request id -> (pod, prompt tokens, predicted uncached tokens), until complete
+        self._live: dict[str, tuple[str, int, int]] = {}
+        # pod -> block key -> number of live requests routed there that carry it
+        self._live_keys: dict[str, dict[int, int]] = {}
+        # pod -> [sum of prompt tokens, sum of predicted uncached tokens] of live requests
+        self._ledger: dict[str, list[int]] = {}
+
+    def inflight_hits(self, pod: str, keys: Sequence[int]) -> int:
+        """Leading blocks of ``keys`` carried by live requests routed to ``pod``."""
+        live = self._live_keys.get(pod)
+        if not live or not self._p.count_inflight_prefixes:
+            return 0
+        n = 0
+        for k in keys:
+            if k not in live:
+                break
+            n += 1
+        return n
+
+    def queued_tokens(self, pod: PodView) -> float:
+        """Outstanding prefill tokens, scaled by the predicted miss share (see module)."""
+        entry = self._ledger.get(pod.pod)
+        if not self._p.discount_queued_hits or entry is None or entry[0] <= 0:
+            return float(pod.outstanding_prefill_tokens)
+        return pod.outstanding_prefill_tokens * entry[1] / entry[0]
 
     def pick(self, request: RouteRequest, pods: Sequence[PodView]) -> Decision:
         if not pods:
@@ -113,7 +182,13 @@ class CostPolicy(Policy):
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
         for pod in pods:
-            predicted[pod.pod], cached[pod.pod] = predict_ttft(request, pod, self._p)
+            predicted[pod.pod], cached[pod.pod] = predict_ttft(
+                request,
+                pod,
+                self._p,
+                self.queued_tokens(pod),
+                self.inflight_hits(pod.pod, request.block_keys),
+            )
         best = min(predicted.values())
         tied = [name for name, t in predicted.items() if t <= best + self._p.tie_epsilon_s]
         if len(tied) == 1:
@@ -122,9 +197,53 @@ class CostPolicy(Policy):
             rid = request.request_id
             seed = self._p.seed
             chosen = max(tied, key=lambda name: _h64(f"{rid}\x00{name}".encode(), seed))
+        prompt = request.prompt_tokens
+        self._scored[request.request_id] = (prompt, {k: prompt - v for k, v in cached.items()})
+        while len(self._scored) > _MAX_SCORED:  # picks never routed must not pile up
+            self._scored.popitem(last=False)
         return Decision(
             pod=chosen,
             scores=predicted,
             lower_is_better=True,
             detail={"cached_tokens": cached, "tied": len(tied)},
         )
+
+    def on_routed(self, request: RouteRequest, pod: str) -> None:
+        prompt, uncached = self._scored.pop(request.request_id, (request.prompt_tokens, {}))
+        miss = uncached.get(pod, prompt)
+        old = self._live.pop(request.request_id, None)
+        if old is not None:  # routed again (retry): forget the first attempt
+            self._unledger(old[0], old[1], old[2], request.block_keys)
+        self._live[request.request_id] = (pod, prompt, miss)
+        if self._p.count_inflight_prefixes:
+            live = self._live_keys.setdefault(pod, {})
+            for k in request.block_keys:
+                live[k] = live.get(k, 0) + 1
+        entry = self._ledger.setdefault(pod, [0, 0])
+        entry[0] += prompt
+        entry[1] += miss
+
+    def on_complete(self, request: RouteRequest, pod: str) -> None:
+        old = self._live.pop(request.request_id, None)
+        if old is not None:
+            self._unledger(old[0], old[1], old[2], request.block_keys)
+
+    def on_pod_removed(self, pod: str) -> None:
+        self._ledger.pop(pod, None)
+        self._live_keys.pop(pod, None)
+        for rid in [rid for rid, v in self._live.items() if v[0] == pod]:
+            del self._live[rid]
+
+    def _unledger(self, pod: str, prompt: int, miss: int, keys: Sequence[int]) -> None:
+        live = self._live_keys.get(pod)
+        if live is not None and self._p.count_inflight_prefixes:
+            for k in keys:
+                c = live.get(k, 0) - 1
+                if c > 0:
+                    live[k] = c
+                else:
+                    live.pop(k, None)
+        entry = self._ledger.get(pod)
+        if entry is not None:
+            entry[0] -= prompt
+            entry[1] -= miss

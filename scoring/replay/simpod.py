@@ -1,0 +1,170 @@
+"""A simulated vLLM pod in virtual time, and the fleet's settings.
+
+Pod model (one per pod, all times in seconds):
+
+* **Cache** — a :class:`scoring.simcache.PrefixCache` of ``capacity_tokens // block_size``
+  blocks (LRU with prefix closure).  Optionally a CPU offload tier of
+  ``cpu_capacity_tokens``: blocks evicted from GPU drop into a CPU LRU and are loaded
+  back at ``cpu_load_rate`` tokens/s when a prompt needs them.
+* **Prefill** — one FCFS queue served one request at a time.  When a request starts
+  prefill, its cached prefix is looked up (``g`` GPU tokens, ``c`` more CPU tokens) and
+  its blocks are inserted (touched) in the cache::
+
+      prefill_s = max(1, P - g - c) / prefill_rate * (1 + decode_interference * decoding)
+                  + c / cpu_load_rate
+
+  ``decoding`` is the number of requests in decode on the pod: decode steps share the
+  GPU with prefill chunks (chunked prefill), so a busy decode batch slows prefill.
+  The first token is emitted when prefill ends: ``TTFT = prefill end - arrival``.
+* **Decode** — continuous batching: a request joining a batch of ``b`` (itself included)
+  decodes its remaining ``output - 1`` tokens at a step time fixed when it joins::
+
+      step_s = (1 / decode_rate) * (1 + decode_batch_slope * (b - 1))
+
+  (an approximation: the batch size is sampled at join time, not re-evaluated per step).
+* **Not modelled** — admission limits (max_num_seqs, KV-capacity preemption), pinning of
+  a running request's blocks (a running chain is the most recently touched, so the LRU
+  evicts it last), generated tokens entering the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from scoring.policies.base import PodView
+from scoring.simcache import PrefixCache
+
+
+class ReplayConfigError(ValueError):
+    """An invalid replay setting; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """Settings of the simulated fleet (validated by :meth:`validate`)."""
+
+    pods: int
+    capacity_tokens: int
+    block_size: int
+    prefill_rate: float = 6000.0  # prompt tokens / s / pod
+    decode_rate: float = 40.0  # tokens / s for one sequence alone
+    decode_batch_slope: float = 0.01  # step time grows 1% per extra sequence in the batch
+    decode_interference: float = 0.005  # prefill slows 0.5% per decoding request
+    cpu_capacity_tokens: int = 0  # 0 = no CPU offload tier
+    cpu_load_rate: float = 50_000.0  # tokens / s loaded from CPU into GPU
+
+    def validate(self) -> FleetConfig:
+        checks = [
+            ("pods", self.pods >= 1, "must be >= 1"),
+            ("block_size", self.block_size >= 1, "must be >= 1"),
+            (
+                "capacity_tokens",
+                self.capacity_tokens >= self.block_size,
+                f"must hold at least one block ({self.block_size} tokens)",
+            ),
+            ("prefill_rate", self.prefill_rate > 0, "must be > 0"),
+            ("decode_rate", self.decode_rate > 0, "must be > 0"),
+            ("decode_batch_slope", self.decode_batch_slope >= 0, "must be >= 0"),
+            ("decode_interference", self.decode_interference >= 0, "must be >= 0"),
+            ("cpu_capacity_tokens", self.cpu_capacity_tokens >= 0, "must be >= 0"),
+            ("cpu_load_rate", self.cpu_load_rate > 0, "must be > 0"),
+        ]
+        for name, ok, why in checks:
+            if not ok or (isinstance(getattr(self, name), float) and not math.isfinite(getattr(self, name))):
+                raise ReplayConfigError(f"{name.replace('_', '-')} {why}, got {getattr(self, name)!r}")
+        return self
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.capacity_tokens // self.block_size
+
+
+class SimPod:
+    """One simulated pod: cache, prefill queue, decode batch, and the router's view of it."""
+
+    __slots__ = (
+        "active_blocks",
+        "busy_s",
+        "cache",
+        "cfg",
+        "cpu",
+        "decoding",
+        "inflight",
+        "name",
+        "outstanding",
+        "prefilling",
+        "queue",
+    )
+
+    def __init__(self, name: str, cfg: FleetConfig) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.cache = PrefixCache(cfg.capacity_blocks)
+        self.cpu = (
+            PrefixCache(cfg.cpu_capacity_tokens // cfg.block_size)
+            if cfg.cpu_capacity_tokens >= cfg.block_size
+            else None
+        )
+        self.queue: deque[int] = deque()
+        self.prefilling = False
+        self.decoding = 0
+        self.busy_s = 0.0  # seconds spent prefilling
+        self.active_blocks = 0  # blocks held by requests in prefill or decode
+        # router-tracked load (what a router replica knows without scraping)
+        self.inflight = 0
+        self.outstanding = 0
+
+    def lookup(self, keys: list[int]) -> tuple[int, int]:
+        """Leading blocks held in GPU, and in GPU or CPU."""
+        gpu = self.cache.match(keys)
+        if self.cpu is None:
+            return gpu, gpu
+        lru, cpu = self.cache, self.cpu
+        n = gpu
+        for k in keys[gpu:]:
+            if k in lru or k in cpu:
+                n += 1
+            else:
+                break
+        return gpu, n
+
+    def view(self, keys: list[int]) -> PodView:
+        """What the router would see for a request with ``keys``: precise index hits
+        (the pod's true cache), router-tracked load, and scraped metrics."""
+        gpu, anywhere = self.lookup(keys)
+        hits = {"GPU": gpu} if self.cpu is None else {"GPU": gpu, "CPU": anywhere}
+        return PodView(
+            pod=self.name,
+            hits=hits if anywhere else {},
+            inflight=self.inflight,
+            outstanding_prefill_tokens=self.outstanding,
+            waiting=len(self.queue),
+            running=self.decoding + (1 if self.prefilling else 0),
+            kv_usage=min(1.0, self.active_blocks / max(1, self.cfg.capacity_blocks)),
+        )
+
+    def start_prefill(self, keys: list[int], prompt_tokens: int) -> tuple[float, int, int]:
+        """Begin prefilling; returns ``(duration_s, gpu_hit_tokens, cpu_hit_tokens)``."""
+        cfg = self.cfg
+        bs = cfg.block_size
+        gpu, anywhere = self.lookup(keys)
+        gpu_tok = min(gpu * bs, prompt_tokens)
+        cpu_tok = min(anywhere * bs, prompt_tokens) - gpu_tok
+        uncached = max(1, prompt_tokens - gpu_tok - cpu_tok)
+        duration = (
+            uncached / cfg.prefill_rate * (1.0 + cfg.decode_interference * self.decoding)
+            + cpu_tok / cfg.cpu_load_rate
+        )
+        _, evicted = self.cache.insert(keys)
+        if self.cpu is not None and evicted:
+            self.cpu.insert(evicted)
+        self.prefilling = True
+        self.busy_s += duration
+        return duration, gpu_tok, cpu_tok
+
+    def decode_step_s(self) -> float:
+        """Step time for a request joining the batch now (batch includes it)."""
+        cfg = self.cfg
+        return (1.0 / cfg.decode_rate) * (1.0 + cfg.decode_batch_slope * self.decoding)
