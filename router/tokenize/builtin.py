@@ -19,7 +19,9 @@ def _content_text(content: Any) -> str:
             if isinstance(part, Mapping) and part.get("type") == "text":
                 parts.append(str(part.get("text", "")))
         return "".join(parts)
-    raise TokenizeError(f"message content must be a string or a list of parts, got {type(content).__name__}")
+    raise TokenizeError(
+        f"message content must be a string or a list of parts, got {type(content).__name__}"
+    )
 
 
 class ByteTokenizer:
@@ -41,11 +43,15 @@ class ByteTokenizer:
         if tools:
             import json
 
-            out += self._bytes("<|im_start|>tools\n" + json.dumps(list(tools), sort_keys=True) + "<|im_end|>\n")
+            out += self._bytes(
+                "<|im_start|>tools\n" + json.dumps(list(tools), sort_keys=True) + "<|im_end|>\n"
+            )
         for i, msg in enumerate(messages):
             if not isinstance(msg, Mapping) or "role" not in msg:
                 raise TokenizeError(f"messages[{i}] must be an object with a 'role'")
-            out += self._bytes(f"<|im_start|>{msg['role']}\n{_content_text(msg.get('content'))}<|im_end|>\n")
+            out += self._bytes(
+                f"<|im_start|>{msg['role']}\n{_content_text(msg.get('content'))}<|im_end|>\n"
+            )
         if add_generation_prompt:
             out += self._bytes("<|im_start|>assistant\n")
         return out

@@ -1,0 +1,402 @@
+"""Prompt -> token ids -> block keys, reusing the previous turn of a conversation.
+
+:class:`ChatEncoder` is what the gateway calls for every request.  It wraps any
+:class:`~router.tokenize.base.PromptTokenizer` and a :class:`~scoring.blocks.BlockHasher`
+and returns an :class:`EncodedPrompt` (token ids + block keys + whether they are an
+estimate).  Sync (``encode_chat`` / ``encode_prompt``) and async (``aencode_chat`` /
+``aencode_prompt``) entry points are offered for every tokenizer: a tokenizer with its own
+``aencode_*`` coroutines (the remote one) is awaited; a local one runs inline, or in a
+worker thread when the prompt is longer than ``offload_chars`` characters, so a big render
+never stalls the event loop.
+
+Multi-turn reuse (tokenizers with ``render_chat`` + ``encode_with_cuts``, i.e.
+:class:`~router.tokenize.hf.HFTokenizer`):
+
+1. the chat is always rendered in full (templates may look at the whole conversation,
+   so rendered text is never assumed to be a concatenation of per-message pieces);
+2. a bounded LRU maps ``H(context, messages[:i])`` -> the previous request's rendered text
+   ``P``, token ids, block keys and *cut points*.  The context hashes tools, template
+   kwargs, LoRA name and cache salt.  The longest message prefix of this request present in
+   the LRU is the candidate;
+3. ``L`` = common prefix length of the new text ``T`` and ``P``.  A cut point ``(c, k)`` of
+   ``P`` (a non-normalized added token such as ``<|im_start|>`` starting at character
+   ``c``, token index ``k``) is usable when ``c + M <= L`` (``M`` = longest added token),
+   so the token matcher sees identical text around ``c`` in both.  tokenizers splits on
+   such tokens before normalizing/pre-tokenizing, hence
+   ``encode(T) == ids_P[:k] + encode(T[c:])``;
+4. block keys of the ``k // block_size`` full blocks before the cut are reused and the
+   chain is extended over the new tokens.
+
+``verify_every=n`` re-encodes every n-th reused request from scratch and compares; a
+mismatch is counted (``stats.verify_failures``), the exact result is returned and reuse
+is switched off for this encoder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import xxhash
+
+from router.tokenize.base import PromptTokenizer, TokenizeError
+from scoring.blocks import BlockHasher
+
+log = logging.getLogger(__name__)
+_h64 = xxhash.xxh3_64_intdigest
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedPrompt:
+    """The tokens of one request and the key chain of its full blocks."""
+
+    token_ids: list[int]
+    block_keys: list[int]
+    #: True when ids are an estimate (approximate tokenizer): hit predictions are too
+    approximate: bool = False
+    #: leading tokens taken from an earlier turn instead of being tokenized again
+    reused_tokens: int = 0
+
+
+@runtime_checkable
+class IncrementalTokenizer(Protocol):
+    """A tokenizer that exposes its render step and safe split points (HFTokenizer)."""
+
+    max_added_token_chars: int
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str: ...
+
+    def encode_with_cuts(self, text: str) -> tuple[list[int], list[tuple[int, int]]]: ...
+
+
+@dataclass
+class EncoderStats:
+    requests: int = 0
+    reuse_hits: int = 0
+    reused_tokens: int = 0
+    tokenized_tokens: int = 0
+    verify_checks: int = 0
+    verify_failures: int = 0
+
+
+@dataclass(slots=True)
+class _Entry:
+    text: str
+    ids: array  # array('I')
+    cuts: list[tuple[int, int]]
+    keys: list[int]
+    size: int = field(default=0)
+
+
+def common_prefix_len(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (C-speed slice compares)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
+    while hi - lo > 32:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while lo < hi and a[lo] == b[lo]:
+        lo += 1
+    return lo
+
+
+def _digest(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str).encode()
+
+
+def _message_digest(msg: Any) -> int:
+    if isinstance(msg, Mapping):
+        content = msg.get("content")
+        rest = {k: v for k, v in msg.items() if k != "content"}
+        body = (
+            content.encode("utf-8", "surrogatepass")
+            if isinstance(content, str)
+            else _digest(content)
+        )
+        return _h64(_digest(rest) + b"\x00" + body)
+    return _h64(_digest(msg))
+
+
+def _chat_chars(messages: Sequence[Any]) -> int:
+    total = 0
+    for msg in messages:
+        content = msg.get("content") if isinstance(msg, Mapping) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(str(p.get("text", ""))) for p in content if isinstance(p, Mapping))
+    return total
+
+
+class ChatEncoder:
+    """Token ids + block keys for chat and completion requests (see the module docstring).
+
+    Parameters: ``max_entries`` (LRU entries, default 1024) and ``max_cached_tokens``
+    (total tokens held, default 4M: about 4 bytes per token + 1-4 bytes per character of
+    rendered text), ``verify_every`` (0 = never), ``offload_chars`` (async calls render in a
+    thread above this many characters of message content, default 16384).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PromptTokenizer,
+        hasher: BlockHasher,
+        *,
+        max_entries: int = 1024,
+        max_cached_tokens: int = 4_000_000,
+        verify_every: int = 0,
+        offload_chars: int = 16_384,
+    ) -> None:
+        if max_entries < 0 or max_cached_tokens < 0 or verify_every < 0 or offload_chars < 0:
+            raise ValueError(
+                "max_entries, max_cached_tokens, verify_every and offload_chars must be >= 0"
+            )
+        self.tokenizer = tokenizer
+        self.hasher = hasher
+        self.max_entries = max_entries
+        self.max_cached_tokens = max_cached_tokens
+        self.verify_every = verify_every
+        self.offload_chars = offload_chars
+        self.stats = EncoderStats()
+        self.reuse_enabled = isinstance(tokenizer, IncrementalTokenizer) and max_entries > 0
+        self._lru: OrderedDict[int, _Entry] = OrderedDict()
+        self._cached_tokens = 0
+        self._lock = threading.Lock()
+
+    @property
+    def approximate(self) -> bool:
+        return bool(getattr(self.tokenizer, "approximate", False))
+
+    # --- completions ------------------------------------------------------------------
+
+    def encode_prompt(
+        self, prompt: str, *, lora: str | None = None, cache_salt: str | None = None
+    ) -> EncodedPrompt:
+        ids = self.tokenizer.encode_prompt(prompt)
+        return self._finish(ids, lora, cache_salt)
+
+    async def aencode_prompt(
+        self, prompt: str, *, lora: str | None = None, cache_salt: str | None = None
+    ) -> EncodedPrompt:
+        remote = getattr(self.tokenizer, "aencode_prompt", None)
+        if remote is not None:
+            return self._finish(await remote(prompt), lora, cache_salt)
+        if isinstance(prompt, str) and len(prompt) > self.offload_chars:
+            return await asyncio.to_thread(
+                self.encode_prompt, prompt, lora=lora, cache_salt=cache_salt
+            )
+        return self.encode_prompt(prompt, lora=lora, cache_salt=cache_salt)
+
+    # --- chat -------------------------------------------------------------------------
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+    ) -> EncodedPrompt:
+        if not self.reuse_enabled:
+            ids = self.tokenizer.encode_chat(
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            return self._finish(ids, lora, cache_salt)
+        return self._encode_incremental(
+            messages, tools, add_generation_prompt, chat_template_kwargs, lora, cache_salt
+        )
+
+    async def aencode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+    ) -> EncodedPrompt:
+        remote = getattr(self.tokenizer, "aencode_chat", None)
+        if remote is not None:
+            ids = await remote(
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            return self._finish(ids, lora, cache_salt)
+        kwargs: dict[str, Any] = dict(
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+            lora=lora,
+            cache_salt=cache_salt,
+        )
+        if isinstance(messages, Sequence) and _chat_chars(messages) > self.offload_chars:
+            return await asyncio.to_thread(self.encode_chat, messages, **kwargs)
+        return self.encode_chat(messages, **kwargs)
+
+    # --- internals --------------------------------------------------------------------
+
+    def _finish(self, ids: list[int], lora: str | None, cache_salt: str | None) -> EncodedPrompt:
+        keys = self.hasher.keys(ids, lora=lora, cache_salt=cache_salt)
+        with self._lock:
+            self.stats.requests += 1
+            self.stats.tokenized_tokens += len(ids)
+        return EncodedPrompt(ids, keys, approximate=self.approximate)
+
+    def _encode_incremental(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        chat_template_kwargs: Mapping[str, Any] | None,
+        lora: str | None,
+        cache_salt: str | None,
+    ) -> EncodedPrompt:
+        tok: Any = self.tokenizer
+        text: str = tok.render_chat(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        chain = self._prefix_hashes(messages, tools, chat_template_kwargs, lora, cache_salt)
+        entry = self._find(chain)
+        result: tuple[list[int], list[tuple[int, int]], list[int], int] | None = None
+        if entry is not None:
+            result = self._extend(tok, entry, text, lora, cache_salt)
+        if result is None:
+            ids, cuts = tok.encode_with_cuts(text)
+            keys = self.hasher.keys(ids, lora=lora, cache_salt=cache_salt)
+            reused = 0
+        else:
+            ids, cuts, keys, reused = result
+            if self._should_verify():
+                exact, _ = tok.encode_with_cuts(text)
+                with self._lock:
+                    self.stats.verify_checks += 1
+                if exact != ids:
+                    log.error(
+                        "incremental tokenization diverged from a full encode "
+                        "(%d vs %d tokens); multi-turn reuse disabled for %s",
+                        len(ids),
+                        len(exact),
+                        getattr(tok, "name", "tokenizer"),
+                    )
+                    with self._lock:
+                        self.stats.verify_failures += 1
+                        self.reuse_enabled = False
+                    ids, cuts = tok.encode_with_cuts(text)
+                    keys = self.hasher.keys(ids, lora=lora, cache_salt=cache_salt)
+                    reused = 0
+        self._store(chain[-1], _Entry(text, array("I", ids), cuts, keys))
+        with self._lock:
+            self.stats.requests += 1
+            self.stats.tokenized_tokens += len(ids) - reused
+            if reused:
+                self.stats.reuse_hits += 1
+                self.stats.reused_tokens += reused
+        return EncodedPrompt(ids, keys, approximate=self.approximate, reused_tokens=reused)
+
+    def _extend(
+        self, tok: Any, entry: _Entry, text: str, lora: str | None, cache_salt: str | None
+    ) -> tuple[list[int], list[tuple[int, int]], list[int], int] | None:
+        if text == entry.text:
+            return entry.ids.tolist(), list(entry.cuts), list(entry.keys), len(entry.ids)
+        common = common_prefix_len(text, entry.text)
+        limit = common - tok.max_added_token_chars
+        best = None
+        for i in range(len(entry.cuts) - 1, -1, -1):
+            if entry.cuts[i][0] <= limit:
+                best = i
+                break
+        if best is None:
+            return None
+        char_cut, tok_cut = entry.cuts[best]
+        tail_ids, tail_cuts = tok.encode_with_cuts(text[char_cut:])
+        ids = entry.ids[:tok_cut].tolist() + tail_ids
+        cuts = entry.cuts[: best + 1] + [(c + char_cut, k + tok_cut) for c, k in tail_cuts]
+        n_blocks = tok_cut // self.hasher.block_size
+        if n_blocks:
+            keys = self.hasher.extend(entry.keys[:n_blocks], ids, lora=lora)
+        else:
+            keys = self.hasher.keys(ids, lora=lora, cache_salt=cache_salt)
+        return ids, cuts, keys, tok_cut
+
+    def _prefix_hashes(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Any,
+        kwargs: Any,
+        lora: str | None,
+        cache_salt: str | None,
+    ) -> list[int]:
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise TokenizeError("messages must be a list of message objects")
+        h = _h64(_digest([tools, kwargs, lora, cache_salt]))
+        chain = [h]
+        for msg in messages:
+            h = _h64(h.to_bytes(8, "little") + _message_digest(msg).to_bytes(8, "little"))
+            chain.append(h)
+        return chain
+
+    def _find(self, chain: list[int]) -> _Entry | None:
+        with self._lock:
+            for h in reversed(chain[1:]):
+                entry = self._lru.get(h)
+                if entry is not None:
+                    self._lru.move_to_end(h)
+                    return entry
+        return None
+
+    def _store(self, key: int, entry: _Entry) -> None:
+        entry.size = len(entry.ids)
+        if entry.size > self.max_cached_tokens:
+            return
+        with self._lock:
+            old = self._lru.pop(key, None)
+            if old is not None:
+                self._cached_tokens -= old.size
+            self._lru[key] = entry
+            self._cached_tokens += entry.size
+            while self._lru and (
+                len(self._lru) > self.max_entries or self._cached_tokens > self.max_cached_tokens
+            ):
+                _, evicted = self._lru.popitem(last=False)
+                self._cached_tokens -= evicted.size
+
+    def _should_verify(self) -> bool:
+        if not self.verify_every:
+            return False
+        with self._lock:
+            return (self.stats.reuse_hits + 1) % self.verify_every == 0
+
+    def cache_info(self) -> dict[str, int]:
+        """Entries and tokens currently held by the reuse cache."""
+        with self._lock:
+            return {"entries": len(self._lru), "tokens": self._cached_tokens}

@@ -1,0 +1,392 @@
+"""A model's own tokenizer: ``tokenizer.json`` + chat template, no network, no transformers.
+
+:meth:`HFTokenizer.from_dir` loads what ``AutoTokenizer.from_pretrained`` (transformers 5,
+fast tokenizer backend) would, from a model directory, a Hugging Face cache repository
+(``.../hub/models--org--name``, via ``refs/main``), one of its ``snapshots/<rev>``
+directories, or a repo id (``org/name``) found in the local HF cache:
+
+* ``tokenizer.json`` with the ``tokenizers`` library;
+* ``tokenizer_config.json``: the named special tokens (``bos_token``, ``eos_token``, ...,
+  strings or ``{"content": ...}`` objects), ``added_tokens_decoder`` and
+  ``extra_special_tokens`` / ``additional_special_tokens`` (added to the vocabulary as
+  special tokens when ``tokenizer.json`` lacks them), and ``add_bos_token`` /
+  ``add_eos_token`` (when present, the post-processor becomes ``[bos] $A [eos]``, as
+  ``TokenizersBackend.update_post_processor`` does);
+* the chat template, by the priority transformers uses: ``chat_template.jinja`` (plus named
+  ``additional_chat_templates/*.jinja``) over ``tokenizer_config.json["chat_template"]``
+  (a string, or a list of ``{"name", "template"}``); ``chat_template.json`` (the legacy
+  processor file) is used when neither exists.  With several named templates, a request
+  with tools uses ``tool_use`` when present, else ``default``.
+
+Chat prompts: normalise messages as vLLM does (:mod:`router.tokenize.conversation`),
+render (:mod:`router.tokenize.template`), tokenize with ``add_special_tokens=False``.
+Completion prompts: tokenize with ``add_special_tokens=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Tokenizer, processors
+
+from router.tokenize.base import TokenizeError
+from router.tokenize.conversation import (
+    detect_content_format,
+    normalize_messages,
+    normalize_tools,
+    supports_developer_role,
+)
+from router.tokenize.template import compile_template, render_template
+
+#: the named special tokens transformers exposes to templates (``special_tokens_map``)
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+class TokenizerFilesError(TokenizeError):
+    """The model directory is missing files or holds invalid ones."""
+
+
+def hf_cache_dir() -> Path:
+    """``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "hub"
+    return Path.home() / ".cache" / "huggingface" / "hub"
+
+
+def resolve_model_dir(spec: str | os.PathLike[str]) -> Path:
+    """The directory holding ``tokenizer.json`` for ``spec`` (see the module docstring)."""
+    path = Path(spec).expanduser()
+    if not path.exists() and "/" in str(spec) and not str(spec).startswith(("/", ".", "~")):
+        path = hf_cache_dir() / ("models--" + str(spec).replace("/", "--"))
+    if (path / "snapshots").is_dir():
+        ref = path / "refs" / "main"
+        if ref.is_file():
+            snapshot = path / "snapshots" / ref.read_text().strip()
+        else:
+            snapshots = sorted((path / "snapshots").iterdir(), key=lambda p: p.stat().st_mtime)
+            if not snapshots:
+                raise TokenizerFilesError(f"{path}: HF cache repository has no snapshots")
+            snapshot = snapshots[-1]
+        path = snapshot
+    if not (path / "tokenizer.json").is_file():
+        raise TokenizerFilesError(
+            f"{spec}: no tokenizer.json found (looked in {path}); give a model directory, "
+            "an HF cache snapshot, or a repo id present in the local HF cache"
+        )
+    return path
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TokenizerFilesError(f"{path}: cannot read JSON: {exc}") from exc
+
+
+def _token_content(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _added_token(value: Any, *, special: bool = True) -> AddedToken | None:
+    if isinstance(value, str):
+        return AddedToken(value, special=special, normalized=not special)
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        spec = bool(value.get("special", special))
+        return AddedToken(
+            value["content"],
+            single_word=bool(value.get("single_word", False)),
+            lstrip=bool(value.get("lstrip", False)),
+            rstrip=bool(value.get("rstrip", False)),
+            normalized=bool(value.get("normalized", not spec)),
+            special=spec,
+        )
+    return None
+
+
+def _load_templates(root: Path, config: Mapping[str, Any]) -> dict[str, str]:
+    templates: dict[str, str] = {}
+    jinja_file = root / "chat_template.jinja"
+    extra_dir = root / "additional_chat_templates"
+    if jinja_file.is_file():
+        templates["default"] = jinja_file.read_text(encoding="utf-8")
+    if extra_dir.is_dir():
+        for f in sorted(extra_dir.glob("*.jinja")):
+            templates[f.name.removesuffix(".jinja")] = f.read_text(encoding="utf-8")
+    if templates:
+        return templates
+    raw = config.get("chat_template")
+    if isinstance(raw, str):
+        return {"default": raw}
+    if isinstance(raw, list):
+        for entry in raw:
+            if isinstance(entry, Mapping) and isinstance(entry.get("template"), str):
+                templates[str(entry.get("name", "default"))] = entry["template"]
+        return templates
+    legacy = root / "chat_template.json"
+    if legacy.is_file():
+        data = _read_json(legacy)
+        if isinstance(data, Mapping) and isinstance(data.get("chat_template"), str):
+            return {"default": data["chat_template"]}
+    return {}
+
+
+@dataclass(frozen=True)
+class CutToken:
+    """An added token whose start is a safe place to split text before tokenizing.
+
+    tokenizers splits the input on non-normalized added tokens before normalizing and
+    pre-tokenizing each piece independently, so ``encode(a + b) == encode(a) + encode(b)``
+    when ``b`` starts with such a token (not lstrip / single_word, not starting with
+    whitespace) and that token is matched there in ``a + b``.
+    """
+
+    token_id: int
+    content: str
+
+
+class HFTokenizer:
+    """A Hugging Face fast tokenizer + chat template, rendering like vLLM (see module doc)."""
+
+    approximate = False
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        templates: Mapping[str, str] | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+        name: str = "hf",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.templates = dict(templates or {})
+        self.special_tokens = dict(special_tokens or {})
+        self.name = name
+        for source in self.templates.values():
+            compile_template(source)  # fail at load time, not on the first request
+        self._cut_tokens = self._find_cut_tokens()
+        self._cut_ids = {t.content: t.token_id for t in self._cut_tokens.values()}
+        self._cut_pattern = (
+            re.compile("|".join(re.escape(c) for c in sorted(self._cut_ids, key=len, reverse=True)))
+            if self._cut_ids
+            else None
+        )
+        lengths = [len(t.content) for t in tokenizer.get_added_tokens_decoder().values()]
+        #: the longest added token, in characters (bounds look-ahead of token matching)
+        self.max_added_token_chars = max(lengths, default=0)
+
+    # --- loading ----------------------------------------------------------------------
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str]) -> HFTokenizer:
+        """Load from a model directory, an HF cache repo/snapshot path or a cached repo id."""
+        root = resolve_model_dir(path)
+        try:
+            tok = Tokenizer.from_file(str(root / "tokenizer.json"))
+        except Exception as exc:  # tokenizers raises a bare Exception on bad files
+            raise TokenizerFilesError(f"{root / 'tokenizer.json'}: {exc}") from exc
+        config_path = root / "tokenizer_config.json"
+        config = _read_json(config_path) if config_path.is_file() else {}
+        if not isinstance(config, Mapping):
+            raise TokenizerFilesError(f"{config_path}: expected a JSON object")
+        special = {
+            name: content
+            for name in SPECIAL_TOKEN_NAMES
+            if (content := _token_content(config.get(name))) is not None
+        }
+        _add_missing_tokens(tok, config, special)
+        if "add_bos_token" in config or "add_eos_token" in config or tok.post_processor is None:
+            _set_post_processor(
+                tok,
+                special.get("bos_token") if config.get("add_bos_token") else None,
+                special.get("eos_token") if config.get("add_eos_token") else None,
+            )
+        return cls(
+            tok,
+            templates=_load_templates(root, config),
+            special_tokens=special,
+            name=f"hf:{root}",
+        )
+
+    # --- PromptTokenizer ----------------------------------------------------------------
+
+    def template_source(self, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The chat template a request uses (``tool_use`` for requests with tools if named)."""
+        if not self.templates:
+            raise TokenizeError(
+                f"{self.name}: the model has no chat template (tokenizer_config.json "
+                "chat_template / chat_template.jinja); chat requests cannot be tokenized"
+            )
+        if len(self.templates) == 1:
+            return next(iter(self.templates.values()))
+        if tools is not None and "tool_use" in self.templates:
+            return self.templates["tool_use"]
+        if "default" in self.templates:
+            return self.templates["default"]
+        raise TokenizeError(
+            f"{self.name}: several chat templates {sorted(self.templates)} and none is 'default'"
+        )
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text vLLM renders for this chat request."""
+        tool_dicts = normalize_tools(tools)
+        source = self.template_source(tool_dicts)
+        kwargs = dict(chat_template_kwargs or {})
+        for bad in ("chat_template", "tokenize"):
+            if bad in kwargs:
+                raise TokenizeError(f"chat_template_kwargs must not contain {bad!r}")
+        if kwargs.pop("continue_final_message", False):
+            raise TokenizeError("continue_final_message is not supported by the router tokenizer")
+        kwargs.pop("add_generation_prompt", None)
+        documents = kwargs.pop("documents", None)
+        conversation = normalize_messages(
+            messages,
+            detect_content_format(source),
+            developer_role=supports_developer_role(source),
+        )
+        return render_template(
+            source,
+            conversation,
+            tools=tool_dicts,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=self.special_tokens,
+            extra=kwargs,
+        )
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        text = self.render_chat(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return self.encode_text(text, add_special_tokens=False)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise TokenizeError(f"prompt must be a string, got {type(prompt).__name__}")
+        return self.encode_text(prompt, add_special_tokens=True)
+
+    def encode_text(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    # --- incremental support (used by ChatEncoder) ---------------------------------------
+
+    def encode_with_cuts(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Chat-mode ids of ``text`` and its safe cut points ``(char_offset, token_index)``.
+
+        A cut at ``(c, k)`` means ``ids[:k]`` is exactly the encoding of ``text[:c]`` and
+        ``text[c:]`` starts with a cut token (:class:`CutToken`) matched at ``c``.
+        """
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = enc.ids
+        cuts = []
+        if self._cut_pattern is not None:
+            by_content = self._cut_ids
+            for match in self._cut_pattern.finditer(text):
+                start = match.start()
+                k = enc.char_to_token(start)
+                if (
+                    k  # not None, not the first token
+                    and ids[k] == by_content[match.group()]
+                    and enc.offsets[k][0] == start
+                ):
+                    cuts.append((start, k))
+        return ids, cuts
+
+    def _find_cut_tokens(self) -> dict[int, CutToken]:
+        out = {}
+        for tid, added in self.tokenizer.get_added_tokens_decoder().items():
+            content = added.content
+            if (
+                not added.normalized
+                and not added.lstrip
+                and not added.single_word
+                and content
+                and not content[0].isspace()
+            ):
+                out[tid] = CutToken(tid, content)
+        return out
+
+
+def _add_missing_tokens(
+    tok: Tokenizer, config: Mapping[str, Any], special: Mapping[str, str]
+) -> None:
+    """Add special tokens named by the config but absent from ``tokenizer.json``."""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    to_add: list[AddedToken] = []
+    seen: set[str] = set()
+
+    def want(value: Any, *, special_default: bool = True) -> None:
+        token = _added_token(value, special=special_default)
+        if token is not None and token.content not in vocab and token.content not in seen:
+            seen.add(token.content)
+            to_add.append(token)
+
+    decoder = config.get("added_tokens_decoder")
+    if isinstance(decoder, Mapping):
+        for _, value in sorted(decoder.items(), key=lambda kv: int(kv[0])):
+            want(value)
+    for content in special.values():
+        want(content)
+    for key in ("extra_special_tokens", "additional_special_tokens"):
+        extra = config.get(key)
+        if isinstance(extra, Mapping):
+            extra = list(extra.values())
+        if isinstance(extra, list):
+            for value in extra:
+                want(value)
+    if to_add:
+        tok.add_special_tokens(to_add)
+
+
+def _set_post_processor(tok: Tokenizer, bos: str | None, eos: str | None) -> None:
+    """``[bos] $A [eos]`` as transformers' ``update_post_processor`` builds it."""
+    single = (f"{bos}:0 " if bos else "") + "$A:0" + (f" {eos}:0" if eos else "")
+    pair = single + (f" {bos}:1" if bos else "") + " $B:1" + (f" {eos}:1" if eos else "")
+    specials = []
+    for token in (bos, eos):
+        if token:
+            tid = tok.token_to_id(token)
+            if tid is None:
+                raise TokenizerFilesError(f"special token {token!r} is not in the vocabulary")
+            specials.append((token, tid))
+    tok.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=specials
+    )
