@@ -34,6 +34,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 from scoring.index import redis_lua
 from scoring.index.base import DEFAULT_TIERS, PodHits
@@ -168,15 +169,30 @@ class RedisIndex:
         keys: list[bytes],
         head: list[Any],
         chunks: list[bytes],
-        tail: list[Any],
     ) -> None:
+        """Run ``script`` once per chunk: one call, or one pipeline (still one round trip).
+
+        A chunk refused with NOSCRIPT (server restarted or flushed its script cache) is
+        retried after SCRIPT LOAD; chunks that ran are never re-run.
+        """
         if len(chunks) == 1:
-            await script(keys=keys, args=[*head, chunks[0], *tail])
+            await script(keys=keys, args=[*head, chunks[0]])
             return
-        async with self._r.pipeline(transaction=False) as pipe:
-            for c in chunks:
-                await script(keys=keys, args=[*head, c, *tail], client=pipe)
-            await pipe.execute()
+        todo = chunks
+        for _attempt in range(2):
+            async with self._r.pipeline(transaction=False) as pipe:
+                for c in todo:
+                    pipe.evalsha(script.sha, len(keys), *keys, *head, c)
+                results = await pipe.execute(raise_on_error=False)
+            failed = [c for c, r in zip(todo, results, strict=True) if isinstance(r, Exception)]
+            errors = [r for r in results if isinstance(r, Exception)]
+            if not errors:
+                return
+            if not all(isinstance(e, NoScriptError) for e in errors):
+                raise next(e for e in errors if not isinstance(e, NoScriptError))
+            await self._r.script_load(script.script)
+            todo = failed
+        raise RuntimeError("script missing on the server even after SCRIPT LOAD")
 
     async def add(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
         """Count one more copy of each key on ``pod`` in ``tier`` (refreshes the TTL)."""
@@ -191,7 +207,6 @@ class RedisIndex:
             [k.pods, k.ids, k.next, k.entries],
             [k.block, p, t, str(self.ttl_s).encode()],
             chunks,
-            [],
         )
 
     async def remove(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
@@ -202,7 +217,7 @@ class RedisIndex:
             return
         chunks = self._chunks(keys)
         k = self._k
-        await self._run_batches(self._remove, [k.pods, k.entries], [k.block, p, t], chunks, [])
+        await self._run_batches(self._remove, [k.pods, k.entries], [k.block, p, t], chunks)
 
     async def clear_pod(self, pod: str, tier: str | None = None) -> None:
         """Retire the pod's slot ids (all tiers, or ``tier``): O(tiers), no keyspace scan."""

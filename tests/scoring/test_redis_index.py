@@ -1,0 +1,466 @@
+"""Redis-specific behaviour of RedisIndex and RedisLoadStore, against a real server.
+
+The backend-independent semantics (counting, tiers, lookup walk) are held by the shared
+suite ``test_index_behaviour.py``; this file covers what only the Redis backend has:
+round trips, key encoding, TTL, slot-id generations, sharing between replicas, and the
+shared load view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from scoring.index import redis_lua
+from scoring.index.base import BlockIndex
+from scoring.index.redis import RedisIndex, RedisLoadStore
+
+
+@pytest.fixture
+async def raw(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url, decode_responses=False)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def index(redis_url: str, redis_namespace: str) -> AsyncIterator[RedisIndex]:
+    idx = RedisIndex.from_url(
+        redis_url, namespace=redis_namespace, connection_class=CountingConnection
+    )
+    yield idx
+    await idx.close()
+
+
+def block_name(namespace: str, key: int) -> bytes:
+    return b"{" + namespace.encode() + b"}:b" + struct.pack(">Q", key)
+
+
+class CountingConnection(aioredis.Connection):
+    """A real connection that counts its writes: one write = one round trip."""
+
+    writes = 0
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        type(self).writes += 1
+        await super().send_packed_command(command, check_health)
+
+
+async def round_trips(coro: Awaitable[object]) -> int:
+    """How many request writes the index made while awaiting ``coro``."""
+    before = CountingConnection.writes
+    await coro
+    return CountingConnection.writes - before
+
+
+async def wait_until(predicate: object, what: str, timeout_s: float = 10.0) -> None:
+    """Poll an async predicate (no timing assertion: only a generous upper bound)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await predicate():  # type: ignore[operator]
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+# -- interface and encoding ---------------------------------------------------------------
+
+
+def test_redis_index_satisfies_the_block_index_protocol(index: RedisIndex) -> None:
+    assert isinstance(index, BlockIndex)
+
+
+async def test_keys_are_stored_as_8_byte_big_endian_names(
+    index: RedisIndex, raw: aioredis.Redis, redis_namespace: str
+) -> None:
+    await index.add("pod-a", [0x0102030405060708, 0, (1 << 64) - 1])
+    for key in (0x0102030405060708, 0, (1 << 64) - 1):
+        assert await raw.exists(block_name(redis_namespace, key)) == 1
+    assert await index.lookup([0x0102030405060708]) == {"pod-a": {"GPU": 1, "CPU": 1, "DISK": 1}}
+
+
+@pytest.mark.parametrize("bad", [-1, 1 << 64, "12", 1.5])
+async def test_a_key_outside_uint64_is_rejected_naming_its_position(
+    index: RedisIndex, bad: object
+) -> None:
+    with pytest.raises(ValueError, match=r"block key #1 must be an unsigned 64-bit int"):
+        await index.add("pod-a", [5, bad])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"block key #1"):
+        await index.lookup([5, bad])  # type: ignore[list-item]
+
+
+async def test_unknown_tier_empty_pod_and_nul_in_pod_are_rejected(index: RedisIndex) -> None:
+    with pytest.raises(ValueError, match="unknown tier 'HBM'"):
+        await index.add("pod-a", [1], tier="HBM")
+    with pytest.raises(ValueError, match="pod must be a non-empty string"):
+        await index.add("", [1])
+    with pytest.raises(ValueError, match="pod must not contain NUL"):
+        await index.remove("a\0b", [1])
+
+
+def test_invalid_constructor_parameters_are_named(redis_url: str) -> None:
+    with pytest.raises(ValueError, match="namespace must not contain braces"):
+        RedisIndex.from_url(redis_url, namespace="a{b}")
+    with pytest.raises(ValueError, match="tiers must be distinct"):
+        RedisIndex.from_url(redis_url, tiers=("GPU", "GPU"))
+    with pytest.raises(ValueError, match="ttl_s must be a non-negative int"):
+        RedisIndex.from_url(redis_url, ttl_s=-1)
+
+
+# -- round trips --------------------------------------------------------------------------
+
+
+async def test_lookup_of_a_long_chain_is_one_evalsha(
+    index: RedisIndex, raw: aioredis.Redis
+) -> None:
+    chain = list(range(1, 2049))
+    for i in range(8):
+        await index.add(f"pod-{i}", chain[: 256 * (i + 1)])
+    await index.lookup(chain)  # warm: loads the script once if the server lacks it
+    assert await round_trips(index.lookup(chain)) == 1
+    assert await round_trips(index.lookup(chain, pods=["pod-3", "pod-7"])) == 1
+    assert await index.lookup(chain, pods=["pod-3", "pod-7"]) == {
+        "pod-3": {"GPU": 1024, "CPU": 1024, "DISK": 1024},
+        "pod-7": {"GPU": 2048, "CPU": 2048, "DISK": 2048},
+    }
+
+
+async def test_add_remove_and_clear_are_one_script_call_each(
+    index: RedisIndex, raw: aioredis.Redis
+) -> None:
+    keys = list(range(1000))
+    await index.add("pod-a", keys[:1])  # warm the script cache
+    await index.remove("pod-a", keys[:1])
+    await index.clear_pod("pod-b")
+    assert await round_trips(index.add("pod-a", keys)) == 1
+    assert await round_trips(index.remove("pod-a", keys)) == 1
+    assert await round_trips(index.clear_pod("pod-a")) == 1
+
+
+async def test_batches_larger_than_batch_keys_go_in_one_pipeline(
+    redis_url: str, redis_namespace: str, raw: aioredis.Redis
+) -> None:
+    idx = RedisIndex.from_url(
+        redis_url, namespace=redis_namespace, batch_keys=3, connection_class=CountingConnection
+    )
+    try:
+        await idx.add("pod-z", [1])  # warm the script cache
+        assert await round_trips(idx.add("pod-a", list(range(10)))) == 1
+        assert await idx.lookup(list(range(10))) == {"pod-a": {"GPU": 10, "CPU": 10, "DISK": 10}}
+        assert await idx.pod_entries() == {"pod-a": 10, "pod-z": 1}
+        await idx.remove("pod-a", list(range(5, 10)))
+        assert await idx.lookup(list(range(10))) == {"pod-a": {"GPU": 5, "CPU": 5, "DISK": 5}}
+        await raw.script_flush()  # batches refused with NOSCRIPT are loaded and re-run once
+        await idx.add("pod-a", list(range(10)))
+        await idx.remove("pod-a", list(range(10)))
+        assert await idx.lookup(list(range(10))) == {"pod-a": {"GPU": 5, "CPU": 5, "DISK": 5}}
+    finally:
+        await idx.close()
+
+
+async def test_scripts_reload_after_the_server_forgets_them(
+    index: RedisIndex, raw: aioredis.Redis
+) -> None:
+    await index.add("pod-a", [1, 2])
+    await raw.script_flush()
+    assert await index.lookup([1, 2]) == {"pod-a": {"GPU": 2, "CPU": 2, "DISK": 2}}
+    await raw.script_flush()
+    await index.add("pod-a", [3])
+    assert (await index.lookup([1, 2, 3]))["pod-a"]["GPU"] == 3
+
+
+# -- counting, generations and TTL ------------------------------------------------------
+
+
+async def test_an_entry_removed_to_zero_deletes_the_block_key(
+    index: RedisIndex, raw: aioredis.Redis, redis_namespace: str
+) -> None:
+    await index.add("pod-a", [7])
+    await index.add("pod-a", [7])
+    await index.remove("pod-a", [7])
+    assert await raw.hget(block_name(redis_namespace, 7), b"1") == b"1"
+    await index.remove("pod-a", [7])
+    assert await raw.exists(block_name(redis_namespace, 7)) == 0
+    await index.remove("pod-a", [7])  # unknown now: ignored, never negative
+    assert await raw.exists(block_name(redis_namespace, 7)) == 0
+    assert await index.lookup([7]) == {}
+
+
+async def test_clear_pod_hides_entries_at_once_without_scanning(
+    index: RedisIndex, raw: aioredis.Redis, redis_namespace: str
+) -> None:
+    await index.add("pod-a", list(range(500)))
+    await index.add("pod-b", list(range(10)))
+    await index.clear_pod("pod-c")  # warm the script cache
+    before = (await raw.info("commandstats")).get("cmdstat_scan", {}).get("calls", 0)
+    assert await round_trips(index.clear_pod("pod-a")) == 1
+    after = (await raw.info("commandstats")).get("cmdstat_scan", {}).get("calls", 0)
+    assert after == before  # the script retires two ids per tier; it never scans
+    assert await index.lookup(list(range(500))) == {"pod-b": {"GPU": 10, "CPU": 10, "DISK": 10}}
+    assert await index.pod_entries() == {"pod-b": 10}
+    # the retired generation's fields are still stored until the TTL or a sweep
+    assert await raw.hlen(block_name(redis_namespace, 400)) == 1
+
+
+async def test_a_cleared_pod_starts_a_fresh_generation(index: RedisIndex) -> None:
+    await index.add("pod-a", [1, 2, 3])
+    await index.add("pod-a", [1, 2, 3])
+    await index.clear_pod("pod-a")
+    await index.add("pod-a", [1, 2])
+    assert await index.pod_entries() == {"pod-a": 2}
+    await index.remove("pod-a", [1, 2])  # one copy each in the new generation
+    assert await index.lookup([1, 2, 3]) == {}
+
+
+async def test_clearing_one_tier_keeps_the_others(index: RedisIndex) -> None:
+    await index.add("pod-a", [1, 2, 3, 4])
+    await index.add("pod-a", [1, 2, 3, 4, 5, 6], tier="CPU")
+    await index.clear_pod("pod-a", tier="GPU")
+    assert await index.lookup([1, 2, 3, 4, 5, 6]) == {"pod-a": {"GPU": 0, "CPU": 6, "DISK": 6}}
+
+
+async def test_sweep_deletes_only_retired_generations(
+    index: RedisIndex, raw: aioredis.Redis, redis_namespace: str
+) -> None:
+    await index.add("pod-a", list(range(300)))
+    await index.add("pod-b", list(range(100)))
+    await index.clear_pod("pod-a")
+    assert await index.sweep(count=50) == 300
+    assert await index.block_keys() == 100  # keys held only by pod-a are gone
+    assert await raw.hlen(block_name(redis_namespace, 5)) == 1
+    assert await index.lookup(list(range(100))) == {"pod-b": {"GPU": 100, "CPU": 100, "DISK": 100}}
+    assert await index.sweep() == 0
+
+
+async def test_add_sets_and_refreshes_the_block_ttl(
+    redis_url: str, redis_namespace: str, raw: aioredis.Redis
+) -> None:
+    idx = RedisIndex.from_url(redis_url, namespace=redis_namespace, ttl_s=600)
+    try:
+        name = block_name(redis_namespace, 9)
+        await idx.add("pod-a", [9])
+        assert 0 < await raw.pttl(name) <= 600_000
+        await raw.pexpire(name, 5_000)
+        await idx.add("pod-b", [9])  # any pod's add refreshes the block
+        assert await raw.pttl(name) > 5_000
+        await raw.pexpire(name, 5_000)
+        await idx.remove("pod-b", [9])  # a remove does not extend it
+        assert 0 < await raw.pttl(name) <= 5_000
+    finally:
+        await idx.close()
+
+
+async def test_ttl_zero_stores_blocks_without_expiry(
+    redis_url: str, redis_namespace: str, raw: aioredis.Redis
+) -> None:
+    idx = RedisIndex.from_url(redis_url, namespace=redis_namespace, ttl_s=0)
+    try:
+        await idx.add("pod-a", [9])
+        assert await raw.pttl(block_name(redis_namespace, 9)) == -1
+    finally:
+        await idx.close()
+
+
+async def test_an_expired_block_ends_the_walk(
+    index: RedisIndex, raw: aioredis.Redis, redis_namespace: str
+) -> None:
+    await index.add("pod-a", [1, 2, 3, 4])
+    await raw.pexpire(block_name(redis_namespace, 3), 1)
+
+    async def gone() -> bool:
+        return await raw.exists(block_name(redis_namespace, 3)) == 0
+
+    await wait_until(gone, "block 3 to expire")
+    assert await index.lookup([1, 2, 3, 4]) == {"pod-a": {"GPU": 2, "CPU": 2, "DISK": 2}}
+
+
+# -- several replicas -----------------------------------------------------------------
+
+
+async def test_replicas_sharing_a_namespace_see_one_index(
+    redis_url: str, redis_namespace: str
+) -> None:
+    indexer = RedisIndex.from_url(redis_url, namespace=redis_namespace)
+    replica_1 = RedisIndex.from_url(redis_url, namespace=redis_namespace)
+    replica_2 = RedisIndex.from_url(redis_url, namespace=redis_namespace)
+    try:
+        await indexer.add("pod-a", [1, 2, 3])
+        await replica_1.add("pod-b", [1, 2])
+        expect = {
+            "pod-a": {"GPU": 3, "CPU": 3, "DISK": 3},
+            "pod-b": {"GPU": 2, "CPU": 2, "DISK": 2},
+        }
+        assert await replica_1.lookup([1, 2, 3]) == expect
+        assert await replica_2.lookup([1, 2, 3]) == expect
+        await replica_2.clear_pod("pod-a")
+        assert await indexer.lookup([1, 2, 3]) == {"pod-b": {"GPU": 2, "CPU": 2, "DISK": 2}}
+    finally:
+        for idx in (indexer, replica_1, replica_2):
+            await idx.close()
+
+
+async def test_namespaces_are_isolated(redis_url: str, redis_namespace: str) -> None:
+    a = RedisIndex.from_url(redis_url, namespace=redis_namespace + "-a")
+    b = RedisIndex.from_url(redis_url, namespace=redis_namespace + "-b")
+    try:
+        await a.add("pod-a", [1, 2])
+        assert await b.lookup([1, 2]) == {}
+        assert await b.pod_entries() == {}
+        await b.clear_pod("pod-a")
+        assert await a.lookup([1, 2]) == {"pod-a": {"GPU": 2, "CPU": 2, "DISK": 2}}
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_the_lookup_script_is_read_only(
+    index: RedisIndex, raw: aioredis.Redis, redis_namespace: str
+) -> None:
+    """Flagged no-writes: EVAL_RO accepts it (so read replicas may serve lookups)."""
+    await index.add("pod-a", [1, 2, 3])
+
+    ns = b"{" + redis_namespace.encode() + b"}:"
+    reply = await raw.eval_ro(
+        redis_lua.LOOKUP,
+        2,
+        ns + b"pods",
+        ns + b"ids",
+        ns + b"b",
+        struct.pack(">3Q", 1, 2, 3),
+        b"3",
+        b"GPU",
+        b"CPU",
+        b"DISK",
+    )
+    assert reply == [b"pod-a", 3, 3, 3]
+    with pytest.raises(aioredis.ResponseError):
+        await raw.eval_ro(
+            redis_lua.ADD,
+            4,
+            ns + b"pods",
+            ns + b"ids",
+            ns + b"next",
+            ns + b"n",
+            ns + b"b",
+            b"pod-x",
+            b"GPU",
+            b"0",
+            struct.pack(">Q", 1),
+        )
+
+
+# -- shared load view -----------------------------------------------------------------
+
+
+async def test_load_from_several_replicas_is_summed(redis_url: str, redis_namespace: str) -> None:
+    r1 = RedisLoadStore.from_url(redis_url, namespace=redis_namespace)
+    r2 = RedisLoadStore.from_url(redis_url, namespace=redis_namespace)
+    try:
+        await r1.begin("pod-a", 1000)
+        await r2.begin("pod-a", 500)
+        await r2.begin("pod-b", 64)
+        await r1.prefill_done("pod-a", 1000)
+        assert await r1.snapshot() == {"pod-a": (2, 500), "pod-b": (1, 64)}
+        assert await r2.snapshot(["pod-a", "pod-c"]) == {"pod-a": (2, 500), "pod-c": (0, 0)}
+        await r2.end("pod-b")
+        await r2.prefill_done("pod-b", 64)
+        assert await r1.snapshot() == {"pod-a": (2, 500)}
+    finally:
+        await r1.close()
+        await r2.close()
+
+
+async def test_load_counters_never_go_below_zero(redis_url: str, redis_namespace: str) -> None:
+    store = RedisLoadStore.from_url(redis_url, namespace=redis_namespace)
+    try:
+        await store.end("pod-a")
+        await store.prefill_done("pod-a", 100)
+        await store.begin("pod-a", 10)
+        assert await store.snapshot() == {"pod-a": (1, 10)}
+    finally:
+        await store.close()
+
+
+async def test_a_replica_that_stops_heartbeating_drops_out(
+    redis_url: str, redis_namespace: str, raw: aioredis.Redis
+) -> None:
+    alive = RedisLoadStore.from_url(redis_url, namespace=redis_namespace, replica="alive")
+    crashed = RedisLoadStore.from_url(redis_url, namespace=redis_namespace, replica="crashed")
+    try:
+        await alive.begin("pod-a", 10)
+        await crashed.begin("pod-a", 20)
+        assert await alive.snapshot() == {"pod-a": (2, 30)}
+        # the crashed replica's registration runs out (as if ttl_s passed with no beat)
+        zset = b"{" + redis_namespace.encode() + b"}:load:r"
+        await raw.zadd(zset, {b"crashed": 0})
+        assert await alive.snapshot() == {"pod-a": (1, 10)}
+        # its counters also carry a TTL, so nothing outlives it in memory
+        h = b"{" + redis_namespace.encode() + b"}:load:h:crashed"
+        assert 0 < await raw.pttl(h) <= 15_000
+    finally:
+        await alive.close()
+        await crashed.close()
+
+
+async def test_heartbeat_pushes_the_replica_expiry_forward(
+    redis_url: str, redis_namespace: str, raw: aioredis.Redis
+) -> None:
+    store = RedisLoadStore.from_url(redis_url, namespace=redis_namespace, replica="r", ttl_s=60)
+    zset = b"{" + redis_namespace.encode() + b"}:load:r"
+    try:
+        await store.begin("pod-a", 1)
+        await raw.zadd(zset, {b"r": 1})
+        await store.heartbeat()
+        assert (await raw.zscore(zset, b"r") or 0) > 1
+        assert await store.snapshot() == {"pod-a": (1, 1)}
+    finally:
+        await store.close()
+
+
+async def test_close_withdraws_the_replica_load_at_once(
+    redis_url: str, redis_namespace: str
+) -> None:
+    leaving = RedisLoadStore.from_url(redis_url, namespace=redis_namespace)
+    staying = RedisLoadStore.from_url(redis_url, namespace=redis_namespace)
+    try:
+        await leaving.begin("pod-a", 10)
+        await staying.begin("pod-a", 5)
+        await leaving.close()
+        assert await staying.snapshot() == {"pod-a": (1, 5)}
+    finally:
+        await staying.close()
+
+
+async def test_clear_pod_forgets_the_pod_load_of_every_replica(
+    redis_url: str, redis_namespace: str
+) -> None:
+    r1 = RedisLoadStore.from_url(redis_url, namespace=redis_namespace)
+    r2 = RedisLoadStore.from_url(redis_url, namespace=redis_namespace)
+    try:
+        await r1.begin("pod-a", 10)
+        await r2.begin("pod-a", 10)
+        await r2.begin("pod-b", 3)
+        await r1.clear_pod("pod-a")
+        assert await r2.snapshot() == {"pod-b": (1, 3)}
+        await r1.end("pod-a")  # a request finishing after the clear does not go negative
+        await r1.begin("pod-a", 7)
+        assert await r2.snapshot(["pod-a"]) == {"pod-a": (1, 7)}
+    finally:
+        await r1.close()
+        await r2.close()
+
+
+async def test_load_store_rejects_bad_deltas(redis_url: str, redis_namespace: str) -> None:
+    store = RedisLoadStore.from_url(redis_url, namespace=redis_namespace)
+    try:
+        with pytest.raises(ValueError, match="prefill_tokens_delta must be an int"):
+            await store.incr("pod-a", 1, 2.5)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="pod must be a non-empty string"):
+            await store.incr("", 1, 0)
+    finally:
+        await store.close()
