@@ -72,8 +72,12 @@ class FleetConfig:
             ("cpu_load_rate", self.cpu_load_rate > 0, "must be > 0"),
         ]
         for name, ok, why in checks:
-            if not ok or (isinstance(getattr(self, name), float) and not math.isfinite(getattr(self, name))):
-                raise ReplayConfigError(f"{name.replace('_', '-')} {why}, got {getattr(self, name)!r}")
+            if not ok or (
+                isinstance(getattr(self, name), float) and not math.isfinite(getattr(self, name))
+            ):
+                raise ReplayConfigError(
+                    f"{name.replace('_', '-')} {why}, got {getattr(self, name)!r}"
+                )
         return self
 
     @property

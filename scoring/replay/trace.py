@@ -131,8 +131,7 @@ def _mooncake_request(obj: Any, idx: int, root: int) -> TraceRequest:
 
 def _lines(path: Path) -> Iterable[tuple[int, str]]:
     with path.open("r", encoding="utf-8", errors="replace") as fh:
-        for lineno, line in enumerate(fh, 1):
-            yield lineno, line
+        yield from enumerate(fh, 1)
 
 
 def load_mooncake(path: Path) -> Trace:
@@ -160,9 +159,7 @@ def _render_text(body: Mapping[str, Any]) -> str:
     for m in body["messages"]:
         content = m.get("content")
         if isinstance(content, list):
-            content = "".join(
-                str(p.get("text", "")) for p in content if isinstance(p, dict)
-            )
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
         parts.append(f"<|im_start|>{m.get('role')}\n{content or ''}<|im_end|>\n")
     parts.append("<|im_start|>assistant\n")
     return "".join(parts)
@@ -231,9 +228,7 @@ def _openai_request(
     else:
         prompt, keys = approx_keys(_render_text(body), block_size, model)
     session = obj.get("session_id", body.get("user"))
-    turns = (
-        sum(1 for m in messages if m.get("role") == "user") if messages is not None else None
-    )
+    turns = sum(1 for m in messages if m.get("role") == "user") if messages is not None else None
     route = RouteRequest(
         request_id=f"r{idx}",
         model=model,
@@ -254,9 +249,7 @@ def load_openai(
     default_output: int = 128,
     arrival_rate: float = 1.0,
 ) -> Trace:
-    trace = Trace(
-        requests=[], block_size=block_size, fmt="openai", approximate=tokenizer is None
-    )
+    trace = Trace(requests=[], block_size=block_size, fmt="openai", approximate=tokenizer is None)
     prev = -1.0 / arrival_rate
     for lineno, line in _lines(path):
         trace.lines = lineno

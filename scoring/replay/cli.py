@@ -1,0 +1,240 @@
+"""``kvroute replay``: replay a trace against simulated pods, once per policy.
+
+Prints a table (default) or exactly one JSON object on stdout (``--json``)::
+
+    {"ceilings": {"infinite": h, "pooled": h},
+     "policies": {NAME: {"hit_rate": h, "ttft_p50_s": x, "ttft_p90_s": x, "ttft_p99_s": x,
+                         "throughput_rps": x, "imbalance": x, ...}},
+     "workload": {...}, "trace": {...}, "fleet": {...}}
+
+Progress and warnings go to stderr (a progress bar only on a TTY).  Exit status: 0 ok,
+1 trace unreadable or empty, 2 invalid arguments or parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from scoring.policies.registry import PolicyConfigError, available_policies, build_policy
+from scoring.replay.ceilings import pooled_ceiling
+from scoring.replay.engine import replay_policy
+from scoring.replay.report import format_table, summarize
+from scoring.replay.simpod import FleetConfig, ReplayConfigError
+from scoring.replay.trace import MOONCAKE_BLOCK_TOKENS, Trace, TraceFormatError, load_trace
+from scoring.replay.workload import workload_stats
+
+_MAX_REPORTED_ERRORS = 10
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="kvroute replay",
+        description="Replay a request trace in virtual time against N simulated pods, per policy.",
+    )
+    ap.add_argument("trace", help="trace file (JSONL)")
+    ap.add_argument("--format", choices=["mooncake", "openai"], default="mooncake")
+    ap.add_argument("--pods", type=int, default=8, help="simulated pods (default 8)")
+    ap.add_argument("--capacity-tokens", type=int, required=True, help="KV cache per pod, tokens")
+    ap.add_argument(
+        "--policy",
+        action="append",
+        choices=available_policies(),
+        help="policy to replay (repeatable; default: all)",
+    )
+    ap.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="POLICY.KEY=VALUE",
+        help="policy parameter (YAML value), e.g. cost.miss_weight=4",
+    )
+    ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    ap.add_argument("--plot", metavar="FILE.png", help="write hit-rate bars and TTFT CDFs")
+    ap.add_argument(
+        "--block-size", type=int, default=None, help="tokens per block (openai; default 16)"
+    )
+    ap.add_argument("--prefill-rate", type=float, default=8000.0, help="prompt tokens/s per pod")
+    ap.add_argument("--decode-rate", type=float, default=40.0, help="tokens/s, one sequence")
+    ap.add_argument("--decode-batch-slope", type=float, default=0.01)
+    ap.add_argument("--decode-interference", type=float, default=0.005)
+    ap.add_argument("--cpu-capacity-tokens", type=int, default=0, help="CPU offload tier per pod")
+    ap.add_argument("--cpu-load-rate", type=float, default=50_000.0, help="CPU->GPU tokens/s")
+    ap.add_argument("--tokenizer", help="model dir or 'builtin' (openai); else a char estimate")
+    ap.add_argument("--default-output-tokens", type=int, default=128)
+    ap.add_argument(
+        "--arrival-rate", type=float, default=1.0, help="req/s for lines without a timestamp"
+    )
+    ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def parse_params(items: Sequence[str], policies: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``["cost.miss_weight=4"]`` -> ``{"cost": {"miss_weight": 4}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        name, dot, rest = item.partition(".")
+        key, eq, value = rest.partition("=")
+        if not dot or not eq or not key:
+            raise PolicyConfigError(f"--param {item!r}: expected POLICY.KEY=VALUE")
+        if name not in available_policies():
+            raise PolicyConfigError(f"--param {item!r}: unknown policy {name!r}")
+        try:
+            out.setdefault(name, {})[key] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise PolicyConfigError(f"--param {item!r}: bad value: {exc}") from None
+    return out
+
+
+def fleet_defaults(name: str, cfg: FleetConfig) -> dict[str, Any]:
+    """Parameters a policy takes from the fleet it routes to (an operator sets these to
+    the pods' measured rates); ``--param`` overrides them."""
+    if name == "cost":
+        return {
+            "prefill_rate_tokens_per_s": cfg.prefill_rate,
+            "tier_load_rates_tokens_per_s": {"CPU": cfg.cpu_load_rate},
+            "decode_slowdown_per_running": cfg.decode_interference,
+        }
+    return {}
+
+
+def _progress(total: int, label: str, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, file=sys.stderr, unit="req", mininterval=0.5)
+
+
+def _load(args: argparse.Namespace) -> Trace:
+    tokenizer = None
+    if args.format == "openai" and args.tokenizer:
+        from router.tokenize import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+    block_size = args.block_size
+    if args.format == "mooncake":
+        if block_size not in (None, MOONCAKE_BLOCK_TOKENS):
+            raise ReplayConfigError(
+                f"block-size must be {MOONCAKE_BLOCK_TOKENS} for mooncake traces "
+                f"(hash_ids name 512-token blocks), got {block_size}"
+            )
+        block_size = MOONCAKE_BLOCK_TOKENS
+    elif block_size is None:
+        block_size = 16
+    if block_size < 1:
+        raise ReplayConfigError(f"block-size must be >= 1, got {block_size}")
+    if args.arrival_rate <= 0:
+        raise ReplayConfigError(f"arrival-rate must be > 0, got {args.arrival_rate}")
+    if args.default_output_tokens < 0:
+        raise ReplayConfigError(
+            f"default-output-tokens must be >= 0, got {args.default_output_tokens}"
+        )
+    return load_trace(
+        args.trace,
+        args.format,
+        block_size=block_size,
+        tokenizer=tokenizer,
+        default_output=args.default_output_tokens,
+        arrival_rate=args.arrival_rate,
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    trace = _load(args)
+    for lineno, msg in trace.errors[:_MAX_REPORTED_ERRORS]:
+        print(f"kvroute replay: {args.trace}:{lineno}: skipped: {msg}", file=sys.stderr)
+    if trace.malformed > _MAX_REPORTED_ERRORS:
+        print(
+            f"kvroute replay: ... {trace.malformed - _MAX_REPORTED_ERRORS} more malformed lines",
+            file=sys.stderr,
+        )
+    if trace.approximate:
+        print(
+            "kvroute replay: no --tokenizer: token counts and blocks are a CHARACTER "
+            "ESTIMATE (~4 chars/token)",
+            file=sys.stderr,
+        )
+    if args.limit is not None:
+        if args.limit < 1:
+            raise ReplayConfigError(f"limit must be >= 1, got {args.limit}")
+        trace.requests = trace.requests[: args.limit]
+    if not trace.requests:
+        raise TraceFormatError(f"{args.trace}: no valid requests ({trace.malformed} malformed)")
+    cfg = FleetConfig(
+        pods=args.pods,
+        capacity_tokens=args.capacity_tokens,
+        block_size=trace.block_size,
+        prefill_rate=args.prefill_rate,
+        decode_rate=args.decode_rate,
+        decode_batch_slope=args.decode_batch_slope,
+        decode_interference=args.decode_interference,
+        cpu_capacity_tokens=args.cpu_capacity_tokens,
+        cpu_load_rate=args.cpu_load_rate,
+    ).validate()
+    names = args.policy or available_policies()
+    overrides = parse_params(args.param, names)
+    policies = {
+        n: build_policy(n, {**fleet_defaults(n, cfg), **overrides.get(n, {})}) for n in names
+    }
+    show = sys.stderr.isatty() and not args.no_progress
+    result: dict[str, Any] = {
+        "ceilings": {},
+        "policies": {},
+        "workload": workload_stats(trace),
+        "trace": {
+            "path": str(args.trace),
+            "format": trace.fmt,
+            "lines": trace.lines,
+            "requests": len(trace.requests),
+            "malformed": trace.malformed,
+            "approximate": trace.approximate,
+            "block_size": trace.block_size,
+        },
+        "fleet": dataclasses.asdict(cfg),
+        "params": {n: p.params.model_dump(mode="json") for n, p in policies.items()},
+    }
+    result["ceilings"] = {
+        "infinite": result["workload"]["reuse_ceiling"],
+        "pooled": pooled_ceiling(trace, cfg.pods * cfg.capacity_tokens),
+    }
+    ttfts: dict[str, list[float]] = {}
+    for name, policy in policies.items():
+        bar = _progress(len(trace.requests), name, show)
+        tick = (lambda _i, b=bar: b.update(1)) if bar is not None else None
+        outcome = replay_policy(trace, policy, cfg, on_progress=tick)
+        if bar is not None:
+            bar.close()
+        result["policies"][name] = summarize(outcome)
+        ttfts[name] = outcome.ttft_s
+    if args.plot:
+        from scoring.replay.plot import write_plot
+
+        write_plot(args.plot, result, ttfts)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        result = run(args)
+    except (ReplayConfigError, PolicyConfigError) as exc:
+        print(f"kvroute replay: {exc}", file=sys.stderr)
+        return 2
+    except (TraceFormatError, OSError) as exc:
+        print(f"kvroute replay: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        json.dump(result, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(format_table(result))
+    return 0

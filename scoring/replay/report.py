@@ -1,0 +1,85 @@
+"""Per-policy metrics from a :class:`~scoring.replay.engine.PolicyRun`, and the table.
+
+* ``hit_rate`` — prompt tokens served from cache (GPU or CPU tier) / prompt tokens.
+* ``ttft_p50_s`` / ``p90`` / ``p99`` — nearest-rank percentiles of TTFT (arrival to first
+  token, queueing included).
+* ``throughput_rps`` — requests / (last completion - first arrival).
+* ``imbalance`` — max / mean of per-pod busy time (seconds spent prefilling); 1.0 is
+  perfectly even.  ``max_utilisation`` / ``mean_utilisation`` are busy time over the
+  replay's span.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scoring.replay.engine import PolicyRun
+from scoring.replay.workload import percentile
+
+
+def summarize(run: PolicyRun) -> dict[str, Any]:
+    prompt = sum(run.prompt_tokens)
+    n = len(run.ttft_s)
+    span = max(run.last_finish_s - run.first_arrival_s, 1e-9)
+    busy = run.busy_s
+    mean_busy = sum(busy) / len(busy) if busy else 0.0
+    per_pod = [0] * len(run.pods)
+    for i in run.pod_of:
+        per_pod[i] += 1
+    return {
+        "hit_rate": sum(run.hit_tokens) / prompt if prompt else 0.0,
+        "gpu_hit_rate": sum(run.gpu_hit_tokens) / prompt if prompt else 0.0,
+        "ttft_p50_s": percentile(run.ttft_s, 50),
+        "ttft_p90_s": percentile(run.ttft_s, 90),
+        "ttft_p99_s": percentile(run.ttft_s, 99),
+        "ttft_mean_s": sum(run.ttft_s) / n if n else 0.0,
+        "throughput_rps": n / span,
+        "imbalance": max(busy) / mean_busy if mean_busy > 0 else 1.0,
+        "max_utilisation": max(busy) / span if busy else 0.0,
+        "mean_utilisation": mean_busy / span,
+        "requests_per_pod": per_pod,
+        "replay_wall_s": run.wall_s,
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """A plain-text report: workload, ceilings, one row per policy."""
+    w = result["workload"]
+    c = result["ceilings"]
+    pt = w["prompt_tokens"]
+    lines = [
+        f"trace: {result['trace']['path']} ({result['trace']['format']}"
+        + (", CHARACTER ESTIMATE of tokens" if result["trace"]["approximate"] else "")
+        + f"), {w['requests']} requests, {result['trace']['malformed']} malformed lines skipped",
+        f"fleet: {result['fleet']['pods']} pods x {result['fleet']['capacity_tokens']:,} tokens, "
+        f"prefill {result['fleet']['prefill_rate']:,.0f} tok/s, "
+        f"decode {result['fleet']['decode_rate']:,.0f} tok/s",
+        f"prompt tokens: mean {pt['mean']:,.0f}  p50 {pt['p50']:,.0f}  p90 {pt['p90']:,.0f}  "
+        f"p99 {pt['p99']:,.0f}  max {pt['max']:,}",
+        f"prefix share rate {w['prefix_share_rate']:.1%}   prefix breakers "
+        f"{w['prefix_breakers']:.1%}   turns/conversation "
+        + (
+            f"{w['turns_per_conversation']['mean']:.1f}"
+            if w["turns_per_conversation"]
+            else "unknown"
+        ),
+        f"ceilings: infinite cache {c['infinite']:.1%}   pooled cache {c['pooled']:.1%}",
+        "",
+    ]
+    header = (
+        f"{'policy':<15} {'hit':>7} {'/pooled':>8} {'p50 s':>8} {'p90 s':>8} {'p99 s':>8} "
+        f"{'p90/rr':>7} {'req/s':>7} {'imbal':>6} {'wall s':>7}"
+    )
+    lines += [header, "-" * len(header)]
+    rr = result["policies"].get("round_robin")
+    for name, m in result["policies"].items():
+        rel = m["ttft_p90_s"] / rr["ttft_p90_s"] if rr and rr["ttft_p90_s"] > 0 else None
+        pooled = m["hit_rate"] / c["pooled"] if c["pooled"] > 0 else None
+        lines.append(
+            f"{name:<15} {m['hit_rate']:>7.1%} "
+            f"{(f'{pooled:.1%}' if pooled is not None else '-'):>8} "
+            f"{m['ttft_p50_s']:>8.2f} {m['ttft_p90_s']:>8.2f} {m['ttft_p99_s']:>8.2f} "
+            f"{(f'{rel:.2f}' if rel is not None else '-'):>7} "
+            f"{m['throughput_rps']:>7.2f} {m['imbalance']:>6.2f} {m['replay_wall_s']:>7.1f}"
+        )
+    return "\n".join(lines)
