@@ -1,0 +1,383 @@
+"""The FastAPI app of `kvroute serve`: :func:`create_app` builds it from :class:`Settings`.
+
+All state lives in one :class:`Gateway`, created by the app's lifespan and reachable as
+``app.state.gateway``; nothing is a module global, so several apps (tests, workers) can
+live in one process.  The lifespan starts, in order: the pod registry and discovery, a
+first health round (to learn which models the pods serve), the index (in memory, or
+Redis with ``redis_url``) and the KV-event subscriber feeding it, the load store, the
+metrics scraper; it stops them in reverse order.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or not),
+``POST /v1/embeddings``, ``GET /v1/models``, ``POST /v1/route`` (explain, no forwarding),
+``GET /health``, ``GET /ready``, ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from router.config import Settings
+from router.discovery import build_discovery
+from router.errors import RouterError, json_response
+from router.events import KVEventSubscriber
+from router.health import HealthChecker
+from router.load import LoadStore, MemoryLoadStore, MetricsScraper
+from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.pods import PodRegistry, PodSpec
+from router.proxy import Proxy, make_client
+from router.routing import Kind, RequestRouter, explain, parse_body
+from router.tokenize import PromptTokenizer, load_tokenizer
+from scoring.index.base import BlockIndex
+from scoring.policies import build_policy
+from scoring.policies.base import Policy
+
+log = logging.getLogger(__name__)
+
+
+class Gateway:
+    """Everything one router app owns."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = RouterMetrics()
+        self.registry = PodRegistry()
+        self.policy: Policy = build_policy(settings.policy, settings.policy_params)
+        self._tokenizers: dict[str, PromptTokenizer] = {}
+        self.client: httpx.AsyncClient = make_client(settings.proxy)
+        self.index: BlockIndex = _make_index(settings)
+        self.load: LoadStore = _make_load_store(settings)
+        self.scraper = MetricsScraper(
+            self.registry,
+            self.client,
+            interval_s=settings.scrape.interval_s,
+            timeout_s=settings.scrape.timeout_s,
+            stale_after_s=settings.scrape.stale_after_s,
+            on_error=lambda pod: self.metrics.scrape_errors.labels(pod).inc(),
+        )
+        self.health = HealthChecker(
+            self.registry, settings.health, metrics_registry=self.metrics.registry
+        )
+        self.subscriber: KVEventSubscriber | None = None
+        if settings.events.enabled:
+            self.subscriber = KVEventSubscriber(
+                settings.events,
+                self.registry,
+                _make_sink(self.index),
+                metrics_registry=self.metrics.registry,
+            )
+        self.router = RequestRouter(
+            settings,
+            self.registry,
+            self.index,
+            self.policy,
+            self.load,
+            self.scraper,
+            self.tokenizer_for,
+            self.metrics,
+        )
+        self.proxy = Proxy(
+            self.client,
+            settings.proxy,
+            self.registry,
+            self.load,
+            self.policy,
+            self.metrics,
+            policy_name=settings.policy,
+            pod_header=settings.pod_header,
+            forward_authorization=not settings.api_keys,
+        )
+        self._api_keys = [k.encode() for k in settings.api_keys]
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.registry.subscribe(self._on_pod)
+
+    # -- pieces ------------------------------------------------------------------------
+
+    def tokenizer_for(self, model: str) -> PromptTokenizer:
+        spec = self.settings.tokenizer_for(model)
+        tok = self._tokenizers.get(spec)
+        if tok is None:
+            tok = self._tokenizers[spec] = load_tokenizer(spec)
+        return tok
+
+    def _on_pod(self, name: str, spec: PodSpec | None) -> None:
+        if spec is None:
+            self.policy.on_pod_removed(name)
+            self.scraper.forget(name)
+            with contextlib.suppress(Exception):
+                self.metrics.inflight.remove(name)
+            with contextlib.suppress(Exception):
+                self.metrics.index_entries.remove(name)
+            self._spawn(self.load.clear_pod(name))
+        else:
+            self.scraper.trigger()
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        try:
+            task = asyncio.ensure_future(coro)
+        except RuntimeError:  # no running loop (registry changed outside the app)
+            return
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    def check_api_key(self, request: Request) -> None:
+        if not self._api_keys:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() == "bearer" and any(
+            hmac.compare_digest(token.strip().encode(), k) for k in self._api_keys
+        ):
+            return
+        raise self.router.reject(
+            RouterError(
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                reason="unauthorized",
+                type="authentication_error",
+            )
+        )
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.settings.proxy.max_body_bytes
+        too_big = RouterError(
+            413,
+            f"request body larger than {limit} bytes (proxy.max_body_bytes)",
+            reason="body_too_large",
+        )
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise self.router.reject(too_big)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise self.router.reject(too_big)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def ready(self) -> tuple[bool, dict[str, int]]:
+        """(ready, healthy pods per model): >= 1 healthy pod per configured model
+        (every model seen on any pod when none is configured; at least one overall)."""
+        pods = self.registry.all()
+        models = list(self.settings.models) or sorted({m for p in pods for m in p.models})
+        healthy = {m: sum(1 for p in pods if p.healthy and m in p.models) for m in models}
+        ok = bool(models) and all(n > 0 for n in healthy.values())
+        return ok, healthy
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        discovery = build_discovery(self.settings.discovery)
+        self._tasks.append(asyncio.create_task(discovery.run(self.registry), name="discovery"))
+        await asyncio.sleep(0)  # static discovery fills the registry at once
+        if self.settings.health.enabled:
+            with contextlib.suppress(Exception):
+                await self.health.check_all()
+            self._tasks.append(asyncio.create_task(self.health.run(), name="health"))
+        if self.subscriber is not None:
+            await self.subscriber.start()
+        with contextlib.suppress(Exception):
+            await self.scraper.scrape_all()
+        self.scraper.start()
+        self._tasks.append(asyncio.create_task(self._index_gauge_loop(), name="index-gauge"))
+
+    async def stop(self) -> None:
+        await self.scraper.stop()
+        if self.subscriber is not None:
+            with contextlib.suppress(Exception):
+                await self.subscriber.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        with contextlib.suppress(Exception):
+            await self.health.aclose()
+        await self.client.aclose()
+        with contextlib.suppress(Exception):
+            await self.load.close()
+        with contextlib.suppress(Exception):
+            await self.index.close()
+
+    async def _index_gauge_loop(self) -> None:
+        while True:
+            try:
+                for pod, n in (await self.index.pod_entries()).items():
+                    self.metrics.index_entries.labels(pod).set(n)
+            except Exception as exc:
+                log.debug("index entries gauge: %s", exc)
+            await asyncio.sleep(max(self.settings.scrape.interval_s, 1.0))
+
+
+def _make_index(settings: Settings) -> BlockIndex:
+    if settings.redis_url:
+        from scoring.index.redis import RedisIndex
+
+        return RedisIndex.from_url(settings.redis_url, namespace=settings.redis_namespace)
+    from scoring.index.memory import InMemoryIndex
+
+    return InMemoryIndex(max_entries=settings.index_capacity)
+
+
+def _make_load_store(settings: Settings) -> LoadStore:
+    if settings.redis_url:
+        from scoring.index.redis import RedisLoadStore
+
+        return RedisLoadStore.from_url(settings.redis_url, namespace=settings.redis_namespace)
+    return MemoryLoadStore()
+
+
+def _make_sink(index: BlockIndex) -> Any:
+    from scoring.events import IndexSink
+
+    return IndexSink(index)
+
+
+# -- the app ---------------------------------------------------------------------------
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The router app; its lifespan owns a :class:`Gateway` (``app.state.gateway``)."""
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gateway = Gateway(settings)
+        app.state.gateway = gateway
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    app = FastAPI(
+        title="kvroute",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+
+    def gw(request: Request) -> Gateway:
+        g: Gateway = request.app.state.gateway
+        return g
+
+    @app.exception_handler(RouterError)
+    async def _router_error(request: Request, exc: RouterError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return RouterError(exc.status_code, str(exc.detail), reason="http").response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return RouterError(400, str(exc), reason="invalid_request").response()
+
+    async def _generate(request: Request, kind: Kind, path: str) -> Response:
+        started = time.perf_counter()
+        g = gw(request)
+        g.check_api_key(request)
+        raw = await g.read_body(request)
+        try:
+            body = parse_body(raw)
+        except RouterError as err:
+            raise g.router.reject(err) from None
+        routed = await g.router.decide(kind, body, request.headers)
+        view = routed.views.get(routed.ranking[0])
+        if view is not None and kind != "embedding":
+            m = g.metrics
+            m.prompt_tokens.labels(routed.model, routed.ranking[0]).inc(routed.route.prompt_tokens)
+            m.predicted_cached_tokens.labels(routed.model, routed.ranking[0]).inc(
+                routed.cached_tokens(routed.ranking[0])
+            )
+        return await g.proxy.forward(
+            routed, path, raw, request.headers.raw, request.receive, started
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, "chat", "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, "completion", "/v1/completions")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await _generate(request, "embedding", "/v1/embeddings")
+
+    @app.post("/v1/route")
+    async def route(request: Request) -> Response:
+        """Explain where a chat (``messages``) or completion (``prompt``) body would go."""
+        g = gw(request)
+        g.check_api_key(request)
+        raw = await g.read_body(request)
+        body = parse_body(raw)
+        kind: Kind = "chat" if "messages" in body or "prompt" not in body else "completion"
+        routed = await g.router.decide(kind, body, request.headers)
+        return json_response(explain(routed, g.registry, g.settings.policy))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        g = gw(request)
+        g.check_api_key(request)
+        data = []
+        for model in sorted(g.registry.served_models()):
+            pods = [p.name for p in g.registry.candidates(model)]
+            entry: dict[str, Any] = {
+                "id": model,
+                "object": "model",
+                "created": 0,
+                "owned_by": "kvroute",
+                "root": g.scraper.parents.get(model, model),
+                "parent": g.scraper.parents.get(model),
+            }
+            max_len = g.scraper.model_max_len(model, pods)
+            if max_len:
+                entry["max_model_len"] = max_len
+            data.append(entry)
+        return json_response({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return json_response({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        ok, per_model = gw(request).ready()
+        return json_response({"ready": ok, "healthy_pods": per_model}, status=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(gw(request).metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """Factory for uvicorn workers: settings passed by `kvroute serve` as JSON in
+    ``KVROUTE_SERVE_SETTINGS_JSON`` (workers are separate processes)."""
+    import os
+
+    raw = os.environ.get("KVROUTE_SERVE_SETTINGS_JSON")
+    settings = Settings.model_validate_json(raw) if raw else Settings.load([])
+    return create_app(settings)
+
+
+Handler = Callable[[Request], Awaitable[Response]]

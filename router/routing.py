@@ -1,0 +1,419 @@
+"""The request path up to the decision: body -> validated request -> tokens -> block
+keys -> index lookup -> pod views -> policy -> ranked pods.
+
+Nothing here does network I/O towards pods (the index and the load store may be
+Redis).  :class:`RequestRouter` is built once per app by the lifespan.
+
+Validation (every failure is a :class:`~router.errors.RouterError`, counted by reason):
+
+* body not JSON / not an object -> 400 ``invalid_json``; ``model`` missing -> 400
+  ``missing_model``; chat ``messages`` absent, empty or malformed -> 400
+  ``invalid_messages``; completions ``prompt`` not a string, list of strings, token-id
+  list or list of token-id lists -> 400 ``invalid_prompt``; ``stream`` not a boolean ->
+  400 ``invalid_stream``;
+* a model no pod serves -> 404 ``model_not_found``; served only by unhealthy pods -> 503;
+* prompt longer than the smallest ``max_model_len`` of the candidates (config, else
+  learned from the pods' ``/v1/models``) -> 400 ``context_length_exceeded``.
+
+The LoRA rule: a ``model`` that is not a pod's base model is an adapter; its block keys
+are chained from the base model's root with the adapter name folded into every block
+(as the indexer does with the events' ``lora_name``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+from router.config import Settings
+from router.errors import RouterError, bad_request
+from router.load import LoadStore, MetricsScraper
+from router.metrics import RouterMetrics
+from router.pods import PodRegistry, PodState
+from router.tokenize import PromptTokenizer, TokenizeError
+from scoring.blocks import BlockHasher
+from scoring.index.base import BlockIndex
+from scoring.policies.base import Decision, PodView, Policy, RouteRequest
+
+Kind = Literal["chat", "completion", "embedding"]
+
+DEFAULT_BLOCK_SIZE = 16
+_decode = msgspec.json.decode
+
+
+@dataclass(slots=True)
+class Routed:
+    """A decided request: what to send, where first, and where next on a retry."""
+
+    kind: Kind
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    route: RouteRequest
+    decision: Decision
+    #: candidate pods, best first (the decision's pod first)
+    ranking: list[str]
+    views: dict[str, PodView]
+    tokenizer_name: str = "none"
+    approximate: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def cached_tokens(self, pod: str) -> int:
+        """Prompt tokens the index says ``pod`` holds (any tier)."""
+        view = self.views.get(pod)
+        if view is None:
+            return 0
+        return min(view.best_cached_blocks() * self.route.block_size, self.route.prompt_tokens)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = _decode(raw)
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", "invalid_json")
+    return body
+
+
+def _check_messages(messages: Any) -> Sequence[Mapping[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request(
+            "'messages' must be a non-empty list of message objects",
+            "invalid_messages",
+            param="messages",
+        )
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(
+                f"messages[{i}] must be an object with a string 'role'",
+                "invalid_messages",
+                param=f"messages[{i}]",
+            )
+    return messages
+
+
+def _first_prompt(prompt: Any) -> str | list[int]:
+    """The prompt to route on: a string or token ids (the first of a batch)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        head = prompt[0]
+        if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            return prompt
+        if isinstance(head, str) and all(isinstance(p, str) for p in prompt):
+            return head
+        if (
+            isinstance(head, list)
+            and head
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in head)
+        ):
+            return head
+    raise bad_request(
+        "'prompt' must be a string, a list of strings, a list of token ids or a list of "
+        "token-id lists (non-empty)",
+        "invalid_prompt",
+        param="prompt",
+    )
+
+
+class RequestRouter:
+    """Turns request bodies into routing decisions."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: PodRegistry,
+        index: BlockIndex,
+        policy: Policy,
+        load: LoadStore,
+        scraper: MetricsScraper | None,
+        tokenizer_for: Callable[[str], PromptTokenizer],
+        metrics: RouterMetrics,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.index = index
+        self.policy = policy
+        self.load = load
+        self.scraper = scraper
+        self.tokenizer_for = tokenizer_for
+        self.metrics = metrics
+        self._hashers: dict[tuple[str, int], BlockHasher] = {}
+        self._rr = 0
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def reject(self, err: RouterError) -> RouterError:
+        self.metrics.bad_requests.labels(err.reason).inc()
+        return err
+
+    def _candidates(self, model: str) -> list[PodState]:
+        pods = self.registry.candidates(model)
+        if pods:
+            return pods
+        if any(model in p.models for p in self.registry.all()):
+            raise RouterError(
+                503,
+                f"no healthy pod serves model {model!r} right now",
+                reason="no_healthy_pod",
+                param="model",
+            )
+        served = ", ".join(sorted(self.registry.served_models())) or "none"
+        raise RouterError(
+            404,
+            f"the model {model!r} does not exist; served models: {served}",
+            reason="model_not_found",
+            param="model",
+        )
+
+    def _base_and_lora(self, model: str, pods: Sequence[PodState]) -> tuple[str, str | None]:
+        parent = self.scraper.parents.get(model) if self.scraper is not None else None
+        if parent:
+            return parent, model
+        for p in pods:
+            if p.spec.models:
+                base = p.spec.models[0]
+                return base, (None if base == model else model)
+        return model, None
+
+    def block_size(self, model: str, pods: Sequence[str]) -> int:
+        configured = self.settings.block_size_for(model)
+        if configured:
+            return configured
+        if self.scraper is not None:
+            learned = self.scraper.block_size(pods)
+            if learned:
+                return learned
+        return DEFAULT_BLOCK_SIZE
+
+    def _hasher(self, model: str, block_size: int) -> BlockHasher:
+        key = (model, block_size)
+        h = self._hashers.get(key)
+        if h is None:
+            h = self._hashers[key] = BlockHasher(block_size, model)
+        return h
+
+    def _max_len(self, model: str, pods: Sequence[str]) -> int | None:
+        if model in self.settings.max_model_len:
+            return self.settings.max_model_len[model]
+        if self.scraper is not None:
+            return self.scraper.model_max_len(model, pods)
+        return None
+
+    def tokenize(
+        self, kind: Kind, body: Mapping[str, Any], model: str
+    ) -> tuple[list[int], PromptTokenizer]:
+        tok = self.tokenizer_for(model)
+        t0 = time.perf_counter()
+        try:
+            if kind == "chat":
+                messages = _check_messages(body.get("messages"))
+                tools = body.get("tools")
+                if tools is not None and not isinstance(tools, list):
+                    raise bad_request("'tools' must be a list", "invalid_tools", param="tools")
+                kwargs = body.get("chat_template_kwargs")
+                if kwargs is not None and not isinstance(kwargs, dict):
+                    raise bad_request(
+                        "'chat_template_kwargs' must be an object",
+                        "invalid_chat_template_kwargs",
+                        param="chat_template_kwargs",
+                    )
+                agp = body.get("add_generation_prompt", True)
+                if (kwargs or {}).get("continue_final_message") or body.get(
+                    "continue_final_message"
+                ):
+                    agp = False
+                ids = tok.encode_chat(
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=bool(agp),
+                    chat_template_kwargs=kwargs,
+                )
+            else:
+                prompt = _first_prompt(body.get("prompt"))
+                ids = prompt if isinstance(prompt, list) else tok.encode_prompt(prompt)
+        except TokenizeError as exc:
+            raise bad_request(f"cannot tokenize the request: {exc}", "tokenize_failed") from None
+        finally:
+            self.metrics.tokenize_seconds.labels(tok.name).observe(time.perf_counter() - t0)
+        return ids, tok
+
+    # -- the path ----------------------------------------------------------------------
+
+    async def decide(self, kind: Kind, body: dict[str, Any], headers: Mapping[str, str]) -> Routed:
+        """Validate, tokenize, look up and pick; raises RouterError (already counted)."""
+        try:
+            return await self._decide(kind, body, headers)
+        except RouterError as err:
+            raise self.reject(err) from None
+
+    async def _decide(self, kind: Kind, body: dict[str, Any], headers: Mapping[str, str]) -> Routed:
+        t0 = time.perf_counter()
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise bad_request("'model' is required and must be a string", "missing_model", "model")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise bad_request("'stream' must be a boolean", "invalid_stream", param="stream")
+        if kind == "chat":
+            _check_messages(body.get("messages"))
+        elif kind == "completion":
+            _first_prompt(body.get("prompt"))
+        pods = self._candidates(model)
+        names = [p.name for p in pods]
+        request_id = str(headers.get("x-request-id") or uuid.uuid4().hex)
+        session = headers.get(self.settings.session_header) or body.get("user")
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+
+        if kind == "embedding":
+            return await self._decide_embedding(body, model, stream, pods, request_id)
+
+        ids, tok = self.tokenize(kind, body, model)
+        max_len = self._max_len(model, names)
+        if max_len is not None and len(ids) > max_len:
+            raise bad_request(
+                f"this model's maximum context length is {max_len} tokens, but the prompt has "
+                f"{len(ids)} tokens",
+                "context_length_exceeded",
+                param="messages" if kind == "chat" else "prompt",
+            )
+        if tok.approximate:
+            self.metrics.approximate_tokenizations.labels(model).inc()
+        base, lora = self._base_and_lora(model, pods)
+        bs = self.block_size(model, names)
+        salt = body.get("cache_salt")
+        keys = self._hasher(base, bs).keys(
+            ids, lora=lora, cache_salt=salt if isinstance(salt, str) else None
+        )
+        route = RouteRequest(
+            request_id=request_id,
+            model=model,
+            prompt_tokens=len(ids),
+            block_keys=keys,
+            block_size=bs,
+            lora=lora,
+            session=str(session) if session is not None else None,
+            max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+        )
+        views = await self._views(keys, names)
+        decision = self.policy.pick(route, list(views.values()))
+        ranking = _rank(decision, names)
+        self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+        return Routed(
+            kind=kind,
+            body=body,
+            model=model,
+            stream=stream,
+            route=route,
+            decision=decision,
+            ranking=ranking,
+            views=views,
+            tokenizer_name=tok.name,
+            approximate=tok.approximate,
+        )
+
+    async def _views(self, keys: Sequence[int], names: list[str]) -> dict[str, PodView]:
+        hits = await self.index.lookup(keys, names) if keys else {}
+        load = await self.load.snapshot(names)
+        now = time.monotonic()
+        views: dict[str, PodView] = {}
+        for name in names:
+            inflight, prefill = load.get(name, (0, 0))
+            scraped = self.scraper.get(name, now) if self.scraper is not None else None
+            views[name] = PodView(
+                pod=name,
+                hits=dict(hits.get(name, {})),
+                inflight=inflight,
+                outstanding_prefill_tokens=prefill,
+                waiting=scraped.waiting if scraped else None,
+                running=scraped.running if scraped else None,
+                kv_usage=scraped.kv_usage if scraped else None,
+            )
+        return views
+
+    async def _decide_embedding(
+        self,
+        body: dict[str, Any],
+        model: str,
+        stream: bool,
+        pods: Sequence[PodState],
+        request_id: str,
+    ) -> Routed:
+        """Embeddings hold no reusable KV cache: least in-flight, ties rotated."""
+        names = [p.name for p in pods]
+        views = await self._views((), names)
+        self._rr += 1
+        order = sorted(
+            range(len(names)),
+            key=lambda i: (views[names[i]].inflight, (i - self._rr) % len(names)),
+        )
+        ranking = [names[i] for i in order]
+        scores = {n: float(views[n].inflight) for n in names}
+        route = RouteRequest(
+            request_id=request_id, model=model, prompt_tokens=0, block_keys=[], block_size=1
+        )
+        return Routed(
+            kind="embedding",
+            body=body,
+            model=model,
+            stream=stream,
+            route=route,
+            decision=Decision(pod=ranking[0], scores=scores, lower_is_better=True),
+            ranking=ranking,
+            views=views,
+        )
+
+
+def _rank(decision: Decision, names: Sequence[str]) -> list[str]:
+    """Candidates best first: the decision's pod, then by score."""
+    scores = decision.scores
+    sign = 1.0 if decision.lower_is_better else -1.0
+    worst = float("inf")
+    rest = sorted(
+        (n for n in names if n != decision.pod),
+        key=lambda n: sign * scores[n] if n in scores else worst,
+    )
+    return [decision.pod, *rest]
+
+
+def explain(routed: Routed, registry: PodRegistry, policy: str) -> dict[str, Any]:
+    """The body of ``POST /v1/route``."""
+    scores = routed.decision.scores
+    candidates = []
+    for pod in routed.ranking:
+        v = routed.views[pod]
+        state = registry.get(pod)
+        candidates.append(
+            {
+                "pod": pod,
+                "url": state.spec.url if state else None,
+                "cached_blocks": dict(v.hits),
+                "cached_tokens": routed.cached_tokens(pod),
+                "inflight": v.inflight,
+                "outstanding_prefill_tokens": v.outstanding_prefill_tokens,
+                "waiting": v.waiting,
+                "running": v.running,
+                "kv_usage": v.kv_usage,
+                "score": scores.get(pod),
+            }
+        )
+    return {
+        "pod": routed.decision.pod,
+        "policy": policy,
+        "model": routed.model,
+        "lora": routed.route.lora,
+        "prompt_tokens": routed.route.prompt_tokens,
+        "block_size": routed.route.block_size,
+        "blocks": len(routed.route.block_keys),
+        "tokenizer": routed.tokenizer_name,
+        "approximate": routed.approximate,
+        "lower_is_better": routed.decision.lower_is_better,
+        "candidates": candidates,
+        "detail": routed.decision.detail,
+    }

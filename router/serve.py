@@ -1,0 +1,154 @@
+"""`kvroute serve`: run the router (uvicorn, ``--workers N`` processes).
+
+With no pods configured (static discovery, empty list) and ``fleet.enabled``, an
+embedded simulated fleet (:mod:`router.fleet`) is started first and the router is
+pointed at it, so ``kvroute serve`` answers at once on a fresh machine.  SIGINT /
+SIGTERM stop uvicorn, then the fleet.
+
+:class:`RunningServer` runs any ASGI app on a loopback port inside the current event
+loop (used by the embedded fleet's callers and by the tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import uvicorn
+
+from router.config import Settings
+
+log = logging.getLogger(__name__)
+
+SETTINGS_ENV = "KVROUTE_SERVE_SETTINGS_JSON"
+
+
+def _loop_impl() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def _http_impl() -> str:
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "httptools"
+
+
+class _InLoopServer(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to whoever owns the loop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class RunningServer:
+    """An ASGI app served by uvicorn on ``host:port`` (0 = a free port) in this loop.
+
+    ``await start()`` returns once the socket listens and the lifespan has started;
+    :attr:`url` is then the base URL.  ``await stop()`` shuts it down cleanly.
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(2048)
+        self._sock.setblocking(False)
+        self.host, self.port = self._sock.getsockname()[:2]
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="on",
+            http=_http_impl(),
+            loop="none",
+            access_log=False,
+            timeout_graceful_shutdown=2,
+        )
+        self.server = _InLoopServer(config)
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> RunningServer:
+        self._task = asyncio.create_task(self.server.serve(sockets=[self._sock]))
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()  # raises the startup error
+                raise RuntimeError("server exited during startup")
+            await asyncio.sleep(0.01)
+        return self
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+        self._sock.close()
+
+    async def __aenter__(self) -> RunningServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        settings = Settings.load(list(argv or []))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvroute serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    fleet = None
+    if (
+        settings.discovery.kind == "static"
+        and not settings.discovery.static
+        and settings.fleet.enabled
+    ):
+        from router.fleet import EmbeddedFleet
+
+        fleet = EmbeddedFleet(settings.fleet)
+        fleet.start()
+        settings = fleet.attach(settings)
+        log.info(
+            "no pods configured: embedded simulated fleet of %d pods serving %r",
+            settings.fleet.pods,
+            settings.fleet.model,
+        )
+    try:
+        os.environ[SETTINGS_ENV] = settings.model_dump_json()
+        uvicorn.run(
+            "router.app:app_from_env",
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            loop=_loop_impl(),
+            http=_http_impl(),
+            log_level=settings.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
+    finally:
+        os.environ.pop(SETTINGS_ENV, None)
+        if fleet is not None:
+            fleet.stop()
+    return 0
