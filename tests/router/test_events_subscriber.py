@@ -1,0 +1,489 @@
+"""The KV-event subscriber over real ZMQ sockets on loopback.
+
+A test publisher speaks vLLM's wire format (``vllm/distributed/kv_events.py``): an XPUB
+(on the wire the same as vLLM's PUB; it also tells the test when the subscription has
+arrived, so no batch is lost to ZMQ's slow-joiner window) sending
+``[topic, seq (8 bytes BE), msgpack([ts, [events], dp_rank])]``, and a ROUTER answering
+replay requests ``[b"", start_seq]`` with ``[b"", seq, payload]`` per buffered batch and
+an end marker of seq -1.  Batches go into a real :class:`InMemoryIndex` through
+``scoring.events``' sink; the tests look blocks up with the router's own key chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, generate_latest
+from pydantic import ValidationError
+
+from router.events import (
+    EventsSettings,
+    KVEventSubscriber,
+    ReplayError,
+    TopicError,
+    fetch_replay,
+    make_topic,
+    parse_topic,
+)
+from router.pods import PodRegistry, PodSpec
+from scoring.blocks import BlockHasher
+from scoring.index.memory import InMemoryIndex
+
+try:
+    from scoring.events import IndexSink
+except ImportError:  # scoring.events' applier is written concurrently
+    pytest.skip("scoring.events.IndexSink is not available yet", allow_module_level=True)
+
+MODEL = "m"
+BS = 4  # block size of these tests
+
+
+def stored(tokens: Sequence[int], hashes: Sequence[int], parent: int | None = None) -> dict:
+    return {
+        "type": "BlockStored",
+        "block_hashes": list(hashes),
+        "parent_block_hash": parent,
+        "token_ids": list(tokens),
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+
+
+def removed(hashes: Sequence[int]) -> dict:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": "GPU"}
+
+
+def payload(events: list[dict], ts: float | None = None) -> bytes:
+    return msgspec.msgpack.encode([time.time() if ts is None else ts, events, 0])
+
+
+def chain(n_blocks: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n_blocks * BS))
+
+
+class VllmLikePublisher:
+    """vLLM's PUB + replay ROUTER, with a seq the test can steer."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        topic: str = "",
+        *,
+        connect_to: str | None = None,
+        replay: bool = True,
+    ) -> None:
+        self.topic = topic.encode()
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.endpoint: str | None = None
+        if connect_to:
+            self.pub.connect(connect_to)
+        else:
+            self.pub.bind("tcp://127.0.0.1:*")
+            self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.buffer: list[tuple[int, bytes]] = []
+        self.seq = 0
+        self.replay_requests: list[int] = []
+        self.router: zmq.asyncio.Socket | None = None
+        self.replay_endpoint: str | None = None
+        self._task: asyncio.Task[None] | None = None
+        if replay:
+            self.router = ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.router.bind("tcp://127.0.0.1:*")
+            self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._task = asyncio.create_task(self._serve_replay())
+
+    async def subscribed(self) -> None:
+        """Wait for a subscriber's subscription message."""
+        msg = await asyncio.wait_for(self.pub.recv(), 10)
+        assert msg[:1] == b"\x01"
+
+    async def send(
+        self, events: list[dict], *, seq: int | None = None, publish: bool = True
+    ) -> int:
+        """Buffer (for replay) and, unless ``publish=False`` (lost), send one batch."""
+        seq = self.seq if seq is None else seq
+        body = payload(events)
+        self.buffer.append((seq, body))
+        if publish:
+            await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), body])
+        self.seq = seq + 1
+        return seq
+
+    async def send_raw(self, frames: list[bytes]) -> None:
+        await self.pub.send_multipart(frames)
+
+    async def _serve_replay(self) -> None:
+        assert self.router is not None
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            start_seq = int.from_bytes(start, "big")
+            self.replay_requests.append(start_seq)
+            for seq, body in self.buffer:
+                if seq >= start_seq:
+                    await self.router.send_multipart([client, b"", seq.to_bytes(8, "big"), body])
+            await self.router.send_multipart(
+                [client, b"", (-1).to_bytes(8, "big", signed=True), b""]
+            )
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.router is not None:
+            self.router.close(linger=0)
+        self.pub.close(linger=0)
+
+
+async def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll until ``cond()`` (a deadline against hangs, not a speed assertion)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)
+
+
+class Harness:
+    def __init__(self, ctx: zmq.asyncio.Context, settings: EventsSettings) -> None:
+        self.ctx = ctx
+        self.index = InMemoryIndex()
+        self.sink = IndexSink(self.index)
+        self.registry = PodRegistry()
+        self.metrics = CollectorRegistry()
+        self.sub = KVEventSubscriber(
+            settings, self.registry, self.sink, metrics_registry=self.metrics, context=ctx
+        )
+        self.hasher = BlockHasher(BS, MODEL)
+
+    async def blocks_held(self, tokens: Sequence[int], pod: str = "p") -> int:
+        await self.sub.drain()
+        hits = await self.index.lookup(self.hasher.keys(tokens))
+        return hits.get(pod, {}).get("GPU", 0)
+
+    async def applied(self, n: int, pod: str = "p") -> None:
+        await wait_for(lambda: self.sub.stats.pod(pod).batches >= n)
+        await self.sub.drain()
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    c = zmq.asyncio.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+@contextlib.asynccontextmanager
+async def dial_pod(
+    ctx: zmq.asyncio.Context, *, replay: bool = True, **settings: Any
+) -> AsyncIterator[tuple[Harness, VllmLikePublisher]]:
+    """A subscriber in dial mode and one publisher registered as pod "p"."""
+    h = Harness(ctx, EventsSettings(mode="dial", **settings))
+    pub = VllmLikePublisher(ctx, make_topic("p", MODEL), replay=replay)
+    await h.sub.start()
+    h.registry.set_pods(
+        [
+            PodSpec(
+                name="p",
+                url="http://127.0.0.1:1",
+                events_endpoint=pub.endpoint,
+                replay_endpoint=pub.replay_endpoint,
+                models=(MODEL,),
+            )
+        ]
+    )
+    await pub.subscribed()
+    try:
+        yield h, pub
+    finally:
+        await h.sub.stop()
+        await pub.close()
+
+
+# -- settings and topics ---------------------------------------------------------------
+
+
+def test_settings_reject_unknown_fields_and_bad_modes() -> None:
+    with pytest.raises(ValidationError, match="queue_sise"):
+        EventsSettings.model_validate({"queue_sise": 3})
+    with pytest.raises(ValidationError, match="mode"):
+        EventsSettings.model_validate({"mode": "listen"})
+
+
+def test_topic_names_pod_and_model() -> None:
+    assert parse_topic(b"kv@pod-1@Qwen/Qwen3-8B") == ("pod-1", "Qwen/Qwen3-8B")
+    assert parse_topic(b"kv@pod-1@org/model@rev") == ("pod-1", "org/model@rev")
+    assert parse_topic(make_topic("a", "b").encode()) == ("a", "b")
+    for bad in (b"", b"kv", b"kv@", b"xx@p@m", b"\xff\xfe"):
+        with pytest.raises(TopicError):
+            parse_topic(bad)
+    with pytest.raises(TopicError, match="must not contain '@'"):
+        make_topic("a@b", "m")
+
+
+# -- dial mode -------------------------------------------------------------------------
+
+
+async def test_dial_mode_applies_stored_and_removed_blocks_to_the_index(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with dial_pod(ctx) as (h, pub):
+        tokens = chain(3)
+        await pub.send([stored(tokens, [101, 102, 103])])
+        await h.applied(1)
+        assert await h.blocks_held(tokens) == 3
+        await pub.send([removed([103])])
+        await h.applied(2)
+        assert await h.blocks_held(tokens) == 2
+        st = h.sub.stats.pod("p")
+        assert (st.batches, st.events, st.gaps, st.last_seq) == (2, 2, 0, 1)
+        assert st.lag_s >= 0.0
+
+
+async def test_a_seq_gap_is_filled_from_the_pods_replay_endpoint(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with dial_pod(ctx) as (h, pub):
+        a, b, c = chain(1), chain(2), chain(3)
+        await pub.send([stored(a, [1])])  # seq 0
+        await pub.send([stored(b[BS:], [2], parent=1)], publish=False)  # seq 1 lost
+        await pub.send([stored(c[2 * BS :], [3], parent=2)])  # seq 2
+        await h.applied(3)
+        assert await h.blocks_held(c) == 3  # the lost batch came back by replay
+        st = h.sub.stats.pod("p")
+        assert (st.gaps, st.missed_batches, st.replays, st.replayed_batches) == (1, 1, 1, 1)
+        assert pub.replay_requests == [1]
+        assert st.total_resyncs == 0
+
+
+async def test_a_gap_without_a_replay_endpoint_resyncs_the_pod(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with dial_pod(ctx, replay=False) as (h, pub):
+        await pub.send([stored(chain(2), [1, 2])])
+        await pub.send([stored(chain(1, start=1000), [9])], publish=False)
+        await pub.send([stored(chain(1, start=500), [5])])
+        await h.applied(2)
+        # the pod was cleared at the gap: what came before is forgotten
+        assert await h.blocks_held(chain(2)) == 0
+        assert await h.blocks_held(chain(1, start=500)) == 1
+        st = h.sub.stats.pod("p")
+        assert st.gaps == 1
+        assert st.resyncs["gap"] == 1
+        assert st.replays == 0
+
+
+async def test_replay_disabled_by_setting_resyncs_instead(ctx: zmq.asyncio.Context) -> None:
+    async with dial_pod(ctx, replay_on_gap=False) as (h, pub):
+        await pub.send([stored(chain(2), [1, 2])])
+        await pub.send([], publish=False)
+        await pub.send([stored(chain(1, start=500), [5])])
+        await h.applied(2)
+        assert pub.replay_requests == []
+        assert h.sub.stats.pod("p").resyncs["gap"] == 1
+        assert await h.blocks_held(chain(2)) == 0
+
+
+async def test_a_gap_older_than_the_replay_buffer_resyncs_the_pod(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with dial_pod(ctx) as (h, pub):
+        await pub.send([stored(chain(2), [1, 2])])
+        await pub.send([], publish=False)  # seq 1 lost...
+        await pub.send([stored(chain(1, start=500), [5])])
+        pub.buffer = [e for e in pub.buffer if e[0] != 1]  # ...and aged out of the buffer
+        await h.applied(2)
+        st = h.sub.stats.pod("p")
+        assert (st.gaps, st.replays, st.replay_failures) == (1, 0, 1)
+        assert st.resyncs["gap"] == 1
+        assert await h.blocks_held(chain(2)) == 0
+        assert await h.blocks_held(chain(1, start=500)) == 1
+
+
+async def test_a_lower_seq_means_the_engine_restarted_and_clears_the_pod(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with dial_pod(ctx) as (h, pub):
+        for i in range(3):
+            await pub.send([stored(chain(1, start=100 * i), [i])])
+        await h.applied(3)
+        assert await h.blocks_held(chain(1, start=200)) == 1
+        await pub.send([stored(chain(1, start=900), [9])], seq=0)  # a new engine process
+        await h.applied(4)
+        st = h.sub.stats.pod("p")
+        assert st.restarts == 1
+        assert st.resyncs["restart"] == 1
+        assert await h.blocks_held(chain(1, start=200)) == 0
+        assert await h.blocks_held(chain(1, start=900)) == 1
+        assert st.gaps == 0
+
+
+async def test_malformed_messages_are_counted_and_skipped(ctx: zmq.asyncio.Context) -> None:
+    async with dial_pod(ctx) as (h, pub):
+        topic = make_topic("p", MODEL).encode()
+        await pub.send_raw([topic, b"\x00" * 8])  # two frames
+        await pub.send_raw([topic, b"\x00" * 7, payload([])])  # 7-byte seq
+        await pub.send_raw([topic, b"\x00" * 8, payload([]), b"extra"])  # four frames
+        await pub.send([stored(chain(1), [1])])
+        await h.applied(1)
+        st = h.sub.stats.pod("p")
+        assert st.malformed_frames == 3
+        assert await h.blocks_held(chain(1)) == 1
+
+
+async def test_a_garbage_payload_is_counted_and_resyncs_the_pod(ctx: zmq.asyncio.Context) -> None:
+    async with dial_pod(ctx) as (h, pub):
+        await pub.send([stored(chain(1), [1])])  # seq 0
+        await h.applied(1)
+        await pub.send_raw(
+            [make_topic("p", MODEL).encode(), (1).to_bytes(8, "big"), b"\xc1not msgpack"]
+        )
+        pub.seq = 2
+        await pub.send([stored(chain(1, start=500), [5])])  # seq 2
+        await h.applied(2)
+        st = h.sub.stats.pod("p")
+        assert st.decode_errors == 1
+        assert st.resyncs["decode_error"] == 1
+        assert st.gaps == 0  # the garbage batch consumed seq 1
+        assert await h.blocks_held(chain(1)) == 0
+        assert await h.blocks_held(chain(1, start=500)) == 1
+
+
+async def test_a_removed_pod_is_cleared_and_unsubscribed(ctx: zmq.asyncio.Context) -> None:
+    async with dial_pod(ctx) as (h, pub):
+        await pub.send([stored(chain(2), [1, 2])])
+        await h.applied(1)
+        h.registry.set_pods([])
+        await h.sub.drain()
+        assert await h.blocks_held(chain(2)) == 0
+        assert h.sub.stats.pod("p").resyncs["removed"] == 1
+        assert "p" not in h.sub._feeds
+
+
+async def test_queue_overflow_drops_batches_and_resyncs_the_pod(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with dial_pod(ctx, queue_size=2) as (h, pub):
+        gate, entered = asyncio.Event(), asyncio.Event()
+        real_add = h.index.add
+
+        async def slow_add(pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
+            entered.set()
+            await gate.wait()  # a stalled index (think: Redis hiccup)
+            await real_add(pod, keys, tier)
+
+        h.index.add = slow_add  # type: ignore[method-assign]
+        await pub.send([stored(chain(1), [0])])  # seq 0 stalls the writer
+        await asyncio.wait_for(entered.wait(), 10)
+        for i in range(1, 6):  # 1-2 fill the queue, 3-5 are dropped
+            await pub.send([stored(chain(1, start=100 * i), [i])])
+        await wait_for(lambda: h.sub.stats.pod("p").dropped == 3)
+        assert h.sub.stats.queue_depth() == 2
+        gate.set()
+        await h.applied(3)
+        assert h.sub.stats.pod("p").resyncs["overflow"] == 0  # not yet: no later batch
+        await pub.send([stored(chain(1, start=900), [9])])  # seq 6
+        await h.applied(4)
+        st = h.sub.stats.pod("p")
+        assert st.resyncs["overflow"] == 1
+        assert st.gaps == 0  # the overflow resync, not a gap, accounts for 3..5
+        assert await h.blocks_held(chain(1)) == 0
+        assert await h.blocks_held(chain(1, start=900)) == 1
+
+
+async def test_stats_are_exposed_as_kvroute_metrics(ctx: zmq.asyncio.Context) -> None:
+    async with dial_pod(ctx) as (h, pub):
+        await pub.send([stored(chain(1), [1]), stored(chain(2)[BS:], [2], parent=1)])
+        await h.applied(1)
+        text = generate_latest(h.metrics).decode()
+        assert 'kvroute_event_batches_total{pod="p"} 1.0' in text
+        assert 'kvroute_events_ingested_total{pod="p"} 2.0' in text
+        assert 'kvroute_event_gaps_total{pod="p"} 0.0' in text
+        assert "kvroute_event_queue_depth 0.0" in text
+        assert 'kvroute_event_lag_seconds{pod="p"}' in text
+
+
+# -- bind mode -------------------------------------------------------------------------
+
+
+async def test_bind_mode_names_pods_by_topic_and_counts_strangers(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    h = Harness(ctx, EventsSettings(mode="bind", bind_endpoint="tcp://127.0.0.1:*"))
+    await h.sub.start()
+    assert h.sub.bound_endpoint is not None
+    h.registry.set_pods([PodSpec(name=n, url="http://127.0.0.1:1") for n in ("a", "b")])
+    pubs = {
+        name: VllmLikePublisher(
+            ctx, make_topic(name, MODEL), connect_to=h.sub.bound_endpoint, replay=False
+        )
+        for name in ("a", "b", "stranger")
+    }
+    bad = VllmLikePublisher(ctx, "not-a-kv-topic", connect_to=h.sub.bound_endpoint, replay=False)
+    try:
+        for p in [*pubs.values(), bad]:
+            await p.subscribed()
+        await pubs["a"].send([stored(chain(1), [1])])
+        await pubs["b"].send([stored(chain(2), [7, 8])])
+        await pubs["stranger"].send([stored(chain(3), [4, 5, 6])])
+        await bad.send([stored(chain(3), [4, 5, 6])])
+        await h.applied(1, "a")
+        await h.applied(1, "b")
+        await wait_for(lambda: h.sub.stats.unknown_pod_batches == 1)
+        await wait_for(lambda: h.sub.stats.bad_topics == 1)
+        assert await h.blocks_held(chain(2), "a") == 1
+        assert await h.blocks_held(chain(2), "b") == 2
+        assert await h.blocks_held(chain(3), "stranger") == 0
+        # seq is tracked per pod: b's seq 1 is no gap even though a is at seq 1 too
+        await pubs["b"].send([removed([8])])
+        await h.applied(2, "b")
+        assert h.sub.stats.pod("b").gaps == 0
+        assert await h.blocks_held(chain(2), "b") == 1
+    finally:
+        await h.sub.stop()
+        for p in [*pubs.values(), bad]:
+            await p.close()
+
+
+# -- replay client ---------------------------------------------------------------------
+
+
+async def test_fetch_replay_reads_buffered_batches_until_the_end_marker(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    pub = VllmLikePublisher(ctx)
+    try:
+        for _ in range(5):
+            await pub.send([], publish=False)
+        assert pub.replay_endpoint is not None
+        got = await fetch_replay(ctx, pub.replay_endpoint, 2)
+        assert [b.seq for b in got] == [2, 3, 4]
+        assert got[0].payload == pub.buffer[2][1]
+        got = await fetch_replay(ctx, pub.replay_endpoint, 1, stop_seq=3)
+        assert [b.seq for b in got] == [1, 2]
+        assert await fetch_replay(ctx, pub.replay_endpoint, 9) == []
+    finally:
+        await pub.close()
+
+
+async def test_fetch_replay_times_out_on_a_silent_endpoint(ctx: zmq.asyncio.Context) -> None:
+    silent = ctx.socket(zmq.ROUTER)
+    silent.bind("tcp://127.0.0.1:*")
+    try:
+        with pytest.raises(ReplayError, match="sent nothing"):
+            await fetch_replay(ctx, silent.getsockopt_string(zmq.LAST_ENDPOINT), 0, timeout_s=0.2)
+    finally:
+        silent.close(linger=0)
