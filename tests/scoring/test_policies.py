@@ -1,0 +1,271 @@
+"""Routing policies: behaviour of each policy behind the one Policy interface."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from scoring.policies import PodView, RouteRequest, available_policies, build_policy
+from scoring.policies.base import NoCandidatesError
+from scoring.policies.cost import CostParams, predict_ttft
+from scoring.policies.registry import PolicyConfigError
+
+BS = 16
+
+
+def req(
+    rid: str = "r",
+    keys: list[int] | None = None,
+    prompt: int | None = None,
+    session: str | None = None,
+) -> RouteRequest:
+    keys = keys if keys is not None else []
+    return RouteRequest(
+        request_id=rid,
+        model="m",
+        prompt_tokens=prompt if prompt is not None else max(1, len(keys) * BS),
+        block_keys=keys,
+        block_size=BS,
+        session=session,
+    )
+
+
+def pods(n: int, **kw: object) -> list[PodView]:
+    return [PodView(pod=f"p{i}", **kw) for i in range(n)]  # type: ignore[arg-type]
+
+
+# --- construction -------------------------------------------------------------------
+
+
+def test_every_registered_policy_builds_with_defaults_and_has_its_name() -> None:
+    for name in available_policies():
+        assert build_policy(name).name == name
+
+
+@pytest.mark.parametrize(
+    "name", ["round_robin", "least_load", "session", "approx_prefix", "precise_prefix", "cost"]
+)
+def test_unknown_parameter_is_rejected_naming_it(name: str) -> None:
+    with pytest.raises(PolicyConfigError, match="bogus_knob"):
+        build_policy(name, {"bogus_knob": 1})
+
+
+def test_invalid_parameter_value_is_rejected_naming_it() -> None:
+    with pytest.raises(PolicyConfigError, match="prefill_rate_tokens_per_s"):
+        build_policy("cost", {"prefill_rate_tokens_per_s": 0})
+    with pytest.raises(PolicyConfigError, match="load_factor"):
+        build_policy("session", {"load_factor": 0.5})
+    with pytest.raises(PolicyConfigError, match="tier_weights"):
+        build_policy("precise_prefix", {"tier_weights": {"GPU": 2.0}})
+
+
+@pytest.mark.parametrize(
+    "name", ["round_robin", "least_load", "session", "approx_prefix", "precise_prefix", "cost"]
+)
+def test_picking_among_no_pods_is_an_error(name: str) -> None:
+    with pytest.raises(NoCandidatesError):
+        build_policy(name).pick(req(), [])
+
+
+# --- round_robin / least_load -------------------------------------------------------
+
+
+def test_round_robin_cycles_through_candidates_in_order() -> None:
+    policy = build_policy("round_robin")
+    chosen = [policy.pick(req(str(i)), pods(3)).pod for i in range(6)]
+    assert chosen == ["p0", "p1", "p2", "p0", "p1", "p2"]
+
+
+def test_least_load_picks_fewest_outstanding_prefill_tokens() -> None:
+    views = [
+        PodView("a", outstanding_prefill_tokens=900, inflight=1),
+        PodView("b", outstanding_prefill_tokens=100, inflight=5),
+        PodView("c", outstanding_prefill_tokens=500, inflight=0),
+    ]
+    assert build_policy("least_load").pick(req(), views).pod == "b"
+    assert build_policy("least_load", {"metric": "inflight"}).pick(req(), views).pod == "c"
+
+
+def test_least_load_breaks_ties_at_random_not_toward_the_first_pod() -> None:
+    policy = build_policy("least_load")
+    counts = Counter(policy.pick(req(str(i)), pods(4)).pod for i in range(400))
+    assert set(counts) == {"p0", "p1", "p2", "p3"}
+    assert max(counts.values()) < 160  # uniform would be 100 each
+
+
+# --- session ------------------------------------------------------------------------
+
+
+def test_session_keeps_a_session_on_one_pod() -> None:
+    policy = build_policy("session")
+    chosen = {policy.pick(req(str(i), session="user-42"), pods(8)).pod for i in range(20)}
+    assert len(chosen) == 1
+
+
+def test_session_spreads_different_sessions_over_the_fleet() -> None:
+    policy = build_policy("session")
+    counts = Counter(policy.pick(req(session=f"s{i}"), pods(8)).pod for i in range(800))
+    assert len(counts) == 8
+    assert max(counts.values()) < 2.0 * 100
+
+
+def test_session_moves_off_a_pod_over_the_load_bound() -> None:
+    policy = build_policy("session", {"load_factor": 1.25})
+    home = policy.pick(req(session="s"), pods(4)).pod
+    # home pod holds 10 in-flight requests, the others none: bound = ceil(1.25*11/4) = 4
+    views = [PodView(f"p{i}", inflight=10 if f"p{i}" == home else 0) for i in range(4)]
+    decision = policy.pick(req(session="s"), views)
+    assert decision.pod != home
+    assert home in decision.detail["skipped_overloaded"]
+
+
+def test_session_removing_a_pod_only_moves_that_pods_sessions() -> None:
+    policy = build_policy("session")
+    before = {f"s{i}": policy.pick(req(session=f"s{i}"), pods(8)).pod for i in range(400)}
+    after = {f"s{i}": policy.pick(req(session=f"s{i}"), pods(7)).pod for i in range(400)}
+    moved = [s for s in before if before[s] != after[s]]
+    assert moved  # p7's sessions had to go somewhere
+    assert all(before[s] == "p7" for s in moved)
+
+
+def test_session_without_session_id_falls_back_to_least_load() -> None:
+    views = [
+        PodView("a", outstanding_prefill_tokens=50),
+        PodView("b", outstanding_prefill_tokens=5),
+    ]
+    decision = build_policy("session").pick(req(), views)
+    assert decision.pod == "b"
+    assert "least_load" in decision.detail["fallback"]
+
+
+# --- approx_prefix ------------------------------------------------------------------
+
+
+def test_approx_prefix_follows_the_prefix_it_routed_before() -> None:
+    policy = build_policy("approx_prefix")
+    first = req("1", keys=[1, 2, 3, 4])
+    pod = policy.pick(first, pods(4)).pod
+    policy.on_routed(first, pod)
+    follow_up = req("2", keys=[1, 2, 3, 4, 5, 6])  # 4/6 matched > 0.3
+    for _ in range(5):
+        assert policy.pick(follow_up, pods(4)).pod == pod
+
+
+def test_approx_prefix_low_match_goes_to_the_smallest_tree() -> None:
+    policy = build_policy("approx_prefix")
+    policy.on_routed(req("a", keys=[10, 11, 12]), "p0")
+    policy.on_routed(req("b", keys=[20, 21]), "p1")
+    policy.on_routed(req("c", keys=[30]), "p2")
+    decision = policy.pick(req("d", keys=[10, 99, 98, 97]), pods(3))  # 1/4 < 0.3
+    assert decision.pod == "p2"
+    assert decision.detail["reason"] == "low match: smallest tree"
+
+
+def test_approx_prefix_under_imbalance_takes_the_shortest_queue() -> None:
+    policy = build_policy("approx_prefix")
+    policy.on_routed(req("a", keys=[1, 2, 3]), "p0")
+    views = [PodView("p0", inflight=200), PodView("p1", inflight=100), PodView("p2", inflight=3)]
+    decision = policy.pick(req("b", keys=[1, 2, 3]), views)  # 200-3 > 64 and 200 > 1.5*3
+    assert decision.pod == "p2"
+    assert decision.detail["imbalanced"] is True
+
+
+def test_approx_prefix_tree_is_bounded() -> None:
+    policy = build_policy("approx_prefix", {"capacity_tokens_per_pod": 10 * BS})
+    for i in range(50):
+        policy.on_routed(req(str(i), keys=[i * 100 + j for j in range(5)]), "p0")
+    assert policy.tree_blocks("p0") == 10  # type: ignore[attr-defined]
+
+
+# --- precise_prefix -----------------------------------------------------------------
+
+
+def test_precise_prefix_prefers_the_longest_cached_prefix() -> None:
+    views = [PodView("a", hits={"GPU": 2}), PodView("b", hits={"GPU": 9}), PodView("c")]
+    assert build_policy("precise_prefix").pick(req(keys=list(range(10))), views).pod == "b"
+
+
+def test_precise_prefix_weighs_cpu_blocks_at_0_8() -> None:
+    # a: 10 GPU blocks = 10.0; b: 11 blocks only in CPU = 8.8
+    views = [PodView("a", hits={"GPU": 10, "CPU": 10}), PodView("b", hits={"GPU": 0, "CPU": 11})]
+    decision = build_policy("precise_prefix").pick(req(keys=list(range(12))), views)
+    assert decision.pod == "a"
+    assert decision.detail["prefix"] == {"a": 1.0, "b": 0.0}
+
+
+def test_precise_prefix_uses_queue_when_prefixes_are_equal() -> None:
+    views = [
+        PodView("a", hits={"GPU": 4}, waiting=5, kv_usage=0.5),
+        PodView("b", hits={"GPU": 4}, waiting=0, kv_usage=0.5),
+    ]
+    assert build_policy("precise_prefix").pick(req(keys=[1, 2, 3, 4]), views).pod == "b"
+
+
+# --- cost ---------------------------------------------------------------------------
+
+
+def test_cost_predicts_queue_plus_uncached_prefill_plus_cpu_transfer() -> None:
+    p = CostParams(
+        prefill_rate_tokens_per_s=1000.0,
+        tier_load_rates_tokens_per_s={"CPU": 4000.0},
+        miss_weight=1.0,
+    )
+    r = req(keys=list(range(10)), prompt=160)
+    pod = PodView("a", hits={"GPU": 2, "CPU": 6}, outstanding_prefill_tokens=500)
+    ttft, cached = predict_ttft(r, pod, p, queued_tokens=500)
+    # queue 500/1000 + uncached (160-96)/1000 + CPU-only (96-32)/4000
+    assert cached == 96
+    assert ttft == pytest.approx(0.5 + 0.064 + 0.016)
+
+
+def test_cost_sends_a_request_to_the_pod_holding_its_prefix() -> None:
+    views = [PodView("a"), PodView("b", hits={"GPU": 30}), PodView("c")]
+    assert build_policy("cost").pick(req(keys=list(range(32))), views).pod == "b"
+
+
+def test_cost_leaves_a_cached_pod_whose_queue_costs_more_than_the_recompute() -> None:
+    policy = build_policy("cost", {"prefill_rate_tokens_per_s": 1000.0, "miss_weight": 1.0})
+    # b saves 480 tokens (0.48 s) but has 5,000 tokens (5 s) queued
+    views = [PodView("a"), PodView("b", hits={"GPU": 30}, outstanding_prefill_tokens=5000)]
+    decision = policy.pick(req(keys=list(range(32))), views)
+    assert decision.pod == "a"
+    assert decision.lower_is_better
+    assert decision.scores["b"] > decision.scores["a"]
+
+
+def test_cost_tie_break_is_deterministic_per_request_and_unbiased_across_pods() -> None:
+    policy = build_policy("cost")
+    counts = Counter(policy.pick(req(f"id-{i}", keys=[i]), pods(4)).pod for i in range(400))
+    assert set(counts) == {"p0", "p1", "p2", "p3"}
+    assert max(counts.values()) < 160
+    again = build_policy("cost")
+    assert all(
+        again.pick(req(f"id-{i}", keys=[i]), pods(4)).pod
+        == policy.pick(req(f"id-{i}", keys=[i]), pods(4)).pod
+        for i in range(20)
+    )
+
+
+def test_cost_counts_prefixes_of_in_flight_requests_before_the_index_sees_them() -> None:
+    policy = build_policy("cost")
+    first = req("1", keys=list(range(40)))
+    pod = policy.pick(first, pods(4)).pod
+    policy.on_routed(first, pod)
+    # the index still knows nothing; the pod's queue holds the first request
+    views = [
+        PodView(f"p{i}", outstanding_prefill_tokens=640 if f"p{i}" == pod else 0) for i in range(4)
+    ]
+    second = req("2", keys=list(range(40)))
+    assert policy.pick(second, views).pod == pod
+    policy.on_complete(first, pod)
+    assert policy.inflight_hits(pod, second.block_keys) == 0  # type: ignore[attr-defined]
+
+
+def test_cost_discounts_queued_work_it_predicted_to_hit() -> None:
+    policy = build_policy("cost", {"prefill_rate_tokens_per_s": 1000.0})
+    r = req("1", keys=list(range(10)), prompt=160)
+    policy.pick(r, [PodView("a", hits={"GPU": 9})])  # predicted 16 of 160 tokens uncached
+    policy.on_routed(r, "a")
+    queued = policy.queued_tokens(PodView("a", outstanding_prefill_tokens=160))  # type: ignore[attr-defined]
+    assert queued == pytest.approx(16.0)
