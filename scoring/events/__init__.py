@@ -1,0 +1,40 @@
+"""vLLM KV events: decoding (:mod:`.decode`), applying them to a block index
+(:mod:`.apply`), and the optional engine-hash mode (:mod:`.engine_hash`)."""
+
+from scoring.events.apply import (
+    ApplierStats,
+    IndexOps,
+    KVEventApplier,
+    PodEvents,
+    UnknownPodError,
+)
+from scoring.events.decode import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    EngineHash,
+    EventBatch,
+    decode_batch,
+    encode_batch,
+    encode_batch_positional,
+)
+from scoring.events.engine_hash import EngineHasher
+
+__all__ = [
+    "AllBlocksCleared",
+    "ApplierStats",
+    "BlockRemoved",
+    "BlockStored",
+    "DecodeError",
+    "EngineHash",
+    "EngineHasher",
+    "EventBatch",
+    "IndexOps",
+    "KVEventApplier",
+    "PodEvents",
+    "UnknownPodError",
+    "decode_batch",
+    "encode_batch",
+    "encode_batch_positional",
+]

@@ -1,0 +1,572 @@
+"""Applying vLLM KV events to a block index: a function of (pod, event).
+
+:class:`KVEventApplier` keeps, per pod, the engine's block hash -> our block key and
+the number of stored copies per tier, and turns each event into :class:`IndexOps`
+(adds / removes / clears of *our* keys) that the caller runs against any
+:class:`~scoring.index.base.BlockIndex` -- synchronously on the in-memory index
+(:meth:`IndexOps.apply_sync`), awaited on Redis (:meth:`IndexOps.apply`).
+
+Semantics (the README quotes this):
+
+* **Our keys** come from the ``token_ids`` a ``BlockStored`` carries, through
+  :func:`scoring.blocks.chain_keys`: a chain with ``parent_block_hash`` None starts at
+  ``root_key(model, lora_name)`` with the ``cache_salt`` found in ``extra_keys[0]`` (the
+  first string after the LoRA name, see :mod:`scoring.events.decode`); a chain with a
+  known parent continues from the parent's key.  ``model`` is the pod's, given by the
+  caller (topic ``kv@<pod>@<model>`` or config).  Block size: the event's
+  ``block_size``, else the pod's configured one; the pod's :attr:`PodEvents.block_size`
+  is learned from the first event, and a different size later is counted
+  (``block_size_mismatches``).  An event whose token count is not
+  ``len(block_hashes) * block_size`` is malformed (counted, skipped).
+* **Counting**: the same hash stored twice on a pod counts 2 (vLLM does not dedupe
+  physical blocks); ``BlockRemoved`` takes one copy per listed hash; the index sees one
+  ``add`` when a (hash, tier) goes 0 -> 1 and one ``remove`` when it goes 1 -> 0.  A
+  removal of a hash we never saw is counted (``unknown_removed``) and ignored.
+* **Tiers**: ``medium`` "GPU" (or absent) -> tier "GPU", "CPU" -> "CPU", "STORAGE" /
+  "DISK" -> "DISK"; an unknown medium is counted (``bad_events``) and skipped.  An
+  offload ``BlockStored`` without tokens (a placeholder naming known hashes) records the
+  copy for the hashes we know and counts the others (``unresolved_blocks``).
+* ``AllBlocksCleared`` forgets the pod (every tier) and its orphans.
+* **Orphans** (llm-d bug #372: a ``BlockStored`` whose parent we never saw, after a
+  missed event or a late join) are never dropped silently: their blocks are counted
+  (``orphaned_blocks``), the event is kept in a bounded per-pod buffer keyed by the
+  parent's engine hash, and the pod is flagged :attr:`PodEvents.needs_resync`.  The
+  orphan is linked (``orphans_linked``) as soon as its parent becomes known: the parent
+  is stored later (e.g. by a replay), or -- in engine-hash mode -- the parent's hash was
+  learned from a request's tokens (:meth:`KVEventApplier.learn`), in which case the
+  learned ancestors are indexed too (the engine holds them: its cache is prefix-closed)
+  and counted in ``engine_hash_linked``.  When the buffer is full the oldest orphans
+  are dropped (``orphans_dropped``); ``needs_resync`` then stays set until the caller
+  has cleared / replayed the pod and calls :meth:`KVEventApplier.mark_resynced`.
+* **Engine-hash mode** (optional :class:`~scoring.events.engine_hash.EngineHasher`): every
+  ``BlockStored`` is re-hashed and checked against the engine's hashes; a mismatch
+  disables the mode loudly (see that module).
+* **Bounds**: at most ``max_blocks_per_pod`` hashes per pod (oldest stored forgotten
+  first, ``evicted_blocks``) and ``max_orphan_blocks`` orphaned blocks per pod.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from scoring.blocks import chain_keys, root_key
+from scoring.events.decode import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    EngineHash,
+    EventBatch,
+    decode_batch,
+)
+from scoring.events.engine_hash import EngineHasher
+from scoring.index.base import BlockIndex
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MEDIUM_TIERS: Mapping[str, str] = {
+    "GPU": "GPU",
+    "CPU": "CPU",
+    "STORAGE": "DISK",
+    "DISK": "DISK",
+}
+
+
+class UnknownPodError(KeyError):
+    """Events arrived for a pod the applier was not told about (``set_pod``)."""
+
+
+class SyncIndex(Protocol):
+    """The synchronous fast path an index may offer (the in-memory one does)."""
+
+    def add_sync(self, pod: str, keys: list[int], tier: str = "GPU") -> None: ...
+    def remove_sync(self, pod: str, keys: list[int], tier: str = "GPU") -> None: ...
+    def clear_pod_sync(self, pod: str, tier: str | None = None) -> None: ...
+
+
+class IndexOps:
+    """Index writes produced by applying events, in order; consecutive writes of the
+    same kind, pod and tier are merged into one call."""
+
+    __slots__ = ("ops",)
+
+    def __init__(self) -> None:
+        #: (kind "add" | "remove" | "clear", pod, tier or None, keys)
+        self.ops: list[tuple[str, str, str | None, list[int]]] = []
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def _push(self, kind: str, pod: str, tier: str | None, keys: Iterable[int]) -> None:
+        ops = self.ops
+        if ops:
+            k, p, t, ks = ops[-1]
+            if k == kind and p == pod and t == tier and kind != "clear":
+                ks.extend(keys)
+                return
+        ops.append((kind, pod, tier, list(keys)))
+
+    def add(self, pod: str, tier: str, keys: Iterable[int]) -> None:
+        self._push("add", pod, tier, keys)
+
+    def remove(self, pod: str, tier: str, keys: Iterable[int]) -> None:
+        self._push("remove", pod, tier, keys)
+
+    def clear(self, pod: str) -> None:
+        self._push("clear", pod, None, ())
+
+    def extend(self, other: IndexOps) -> None:
+        for kind, pod, tier, keys in other.ops:
+            self._push(kind, pod, tier, keys)
+
+    def apply_sync(self, index: SyncIndex) -> None:
+        """Run the writes on an index with a synchronous fast path."""
+        for kind, pod, tier, keys in self.ops:
+            if kind == "add":
+                if keys:
+                    index.add_sync(pod, keys, tier)  # type: ignore[arg-type]
+            elif kind == "remove":
+                if keys:
+                    index.remove_sync(pod, keys, tier)  # type: ignore[arg-type]
+            else:
+                index.clear_pod_sync(pod)
+
+    async def apply(self, index: BlockIndex) -> None:
+        """Run the writes on any index (one awaited call per merged write)."""
+        for kind, pod, tier, keys in self.ops:
+            if kind == "add":
+                if keys:
+                    await index.add(pod, keys, tier)  # type: ignore[arg-type]
+            elif kind == "remove":
+                if keys:
+                    await index.remove(pod, keys, tier)  # type: ignore[arg-type]
+            else:
+                await index.clear_pod(pod)
+
+
+@dataclass(slots=True)
+class ApplierStats:
+    """Counters the router exports as metrics (blocks unless the name says events)."""
+
+    batches: int = 0
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    cleared: int = 0  # AllBlocksCleared events
+    orphaned_blocks: int = 0
+    orphans_linked: int = 0
+    orphans_dropped: int = 0
+    engine_hash_linked: int = 0  # ancestors indexed from learned engine hashes
+    unknown_removed: int = 0
+    unresolved_blocks: int = 0
+    evicted_blocks: int = 0
+    block_size_mismatches: int = 0
+    decode_errors: int = 0  # whole payloads that could not be decoded
+    bad_events: int = 0  # events skipped as malformed / unusable
+    unknown_events: int = 0  # events of an unknown type, skipped
+    last_error: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class PodEvents:
+    """What the applier knows about one pod's engine cache."""
+
+    pod: str
+    model: str
+    block_size: int | None = None
+    #: engine hash -> our key, while some tier holds the block
+    keys: dict[EngineHash, int] = field(default_factory=dict)
+    #: tier -> engine hash -> stored copies
+    counts: dict[str, dict[EngineHash, int]] = field(default_factory=dict)
+    #: parent engine hash -> BlockStored events waiting for it
+    orphans: dict[EngineHash, list[BlockStored]] = field(default_factory=dict)
+    orphan_blocks: int = 0
+    #: events were lost for good (orphans dropped, undecodable payload, bad event)
+    lost: bool = False
+
+    @property
+    def needs_resync(self) -> bool:
+        """True while orphans wait for a parent or events were lost: the router should
+        replay the pod's recent batches or clear and re-learn it."""
+        return self.lost or bool(self.orphans)
+
+
+def _cache_salt(ev: BlockStored) -> str | None:
+    """The cache_salt in block 0's untagged extra keys (after the LoRA name, if any)."""
+    if not ev.extra_keys:
+        return None
+    first = ev.extra_keys[0]
+    if not first:
+        return None
+    items = list(first)
+    if ev.lora_name and items and items[0] == ev.lora_name:
+        items = items[1:]
+    for x in items:
+        if isinstance(x, str):
+            return x
+    return None
+
+
+class KVEventApplier:
+    """Turns (pod, event) into index writes; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int | None = None,
+        engine_hasher: EngineHasher | None = None,
+        medium_tiers: Mapping[str, str] = DEFAULT_MEDIUM_TIERS,
+        max_orphan_blocks: int = 8192,
+        max_blocks_per_pod: int = 4_000_000,
+    ) -> None:
+        if block_size is not None and block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.hasher = engine_hasher
+        self.medium_tiers = dict(medium_tiers)
+        self.max_orphan_blocks = max_orphan_blocks
+        self.max_blocks_per_pod = max_blocks_per_pod
+        self.stats = ApplierStats()
+        self._pods: dict[str, PodEvents] = {}
+        self._orphan_pods: set[str] = set()
+
+    # -- pods ------------------------------------------------------------------------
+
+    def set_pod(self, pod: str, model: str, block_size: int | None = None) -> PodEvents:
+        """Register ``pod`` serving ``model`` (keeps its state if already known)."""
+        st = self._pods.get(pod)
+        if st is None:
+            st = PodEvents(pod, model, block_size or self.block_size)
+            self._pods[pod] = st
+        else:
+            st.model = model
+            if block_size:
+                st.block_size = block_size
+        return st
+
+    def pod(self, pod: str) -> PodEvents | None:
+        return self._pods.get(pod)
+
+    def pods(self) -> list[PodEvents]:
+        return list(self._pods.values())
+
+    def pods_needing_resync(self) -> list[str]:
+        return [p.pod for p in self._pods.values() if p.needs_resync]
+
+    def clear_pod(self, pod: str) -> IndexOps:
+        """Forget what ``pod`` holds (engine restart, resync); keeps it registered."""
+        ops = IndexOps()
+        st = self._pods.get(pod)
+        if st is not None:
+            self._reset(st)
+        ops.clear(pod)
+        return ops
+
+    def remove_pod(self, pod: str) -> IndexOps:
+        """The pod left the fleet: forget it entirely."""
+        ops = self.clear_pod(pod)
+        self._pods.pop(pod, None)
+        self._orphan_pods.discard(pod)
+        return ops
+
+    def mark_resynced(self, pod: str) -> None:
+        """The caller replayed or re-learned ``pod``: clear the lost-events flag."""
+        st = self._pods.get(pod)
+        if st is not None:
+            st.lost = False
+
+    def _reset(self, st: PodEvents) -> None:
+        st.keys.clear()
+        st.counts.clear()
+        st.orphans.clear()
+        st.orphan_blocks = 0
+        st.lost = False
+        self._orphan_pods.discard(st.pod)
+
+    def _state(self, pod: str) -> PodEvents:
+        st = self._pods.get(pod)
+        if st is None:
+            raise UnknownPodError(f"KV events for unknown pod {pod!r}: call set_pod() first")
+        return st
+
+    def _bad(self, st: PodEvents, msg: str) -> None:
+        self.stats.bad_events += 1
+        self.stats.last_error = f"pod {st.pod}: {msg}"
+        st.lost = True
+        log.warning("skipping KV event from pod %s: %s", st.pod, msg)
+
+    # -- entry points ----------------------------------------------------------------
+
+    def ingest(self, pod: str, payload: bytes) -> IndexOps:
+        """Decode one payload and apply it.  An undecodable payload is counted
+        (``decode_errors``), flags the pod for resync, and yields no writes."""
+        st = self._state(pod)
+        try:
+            batch = decode_batch(payload)
+        except DecodeError as exc:
+            self.stats.decode_errors += 1
+            self.stats.last_error = f"pod {pod}: {exc}"
+            st.lost = True
+            log.warning("undecodable KV-event payload from pod %s: %s", pod, exc)
+            return IndexOps()
+        return self.apply_batch(pod, batch)
+
+    def ingest_sync(self, index: SyncIndex, pod: str, payload: bytes) -> None:
+        """``ingest`` and run the writes on an index with a sync fast path."""
+        self.ingest(pod, payload).apply_sync(index)
+
+    def apply_batch(self, pod: str, batch: EventBatch) -> IndexOps:
+        st = self._state(pod)
+        self.stats.batches += 1
+        if batch.unknown:
+            self.stats.unknown_events += batch.unknown
+        for err in batch.errors:
+            self._bad(st, err)
+        ops = IndexOps()
+        for ev in batch.events:
+            self._apply(st, ev, ops)
+        return ops
+
+    def apply(self, pod: str, event: BlockStored | BlockRemoved | AllBlocksCleared) -> IndexOps:
+        """Apply one decoded event of ``pod``."""
+        ops = IndexOps()
+        self._apply(self._state(pod), event, ops)
+        return ops
+
+    def _apply(self, st: PodEvents, ev: object, ops: IndexOps) -> None:
+        if isinstance(ev, BlockStored):
+            self._stored(st, ev, ops)
+        elif isinstance(ev, BlockRemoved):
+            self._removed(st, ev, ops)
+        elif isinstance(ev, AllBlocksCleared):
+            self.stats.cleared += 1
+            self._reset(st)
+            ops.clear(st.pod)
+        else:
+            self._bad(st, f"not a KV event: {type(ev).__name__}")
+
+    # -- BlockStored -----------------------------------------------------------------
+
+    def _tier(self, st: PodEvents, medium: str | None) -> str | None:
+        if medium is None:
+            return "GPU"
+        tier = self.medium_tiers.get(medium)
+        if tier is None:
+            self._bad(st, f"unknown medium {medium!r} (known: {sorted(self.medium_tiers)})")
+        return tier
+
+    def _stored(self, st: PodEvents, ev: BlockStored, ops: IndexOps) -> None:
+        tier = self._tier(st, ev.medium)
+        if tier is None:
+            return
+        hashes = ev.block_hashes
+        n = len(hashes)
+        if n == 0:
+            return
+        tokens = ev.token_ids
+        if not tokens:
+            self._record_known(st, ev, tier, ops)
+            return
+        bs = ev.block_size or st.block_size
+        if not bs or bs <= 0 or len(tokens) != bs * n:
+            self._bad(
+                st,
+                f"BlockStored has {n} hashes and {len(tokens)} tokens, not {n} x block_size ({bs})",
+            )
+            return
+        if st.block_size is None:
+            st.block_size = bs
+        elif bs != st.block_size:
+            self.stats.block_size_mismatches += 1
+        ph = ev.parent_block_hash
+        salt = None
+        if ph is None:
+            salt = _cache_salt(ev)
+            parent = root_key(st.model, ev.lora_name)
+        else:
+            parent = st.keys.get(ph)  # type: ignore[assignment]
+            if parent is None and self.hasher is not None:
+                parent = self._link_learned(st, ph, tier, ops)
+            if parent is None:
+                self._orphan(st, ph, ev)
+                return
+        if self.hasher is not None:
+            self.hasher.verify(ev)
+        try:
+            keys = chain_keys(tokens, bs, parent=parent, lora=ev.lora_name, cache_salt=salt)
+        except ValueError as exc:
+            self._bad(st, f"BlockStored token ids: {exc}")
+            return
+        self._record(st, hashes, keys, tier, ops)
+        self.stats.stored_blocks += n
+        if st.orphans:
+            self._link_children(st, hashes, ops)
+
+    def _record(
+        self,
+        st: PodEvents,
+        hashes: list[EngineHash],
+        keys: list[int],
+        tier: str,
+        ops: IndexOps,
+    ) -> None:
+        counts = st.counts.get(tier)
+        if counts is None:
+            counts = st.counts[tier] = {}
+        known = st.keys
+        new: list[int] = []
+        for h, k in zip(hashes, keys, strict=True):
+            c = counts.get(h)
+            if c is None:
+                counts[h] = 1
+                k = known.setdefault(h, k)
+                new.append(k)
+            else:
+                counts[h] = c + 1
+        ops.add(st.pod, tier, new)
+        if len(known) > self.max_blocks_per_pod:
+            self._evict(st, ops)
+
+    def _record_known(self, st: PodEvents, ev: BlockStored, tier: str, ops: IndexOps) -> None:
+        """A BlockStored without tokens (offload placeholder): only known hashes count."""
+        hashes: list[EngineHash] = []
+        keys: list[int] = []
+        for h in ev.block_hashes:
+            k = st.keys.get(h)
+            if k is None:
+                self.stats.unresolved_blocks += 1
+            else:
+                hashes.append(h)
+                keys.append(k)
+        if hashes:
+            self._record(st, hashes, keys, tier, ops)
+            self.stats.stored_blocks += len(hashes)
+
+    def _evict(self, st: PodEvents, ops: IndexOps) -> None:
+        over = len(st.keys) - self.max_blocks_per_pod + max(1, self.max_blocks_per_pod // 100)
+        victims: list[EngineHash] = []
+        for h in st.keys:
+            if len(victims) >= over:
+                break
+            victims.append(h)
+        for h in victims:
+            k = st.keys.pop(h)
+            for tier, counts in st.counts.items():
+                if counts.pop(h, None) is not None:
+                    ops.remove(st.pod, tier, (k,))
+        self.stats.evicted_blocks += len(victims)
+
+    # -- orphans ---------------------------------------------------------------------
+
+    def _orphan(self, st: PodEvents, parent: EngineHash, ev: BlockStored) -> None:
+        n = len(ev.block_hashes)
+        self.stats.orphaned_blocks += n
+        st.orphans.setdefault(parent, []).append(ev)
+        st.orphan_blocks += n
+        self._orphan_pods.add(st.pod)
+        while st.orphan_blocks > self.max_orphan_blocks and st.orphans:
+            oldest = next(iter(st.orphans))
+            dropped = sum(len(e.block_hashes) for e in st.orphans.pop(oldest))
+            st.orphan_blocks -= dropped
+            self.stats.orphans_dropped += dropped
+            st.lost = True
+        if not st.orphans:
+            self._orphan_pods.discard(st.pod)
+        log.debug("pod %s: %d orphaned blocks wait for parent %r", st.pod, n, parent)
+
+    def _take_orphans(self, st: PodEvents, parent: EngineHash) -> list[BlockStored]:
+        evs = st.orphans.pop(parent, None)
+        if not evs:
+            return []
+        st.orphan_blocks -= sum(len(e.block_hashes) for e in evs)
+        if not st.orphans:
+            self._orphan_pods.discard(st.pod)
+        return evs
+
+    def _link_children(self, st: PodEvents, hashes: list[EngineHash], ops: IndexOps) -> None:
+        """Apply orphans waiting for any of ``hashes`` (now known)."""
+        for h in hashes:
+            if h in st.orphans:
+                for ev in self._take_orphans(st, h):
+                    self.stats.orphans_linked += len(ev.block_hashes)
+                    self._stored(st, ev, ops)
+
+    def _link_learned(
+        self, st: PodEvents, parent: EngineHash, tier: str, ops: IndexOps
+    ) -> int | None:
+        """Resolve ``parent`` from request chains learned by the engine hasher; index
+        its learned ancestors on this pod (the engine holds them) and return its key."""
+        assert self.hasher is not None
+        chain = self.hasher.ancestry(st.model, parent)
+        if not chain:
+            return None
+        missing = [(h, k) for h, k in chain if h not in st.keys]
+        if missing:
+            self._record(st, [h for h, _ in missing], [k for _, k in missing], tier, ops)
+            self.stats.engine_hash_linked += len(missing)
+        return chain[-1][1]
+
+    def learn(
+        self,
+        model: str,
+        token_ids: list[int],
+        block_size: int,
+        *,
+        our_keys: list[int] | None = None,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+    ) -> IndexOps:
+        """Engine-hash mode: learn a routed request's chain (see
+        :meth:`EngineHasher.learn`) and link any orphans waiting for its blocks."""
+        ops = IndexOps()
+        if self.hasher is None:
+            return ops
+        learned = self.hasher.learn(
+            model, token_ids, block_size, our_keys=our_keys, lora=lora, cache_salt=cache_salt
+        )
+        if not learned or not self._orphan_pods:
+            return ops
+        for pod in list(self._orphan_pods):
+            st = self._pods[pod]
+            if st.model != model:
+                continue
+            for h, _ in learned:
+                if h in st.orphans:
+                    for ev in self._take_orphans(st, h):
+                        self.stats.orphans_linked += len(ev.block_hashes)
+                        self._stored(st, ev, ops)
+        return ops
+
+    # -- BlockRemoved ----------------------------------------------------------------
+
+    def _removed(self, st: PodEvents, ev: BlockRemoved, ops: IndexOps) -> None:
+        tier = self._tier(st, ev.medium)
+        if tier is None:
+            return
+        counts = st.counts.get(tier)
+        self.stats.removed_blocks += len(ev.block_hashes)
+        if counts is None:
+            self.stats.unknown_removed += len(ev.block_hashes)
+            return
+        known = st.keys
+        gone: list[int] = []
+        single_tier = len(st.counts) == 1
+        for h in ev.block_hashes:
+            c = counts.get(h)
+            if c is None:
+                self.stats.unknown_removed += 1
+                continue
+            if c > 1:
+                counts[h] = c - 1
+                continue
+            del counts[h]
+            if single_tier or not any(h in other for other in st.counts.values()):
+                gone.append(known.pop(h))
+            else:
+                gone.append(known[h])
+        ops.remove(st.pod, tier, gone)

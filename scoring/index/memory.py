@@ -1,0 +1,438 @@
+"""The embedded block index: (pod, block key, tier) -> count, in one process.
+
+Layout (chosen for a small footprint and a fast chain walk):
+
+* Pods are interned as small integers ``pid`` and every set of pods is a Python int
+  *bit mask* (bit ``pid`` set = the pod holds the block).
+* ``_any[key]`` is the mask of pods holding ``key`` in *any* tier.  Its insertion order
+  is the LRU order (an ``add`` moves the key to the end).
+* ``_not_fast[key]`` is the mask of pods holding ``key`` only in slower tiers (not in the
+  fastest tier, ``tiers[0]``); ``_slow[t][key]`` the mask of pods holding ``key`` in
+  tier ``t >= 1``.  All three are empty on a GPU-only fleet, so the common entry costs
+  one dict slot, one key int and one mask int.
+* Counts above 1 (vLLM stores the same hash twice on one pod) live in a side table
+  ``_extra[(key, pid, tier)] = count``; an entry with count 1 is just its bit.
+
+``lookup`` walks the chain: ``alive_t`` starts as the candidate mask and becomes
+``alive_t & cum_t(key_i)`` at block ``i``, where ``cum_t`` is the mask of pods holding
+the key in tier ``t`` or a faster one.  A pod leaving ``alive_t`` at block ``i`` has
+``hits[t] = i``; the walk stops at the first block no candidate still alive holds in any
+tier.  Cost: one dict lookup and one mask AND per block (independent of the number of
+pods), plus work per pod only where it drops out.
+
+Bound: at most ``max_entries`` (key, pod) pairs.  When an ``add`` exceeds it, the least
+recently *stored* keys are evicted whole (all their pods and tiers), down to
+``max_entries`` minus 1% slack so eviction runs in batches.  Recency is the store order,
+not the lookup order: the index mirrors the pods' caches through their events, so the
+cap only bites when removals were missed (lost events, vanished pods) -- and those
+stale entries are the oldest stored.  A lookup never writes.
+
+``clear_pod`` scans the keyspace (O(keys); it runs on engine restarts and pod removal,
+not on the request path); ``pod_entries`` is O(pods) from counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+
+from scoring.index.base import DEFAULT_TIERS, PodHits
+
+
+class UnknownTierError(ValueError):
+    """A tier name that is not one of the index's ``tiers``."""
+
+
+def _bits(mask: int) -> Iterable[int]:
+    """Positions of the set bits of a non-negative ``mask``, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class InMemoryIndex:
+    """Bounded in-process :class:`~scoring.index.base.BlockIndex`.
+
+    The async methods satisfy the protocol; the ``*_sync`` twins do the work and are
+    what the event applier and the offline replay call on their hot paths.
+    """
+
+    def __init__(self, max_entries: int = 10_000_000, tiers: Sequence[str] = DEFAULT_TIERS) -> None:
+        if max_entries <= 0:
+            raise ValueError(f"max_entries must be positive, got {max_entries}")
+        if not tiers:
+            raise ValueError("tiers must name at least one tier")
+        if len(set(tiers)) != len(tiers):
+            raise ValueError(f"tiers must be distinct, got {tuple(tiers)}")
+        self.tiers: tuple[str, ...] = tuple(tiers)
+        self.max_entries = max_entries
+        self._tier_ix = {t: i for i, t in enumerate(self.tiers)}
+        self._any: dict[int, int] = {}
+        self._not_fast: dict[int, int] = {}
+        self._slow: list[dict[int, int]] = [{} for _ in self.tiers]  # [0] unused
+        self._extra: dict[tuple[int, int, int], int] = {}
+        self._pid: dict[str, int] = {}
+        self._names: list[str | None] = []
+        self._free: list[int] = []
+        self._pod_n: list[int] = []  # distinct (key, tier) entries per pid
+        self._entries = 0  # distinct (key, pod) pairs
+        self.evicted = 0  # (key, pod) pairs evicted by the size cap, ever
+
+    # -- bookkeeping -----------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Number of distinct (key, pod) entries."""
+        return self._entries
+
+    def _tier(self, tier: str) -> int:
+        try:
+            return self._tier_ix[tier]
+        except KeyError:
+            raise UnknownTierError(
+                f"unknown tier {tier!r}; this index has tiers {self.tiers}"
+            ) from None
+
+    def _intern(self, pod: str) -> int:
+        pid = self._pid.get(pod)
+        if pid is None:
+            if self._free:
+                pid = self._free.pop()
+                self._names[pid] = pod
+            else:
+                pid = len(self._names)
+                self._names.append(pod)
+                self._pod_n.append(0)
+            self._pid[pod] = pid
+        return pid
+
+    def _mask_of(self, pods: Collection[str]) -> int:
+        mask = 0
+        pid = self._pid
+        for p in pods:
+            i = pid.get(p)
+            if i is not None:
+                mask |= 1 << i
+        return mask
+
+    def _held_slow(self, key: int, bit: int) -> bool:
+        """Whether the pod ``bit`` holds ``key`` in some tier slower than the fastest."""
+        return any(s.get(key, 0) & bit for s in self._slow[1:])
+
+    # -- writes ----------------------------------------------------------------------
+
+    def add_sync(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
+        """Count one more copy of each key on ``pod`` in ``tier`` (touches the keys)."""
+        t = self._tier(tier)
+        pid = self._intern(pod)
+        bit = 1 << pid
+        any_ = self._any
+        pop = any_.pop
+        extra = self._extra
+        new_entries = 0
+        new_pod = 0
+        if t == 0:
+            not_fast = self._not_fast
+            for k in keys:
+                a = pop(k, 0)
+                if not a & bit:
+                    any_[k] = a | bit
+                    new_entries += 1
+                    new_pod += 1
+                    continue
+                any_[k] = a
+                nf = not_fast.get(k, 0) if not_fast else 0
+                if nf & bit:  # held only in slower tiers until now
+                    nf &= ~bit
+                    if nf:
+                        not_fast[k] = nf
+                    else:
+                        del not_fast[k]
+                    new_pod += 1
+                else:
+                    ek = (k, pid, 0)
+                    extra[ek] = extra.get(ek, 1) + 1
+        else:
+            slow = self._slow[t]
+            not_fast = self._not_fast
+            for k in keys:
+                a = pop(k, 0)
+                m = slow.get(k, 0)
+                if m & bit:
+                    ek = (k, pid, t)
+                    extra[ek] = extra.get(ek, 1) + 1
+                else:
+                    slow[k] = m | bit
+                    new_pod += 1
+                    if not a & bit:
+                        a |= bit
+                        new_entries += 1
+                        not_fast[k] = not_fast.get(k, 0) | bit
+                any_[k] = a
+        self._pod_n[pid] += new_pod
+        self._entries += new_entries
+        if self._entries > self.max_entries:
+            self._evict()
+
+    def _drop(self, key: int, pid: int, t: int) -> None:
+        """Remove ``pod``'s membership of ``key`` in tier ``t`` whatever its count."""
+        bit = 1 << pid
+        a = self._any.get(key)
+        if a is None or not a & bit:
+            return
+        if self._extra:
+            self._extra.pop((key, pid, t), None)
+        not_fast = self._not_fast
+        if t == 0:
+            nf = not_fast.get(key, 0)
+            if nf & bit:
+                return  # not held in the fastest tier
+            self._pod_n[pid] -= 1
+            if self._held_slow(key, bit):
+                not_fast[key] = nf | bit
+                return
+        else:
+            slow = self._slow[t]
+            m = slow.get(key, 0)
+            if not m & bit:
+                return
+            m &= ~bit
+            if m:
+                slow[key] = m
+            else:
+                del slow[key]
+            self._pod_n[pid] -= 1
+            nf = not_fast.get(key, 0)
+            if not nf & bit or self._held_slow(key, bit):
+                return  # still held in the fastest tier or another slow one
+            nf &= ~bit
+            if nf:
+                not_fast[key] = nf
+            else:
+                del not_fast[key]
+        a &= ~bit
+        self._entries -= 1
+        if a:
+            self._any[key] = a
+        else:
+            del self._any[key]
+
+    def remove_sync(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
+        """Count one copy fewer of each key; unknown keys are ignored."""
+        t = self._tier(tier)
+        pid = self._pid.get(pod)
+        if pid is None:
+            return
+        bit = 1 << pid
+        any_ = self._any
+        extra = self._extra
+        # common case: one fastest-tier copy, no slower tiers anywhere
+        fast_only = t == 0 and not self._not_fast and not extra and not self._extra_tiers_used()
+        for k in keys:
+            a = any_.get(k)
+            if a is None or not a & bit:
+                continue
+            if fast_only:
+                a &= ~bit
+                self._entries -= 1
+                self._pod_n[pid] -= 1
+                if a:
+                    any_[k] = a
+                else:
+                    del any_[k]
+                continue
+            if extra:
+                ek = (k, pid, t)
+                c = extra.get(ek)
+                if c is not None:
+                    if c > 2:
+                        extra[ek] = c - 1
+                    else:
+                        del extra[ek]
+                    continue
+            self._drop(k, pid, t)
+
+    def clear_pod_sync(self, pod: str, tier: str | None = None) -> None:
+        """Forget every entry of ``pod`` (only ``tier`` when given); O(keys)."""
+        pid = self._pid.get(pod)
+        if pid is None:
+            return
+        if tier is not None:
+            t = self._tier(tier)
+            bit = 1 << pid
+            if t == 0:
+                nf = self._not_fast
+                held = [k for k, a in self._any.items() if a & bit and not nf.get(k, 0) & bit]
+            else:
+                held = [k for k, m in self._slow[t].items() if m & bit]
+            for k in held:
+                self._drop(k, pid, t)
+            return
+        bit = 1 << pid
+        keep = ~bit
+        any_ = self._any
+        held = [k for k, a in any_.items() if a & bit]
+        for k in held:
+            a = any_[k] & keep
+            if a:
+                any_[k] = a
+            else:
+                del any_[k]
+            for d in (self._not_fast, *self._slow[1:]):
+                m = d.get(k)
+                if m is not None and m & bit:
+                    m &= keep
+                    if m:
+                        d[k] = m
+                    else:
+                        del d[k]
+        if self._extra:
+            for ek in [ek for ek in self._extra if ek[1] == pid]:
+                del self._extra[ek]
+        self._entries -= len(held)
+        self._pod_n[pid] = 0
+        del self._pid[pod]
+        self._names[pid] = None
+        self._free.append(pid)
+
+    def _evict(self) -> None:
+        """Drop least recently stored keys until entries <= 99% of ``max_entries``."""
+        target = self.max_entries - max(1, self.max_entries // 100)
+        need = self._entries - target
+        victims: list[int] = []
+        freed = 0
+        any_ = self._any
+        for k, a in any_.items():  # oldest first
+            if freed >= need:
+                break
+            victims.append(k)
+            freed += a.bit_count()
+        for k in victims:
+            a = any_.pop(k)
+            nf = self._not_fast.pop(k, 0)
+            for pid in _bits(a):
+                n = 0 if nf >> pid & 1 else 1
+                self._pod_n[pid] -= n
+            for s in self._slow[1:]:
+                m = s.pop(k, 0)
+                for pid in _bits(m):
+                    self._pod_n[pid] -= 1
+            if self._extra:
+                for pid in _bits(a):
+                    for t in range(len(self.tiers)):
+                        self._extra.pop((k, pid, t), None)
+        self._entries -= freed
+        self.evicted += freed
+
+    # -- reads -----------------------------------------------------------------------
+
+    def lookup_sync(
+        self, keys: Sequence[int], pods: Collection[str] | None = None
+    ) -> dict[str, PodHits]:
+        """For each candidate pod holding ``keys[0]``: leading blocks per tier
+        (cumulative: ``hits[t]`` counts blocks held in tier ``t`` or a faster one).
+        Every tier of the index appears in each pod's hits."""
+        if not keys:
+            return {}
+        first = self._any.get(keys[0])
+        if first is None:
+            return {}
+        alive = first if pods is None else first & self._mask_of(pods)
+        if not alive:
+            return {}
+        if self._not_fast:  # else every holder holds in the fastest tier: cum_t == any
+            return self._lookup_tiers(keys, alive)
+        drops: list[tuple[int, int]] = []
+        i = 0
+        for m in map(self._any.get, keys):
+            if m is None:
+                break
+            a = alive & m
+            if a != alive:
+                drops.append((alive & ~a, i))
+                alive = a
+                if not a:
+                    break
+            i += 1
+        if alive:
+            drops.append((alive, i))
+        names = self._names
+        tiers = self.tiers
+        out: dict[str, PodHits] = {}
+        for mask, n in drops:
+            for pid in _bits(mask):
+                out[names[pid]] = dict.fromkeys(tiers, n)  # type: ignore[index]
+        return out
+
+    def _extra_tiers_used(self) -> bool:
+        return any(self._slow[1:])
+
+    def _lookup_tiers(self, keys: Sequence[int], cand: int) -> dict[str, PodHits]:
+        """The general walk when some pod holds some block only in a slower tier."""
+        n_tiers = len(self.tiers)
+        any_get = self._any.get
+        nf_get = self._not_fast.get
+        slow_gets = [s.get for s in self._slow]
+        alive = [cand] * n_tiers
+        drops: list[list[tuple[int, int]]] = [[] for _ in range(n_tiers)]
+        i = 0
+        last = n_tiers - 1
+        for k in keys:
+            a = any_get(k)
+            if a is None:
+                break
+            c = a & ~nf_get(k, 0)
+            for t in range(n_tiers):
+                if t:
+                    c |= slow_gets[t](k, 0)
+                al = alive[t]
+                if al:
+                    na = al & c
+                    if na != al:
+                        drops[t].append((al & ~na, i))
+                        alive[t] = na
+            if not alive[last]:
+                break
+            i += 1
+        for t in range(n_tiers):
+            if alive[t]:
+                drops[t].append((alive[t], i))
+        names = self._names
+        tiers = self.tiers
+        out: dict[str, PodHits] = {}
+        for pid in _bits(cand):
+            out[names[pid]] = dict.fromkeys(tiers, 0)  # type: ignore[index]
+        for t, tier in enumerate(tiers):
+            for mask, n in drops[t]:
+                for pid in _bits(mask):
+                    out[names[pid]][tier] = n  # type: ignore[index]
+        return out
+
+    def pod_entries_sync(self) -> dict[str, int]:
+        """Distinct (key, tier) entries per pod (pods with none are omitted)."""
+        return {
+            name: n
+            for name, n in zip(self._names, self._pod_n, strict=True)
+            if name is not None and n > 0
+        }
+
+    # -- BlockIndex protocol ---------------------------------------------------------
+
+    async def add(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
+        self.add_sync(pod, keys, tier)
+
+    async def remove(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
+        self.remove_sync(pod, keys, tier)
+
+    async def clear_pod(self, pod: str, tier: str | None = None) -> None:
+        self.clear_pod_sync(pod, tier)
+
+    async def lookup(
+        self, keys: Sequence[int], pods: Collection[str] | None = None
+    ) -> dict[str, PodHits]:
+        return self.lookup_sync(keys, pods)
+
+    async def pod_entries(self) -> dict[str, int]:
+        return self.pod_entries_sync()
+
+    async def close(self) -> None:
+        return None
