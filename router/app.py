@@ -107,9 +107,10 @@ class Gateway:
 
     def tokenizer_for(self, model: str) -> PromptTokenizer:
         spec = self.settings.tokenizer_for(model)
-        tok = self._tokenizers.get(spec)
+        key = f"{spec}\x00{model}" if spec.startswith("remote:") else spec
+        tok = self._tokenizers.get(key)
         if tok is None:
-            tok = self._tokenizers[spec] = load_tokenizer(spec)
+            tok = self._tokenizers[key] = load_tokenizer(spec, model=model)
         return tok
 
     def _on_pod(self, name: str, spec: PodSpec | None) -> None:

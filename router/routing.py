@@ -35,7 +35,7 @@ from router.errors import RouterError, bad_request
 from router.load import LoadStore, MetricsScraper
 from router.metrics import RouterMetrics
 from router.pods import PodRegistry, PodState
-from router.tokenize import PromptTokenizer, TokenizeError
+from router.tokenize import ChatEncoder, EncodedPrompt, PromptTokenizer, TokenizeError
 from scoring.blocks import BlockHasher
 from scoring.index.base import BlockIndex
 from scoring.policies.base import Decision, PodView, Policy, RouteRequest
@@ -144,7 +144,7 @@ class RequestRouter:
         self.scraper = scraper
         self.tokenizer_for = tokenizer_for
         self.metrics = metrics
-        self._hashers: dict[tuple[str, int], BlockHasher] = {}
+        self._encoders: dict[tuple[int, str, int], ChatEncoder] = {}
         self._rr = 0
 
     # -- helpers ---------------------------------------------------------------------
@@ -192,12 +192,14 @@ class RequestRouter:
                 return learned
         return DEFAULT_BLOCK_SIZE
 
-    def _hasher(self, model: str, block_size: int) -> BlockHasher:
-        key = (model, block_size)
-        h = self._hashers.get(key)
-        if h is None:
-            h = self._hashers[key] = BlockHasher(block_size, model)
-        return h
+    def _encoder(self, model: str, base: str, block_size: int) -> ChatEncoder:
+        """One multi-turn-reusing encoder per (tokenizer, base model, block size)."""
+        tok = self.tokenizer_for(model)
+        key = (id(tok), base, block_size)
+        enc = self._encoders.get(key)
+        if enc is None:
+            enc = self._encoders[key] = ChatEncoder(tok, BlockHasher(block_size, base))
+        return enc
 
     def _max_len(self, model: str, pods: Sequence[str]) -> int | None:
         if model in self.settings.max_model_len:
@@ -206,10 +208,16 @@ class RequestRouter:
             return self.scraper.model_max_len(model, pods)
         return None
 
-    def tokenize(
-        self, kind: Kind, body: Mapping[str, Any], model: str
-    ) -> tuple[list[int], PromptTokenizer]:
-        tok = self.tokenizer_for(model)
+    async def encode(
+        self,
+        kind: Kind,
+        body: Mapping[str, Any],
+        encoder: ChatEncoder,
+        lora: str | None,
+    ) -> EncodedPrompt:
+        """Render + tokenize + hash (reusing earlier turns); 400 when it cannot."""
+        salt = body.get("cache_salt")
+        cache_salt = salt if isinstance(salt, str) and salt else None
         t0 = time.perf_counter()
         try:
             if kind == "chat":
@@ -225,24 +233,27 @@ class RequestRouter:
                         param="chat_template_kwargs",
                     )
                 agp = body.get("add_generation_prompt", True)
-                if (kwargs or {}).get("continue_final_message") or body.get(
-                    "continue_final_message"
-                ):
+                if body.get("continue_final_message"):
                     agp = False
-                ids = tok.encode_chat(
+                return await encoder.aencode_chat(
                     messages,
                     tools=tools,
                     add_generation_prompt=bool(agp),
                     chat_template_kwargs=kwargs,
+                    lora=lora,
+                    cache_salt=cache_salt,
                 )
-            else:
-                prompt = _first_prompt(body.get("prompt"))
-                ids = prompt if isinstance(prompt, list) else tok.encode_prompt(prompt)
+            prompt = _first_prompt(body.get("prompt"))
+            if isinstance(prompt, list):  # token ids: nothing to tokenize
+                ids = list(prompt)
+                keys = encoder.hasher.keys(ids, lora=lora, cache_salt=cache_salt)
+                return EncodedPrompt(ids, keys)
+            return await encoder.aencode_prompt(prompt, lora=lora, cache_salt=cache_salt)
         except TokenizeError as exc:
             raise bad_request(f"cannot tokenize the request: {exc}", "tokenize_failed") from None
         finally:
-            self.metrics.tokenize_seconds.labels(tok.name).observe(time.perf_counter() - t0)
-        return ids, tok
+            name = getattr(encoder.tokenizer, "name", "unknown")
+            self.metrics.tokenize_seconds.labels(name).observe(time.perf_counter() - t0)
 
     # -- the path ----------------------------------------------------------------------
 
@@ -274,7 +285,11 @@ class RequestRouter:
         if kind == "embedding":
             return await self._decide_embedding(body, model, stream, pods, request_id)
 
-        ids, tok = self.tokenize(kind, body, model)
+        base, lora = self._base_and_lora(model, pods)
+        bs = self.block_size(model, names)
+        encoder = self._encoder(model, base, bs)
+        enc = await self.encode(kind, body, encoder, lora)
+        ids, keys = enc.token_ids, enc.block_keys
         max_len = self._max_len(model, names)
         if max_len is not None and len(ids) > max_len:
             raise bad_request(
@@ -283,14 +298,8 @@ class RequestRouter:
                 "context_length_exceeded",
                 param="messages" if kind == "chat" else "prompt",
             )
-        if tok.approximate:
+        if enc.approximate:
             self.metrics.approximate_tokenizations.labels(model).inc()
-        base, lora = self._base_and_lora(model, pods)
-        bs = self.block_size(model, names)
-        salt = body.get("cache_salt")
-        keys = self._hasher(base, bs).keys(
-            ids, lora=lora, cache_salt=salt if isinstance(salt, str) else None
-        )
         route = RouteRequest(
             request_id=request_id,
             model=model,
@@ -314,8 +323,8 @@ class RequestRouter:
             decision=decision,
             ranking=ranking,
             views=views,
-            tokenizer_name=tok.name,
-            approximate=tok.approximate,
+            tokenizer_name=getattr(encoder.tokenizer, "name", "unknown"),
+            approximate=enc.approximate,
         )
 
     async def _views(self, keys: Sequence[int], names: list[str]) -> dict[str, PodView]:
