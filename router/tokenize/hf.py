@@ -9,9 +9,10 @@ directories, or a repo id (``org/name``) found in the local HF cache:
 * ``tokenizer_config.json``: the named special tokens (``bos_token``, ``eos_token``, ...,
   strings or ``{"content": ...}`` objects), ``added_tokens_decoder`` and
   ``extra_special_tokens`` / ``additional_special_tokens`` (added to the vocabulary as
-  special tokens when ``tokenizer.json`` lacks them), and ``add_bos_token`` /
-  ``add_eos_token`` (when present, the post-processor becomes ``[bos] $A [eos]``, as
-  ``TokenizersBackend.update_post_processor`` does);
+  special tokens when ``tokenizer.json`` lacks them).  ``add_bos_token`` /
+  ``add_eos_token`` are ignored, as transformers 5 ignores them whenever a
+  ``tokenizer.json`` exists: completion prompts get exactly what the ``tokenizer.json``
+  post-processor adds;
 * the chat template, by the priority transformers uses: ``chat_template.jinja`` (plus named
   ``additional_chat_templates/*.jinja``) over ``tokenizer_config.json["chat_template"]``
   (a string, or a list of ``{"name", "template"}``); ``chat_template.json`` (the legacy
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, processors
+from tokenizers import AddedToken, Tokenizer
 
 from router.tokenize.base import TokenizeError
 from router.tokenize.conversation import (
@@ -216,12 +217,6 @@ class HFTokenizer:
             if (content := _token_content(config.get(name))) is not None
         }
         _add_missing_tokens(tok, config, special)
-        if "add_bos_token" in config or "add_eos_token" in config or tok.post_processor is None:
-            _set_post_processor(
-                tok,
-                special.get("bos_token") if config.get("add_bos_token") else None,
-                special.get("eos_token") if config.get("add_eos_token") else None,
-            )
         return cls(
             tok,
             templates=_load_templates(root, config),
@@ -374,19 +369,3 @@ def _add_missing_tokens(
                 want(value)
     if to_add:
         tok.add_special_tokens(to_add)
-
-
-def _set_post_processor(tok: Tokenizer, bos: str | None, eos: str | None) -> None:
-    """``[bos] $A [eos]`` as transformers' ``update_post_processor`` builds it."""
-    single = (f"{bos}:0 " if bos else "") + "$A:0" + (f" {eos}:0" if eos else "")
-    pair = single + (f" {bos}:1" if bos else "") + " $B:1" + (f" {eos}:1" if eos else "")
-    specials = []
-    for token in (bos, eos):
-        if token:
-            tid = tok.token_to_id(token)
-            if tid is None:
-                raise TokenizerFilesError(f"special token {token!r} is not in the vocabulary")
-            specials.append((token, tid))
-    tok.post_processor = processors.TemplateProcessing(
-        single=single, pair=pair, special_tokens=specials
-    )
