@@ -20,6 +20,7 @@ from scoring.events.decode import (
     encode_batch_positional,
 )
 from scoring.events.engine_hash import EngineHasher
+from scoring.events.sink import IndexSink
 
 __all__ = [
     "AllBlocksCleared",
@@ -31,6 +32,7 @@ __all__ = [
     "EngineHasher",
     "EventBatch",
     "IndexOps",
+    "IndexSink",
     "KVEventApplier",
     "PodEvents",
     "UnknownPodError",
