@@ -5,6 +5,7 @@ See :mod:`router.events.subscriber` for the semantics.
 
 from router.events.replay import ReplayError, fetch_replay
 from router.events.settings import EventsSettings
+from router.events.sink import IndexSink
 from router.events.stats import EventStats, EventStatsCollector, PodEventStats
 from router.events.subscriber import DecodedBatch, EventSink, KVEventSubscriber
 from router.events.topic import TopicError, make_topic, parse_topic
@@ -15,6 +16,7 @@ __all__ = [
     "EventStats",
     "EventStatsCollector",
     "EventsSettings",
+    "IndexSink",
     "KVEventSubscriber",
     "PodEventStats",
     "ReplayError",

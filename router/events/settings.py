@@ -31,6 +31,8 @@ class EventsSettings(BaseModel):
     queue_size: int = Field(default=10_000, ge=1)
     #: on a seq gap, ask the pod's replay endpoint for the missed batches (else resync)
     replay_on_gap: bool = True
+    #: on a pod's first batch with seq > 0, apply what its replay buffer holds first
+    replay_on_join: bool = True
     #: seconds to wait for each replay frame before giving up (then resync)
     replay_timeout_s: float = Field(default=2.0, gt=0)
     #: ZMQ receive high-water mark of each SUB socket (vLLM's PUB uses 100,000)

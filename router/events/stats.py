@@ -10,12 +10,21 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 #: reasons a pod's index entries are dropped and re-learned
-RESYNC_REASONS = ("gap", "overflow", "decode_error", "apply_error", "restart", "removed")
+RESYNC_REASONS = (
+    "gap",
+    "overflow",
+    "decode_error",
+    "lost_events",
+    "apply_error",
+    "restart",
+    "removed",
+)
 
 
 @dataclass
@@ -53,6 +62,8 @@ class EventStats:
     unknown_pod_batches: int = 0
     bad_topics: int = 0
     queue_depth: Callable[[], int] = lambda: 0
+    #: the sink's own counters (``scoring.events.ApplierStats``: orphans, bad events...)
+    sink_stats: Callable[[], dict[str, Any]] = dict
 
     def pod(self, name: str) -> PodEventStats:
         return self.pods[name]
@@ -117,6 +128,13 @@ class EventStatsCollector(Collector):
             "bind mode: batches whose topic is not kv@<pod>@<model>",
             value=self._stats.bad_topics,
         )
+        for key, value in self._stats.sink_stats().items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                yield CounterMetricFamily(
+                    f"kvroute_event_applier_{key}",
+                    f"KV-event applier counter {key} (scoring.events.ApplierStats)",
+                    value=value,
+                )
         yield GaugeMetricFamily(
             "kvroute_event_queue_depth",
             "batches waiting between the socket readers and the index writer",

@@ -20,6 +20,10 @@ Sequence semantics per pod (``expected`` = last applied seq + 1):
 * ``seq < expected``: the engine restarted (vLLM numbers batches from 0 per engine
   process): the pod is cleared, then the batch applied.
 * A pod removed from the registry is cleared.
+* The first batch of a pod with ``seq > 0`` (the router joined late, or restarted):
+  with ``replay_on_join`` the pod's replay buffer is applied first, so the blocks its
+  engine stored recently are known at once.
+* The sink had to skip some events of a batch (``lost_events``): resync.
 
 **Resync** = forget everything the index holds for the pod (``sink.clear_pod``) and
 re-learn it from the next batches.  Blocks the engine stored before the resync and
@@ -75,6 +79,14 @@ class EventSink(Protocol):
         """Forget the pod's entries (index and per-pod engine-hash map)."""
         ...
 
+    async def remove_pod(self, pod: str) -> None:
+        """The pod left the fleet: forget its entries and everything else about it."""
+        ...
+
+    def lost_events(self, pod: str) -> bool:
+        """True when the sink had to skip some of the pod's events (resync it)."""
+        ...
+
 
 @dataclass(slots=True)
 class _Batch:
@@ -105,6 +117,8 @@ class _Feed:
     drop_seq: int | None = None
     #: the index may hold stale entries (a clear failed): clear before the next apply
     dirty: bool = False
+    #: the first batch was seen (join replay done)
+    joined: bool = False
     socket: zmq.asyncio.Socket | None = None
     reader: asyncio.Task[None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -138,6 +152,9 @@ class KVEventSubscriber:
         self._own_ctx = context is None
         self._queue: asyncio.Queue[_Batch | _Clear] = asyncio.Queue()
         self.stats.queue_depth = self._queue.qsize
+        sink_stats = getattr(sink, "stats", None)
+        if callable(sink_stats):
+            self.stats.sink_stats = sink_stats
         self._feeds: dict[str, _Feed] = {}
         self._gen = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -330,7 +347,10 @@ class KVEventSubscriber:
     async def _clear(self, pod: str, reason: str, feed: _Feed | None) -> bool:
         self.stats.pod(pod).resyncs[reason] += 1
         try:
-            await self.sink.clear_pod(pod)
+            if reason == "removed":
+                await self.sink.remove_pod(pod)
+            else:
+                await self.sink.clear_pod(pod)
         except Exception as exc:
             log.warning("KV events: %s: clearing the pod failed (%s); will retry", pod, exc)
             if feed is not None:
@@ -356,6 +376,10 @@ class KVEventSubscriber:
         elif feed.dirty:
             await self._resync(feed, "apply_error")
         exp = feed.expected
+        if exp is None and not feed.joined:
+            feed.joined = True
+            if b.seq > 0 and self.settings.replay_on_join:
+                await self._join_replay(feed, b.seq)
         if exp is not None and b.seq > exp:
             st.gaps += 1
             st.missed_batches += b.seq - exp
@@ -369,6 +393,30 @@ class KVEventSubscriber:
             )
             await self._resync(feed, "restart")
         await self._apply(feed, b.model, b.seq, b.payload)
+
+    async def _join_replay(self, feed: _Feed, stop: int) -> None:
+        """First batch of a pod already running: apply what its replay buffer holds
+        before ``stop`` (best effort: blocks stored before the buffer's oldest batch stay
+        unknown and their children show up as orphans)."""
+        st = self.stats.pod(feed.name)
+        endpoint = feed.spec.replay_endpoint
+        if not endpoint:
+            return
+        try:
+            batches = await fetch_replay(
+                self._ctx, endpoint, 0, stop_seq=stop, timeout_s=self.settings.replay_timeout_s
+            )
+        except ReplayError as exc:
+            st.replay_failures += 1
+            log.warning("KV events: %s: join replay failed: %s", feed.name, exc)
+            return
+        st.replays += 1
+        for rb in batches:
+            await self._apply(feed, feed.model, rb.seq, rb.payload)
+            st.replayed_batches += 1
+        log.info(
+            "KV events: %s: joined at seq %d, replayed %d batches", feed.name, stop, len(batches)
+        )
 
     async def _replay(self, feed: _Feed, start: int, stop: int) -> bool:
         st = self.stats.pod(feed.name)
@@ -425,3 +473,6 @@ class KVEventSubscriber:
         st.batches += 1
         st.events += n
         st.lag_s = max(0.0, time.time() - float(batch.ts))
+        if self.sink.lost_events(feed.name):
+            log.warning("KV events: %s: events were skipped in batch %d; resync", feed.name, seq)
+            await self._clear(feed.name, "lost_events", feed)

@@ -6,7 +6,8 @@ arrived, so no batch is lost to ZMQ's slow-joiner window) sending
 ``[topic, seq (8 bytes BE), msgpack([ts, [events], dp_rank])]``, and a ROUTER answering
 replay requests ``[b"", start_seq]`` with ``[b"", seq, payload]`` per buffered batch and
 an end marker of seq -1.  Batches go into a real :class:`InMemoryIndex` through
-``scoring.events``' sink; the tests look blocks up with the router's own key chain.
+:class:`IndexSink` (``scoring.events``' decoder and applier); the tests look blocks up
+with the router's own key chain.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pydantic import ValidationError
 
 from router.events import (
     EventsSettings,
+    IndexSink,
     KVEventSubscriber,
     ReplayError,
     TopicError,
@@ -36,11 +38,6 @@ from router.events import (
 from router.pods import PodRegistry, PodSpec
 from scoring.blocks import BlockHasher
 from scoring.index.memory import InMemoryIndex
-
-try:
-    from scoring.events import IndexSink
-except ImportError:  # scoring.events' applier is written concurrently
-    pytest.skip("scoring.events.IndexSink is not available yet", allow_module_level=True)
 
 MODEL = "m"
 BS = 4  # block size of these tests
@@ -373,26 +370,51 @@ async def test_a_removed_pod_is_cleared_and_unsubscribed(ctx: zmq.asyncio.Contex
         assert "p" not in h.sub._feeds
 
 
+class StalledIndex:
+    """A real in-memory index behind the async BlockIndex API only, whose writes wait
+    for :attr:`gate` (think: a Redis hiccup)."""
+
+    def __init__(self, inner: InMemoryIndex) -> None:
+        self.inner = inner
+        self.tiers = inner.tiers
+        self.gate = asyncio.Event()
+        self.entered = asyncio.Event()
+
+    async def add(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
+        self.entered.set()
+        await self.gate.wait()
+        await self.inner.add(pod, keys, tier)
+
+    async def remove(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
+        await self.inner.remove(pod, keys, tier)
+
+    async def clear_pod(self, pod: str, tier: str | None = None) -> None:
+        await self.inner.clear_pod(pod, tier)
+
+    async def lookup(self, keys: Sequence[int], pods: Any = None) -> Any:
+        return await self.inner.lookup(keys, pods)
+
+    async def pod_entries(self) -> dict[str, int]:
+        return await self.inner.pod_entries()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
 async def test_queue_overflow_drops_batches_and_resyncs_the_pod(
     ctx: zmq.asyncio.Context,
 ) -> None:
     async with dial_pod(ctx, queue_size=2) as (h, pub):
-        gate, entered = asyncio.Event(), asyncio.Event()
-        real_add = h.index.add
-
-        async def slow_add(pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
-            entered.set()
-            await gate.wait()  # a stalled index (think: Redis hiccup)
-            await real_add(pod, keys, tier)
-
-        h.index.add = slow_add  # type: ignore[method-assign]
+        stalled = StalledIndex(h.index)
+        h.sink.index = stalled  # type: ignore[assignment]
+        h.sink._sync = False
         await pub.send([stored(chain(1), [0])])  # seq 0 stalls the writer
-        await asyncio.wait_for(entered.wait(), 10)
+        await asyncio.wait_for(stalled.entered.wait(), 10)
         for i in range(1, 6):  # 1-2 fill the queue, 3-5 are dropped
             await pub.send([stored(chain(1, start=100 * i), [i])])
         await wait_for(lambda: h.sub.stats.pod("p").dropped == 3)
         assert h.sub.stats.queue_depth() == 2
-        gate.set()
+        stalled.gate.set()
         await h.applied(3)
         assert h.sub.stats.pod("p").resyncs["overflow"] == 0  # not yet: no later batch
         await pub.send([stored(chain(1, start=900), [9])])  # seq 6
@@ -487,3 +509,66 @@ async def test_fetch_replay_times_out_on_a_silent_endpoint(ctx: zmq.asyncio.Cont
             await fetch_replay(ctx, silent.getsockopt_string(zmq.LAST_ENDPOINT), 0, timeout_s=0.2)
     finally:
         silent.close(linger=0)
+
+
+async def test_a_late_joiner_first_applies_the_pods_replay_buffer(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    h = Harness(ctx, EventsSettings(mode="dial"))
+    pub = VllmLikePublisher(ctx, make_topic("p", MODEL))
+    try:
+        tokens = chain(3)
+        # the engine ran before we subscribed: seq 0-1 went to nobody
+        await pub.send([stored(tokens[:BS], [1])], publish=False)
+        await pub.send([stored(tokens[BS : 2 * BS], [2], parent=1)], publish=False)
+        await h.sub.start()
+        h.registry.set_pods(
+            [
+                PodSpec(
+                    name="p",
+                    url="http://127.0.0.1:1",
+                    events_endpoint=pub.endpoint,
+                    replay_endpoint=pub.replay_endpoint,
+                )
+            ]
+        )
+        await pub.subscribed()
+        await pub.send([stored(tokens[2 * BS :], [3], parent=2)])  # seq 2: first seen
+        await h.applied(3)
+        assert pub.replay_requests == [0]
+        assert await h.blocks_held(tokens) == 3
+        st = h.sub.stats.pod("p")
+        assert (st.replays, st.replayed_batches, st.gaps) == (1, 2, 0)
+        assert h.sink.applier.stats.orphaned_blocks == 0
+    finally:
+        await h.sub.stop()
+        await pub.close()
+
+
+async def test_without_join_replay_a_late_joiners_chain_is_counted_as_orphans(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with dial_pod(ctx, replay_on_join=False) as (h, pub):
+        tokens = chain(2)
+        await pub.send([stored(tokens[BS:], [2], parent=1)], seq=7)  # parent never seen
+        await h.applied(1)
+        assert pub.replay_requests == []
+        assert h.sink.applier.stats.orphaned_blocks == 1
+        assert await h.blocks_held(tokens) == 0
+        text = generate_latest(h.metrics).decode()
+        assert "kvroute_event_applier_orphaned_blocks_total 1.0" in text
+
+
+async def test_a_batch_with_a_bad_event_resyncs_the_pod(ctx: zmq.asyncio.Context) -> None:
+    async with dial_pod(ctx) as (h, pub):
+        await pub.send([stored(chain(2), [1, 2])])
+        await h.applied(1)
+        bad = stored(chain(1, start=500), [5])
+        bad["token_ids"] = [1, 2, 3]  # not block_size tokens per hash
+        await pub.send([bad, stored(chain(1, start=900), [9])])
+        await h.applied(2)
+        st = h.sub.stats.pod("p")
+        assert st.resyncs["lost_events"] == 1
+        assert h.sink.applier.stats.bad_events == 1
+        assert await h.blocks_held(chain(2)) == 0
+        assert not h.sink.lost_events("p")  # the resync reset the flag
