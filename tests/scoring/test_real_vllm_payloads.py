@@ -19,6 +19,15 @@ import msgspec
 import pytest
 import xxhash
 
+from scoring.blocks import BlockHasher
+from scoring.events import (
+    BlockRemoved,
+    BlockStored,
+    EngineHasher,
+    KVEventApplier,
+    decode_batch,
+)
+from scoring.index.memory import InMemoryIndex
 from tools.capture_vllm_events import CapturedMessage, load_capture, load_manifest
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm_events"
@@ -270,3 +279,188 @@ def test_xxhash_without_the_engines_seed_does_not_reproduce_its_hashes() -> None
     (ev,) = stored_after("xxhash_int_seed42", "completion_a")
     wrong = reference_engine_hashes("xxhash", "43", req["token_ids"], 32)
     assert not set(wrong) & set(ev["block_hashes"])
+
+
+# --- the project's decoder, applier, index and engine-hash mode on the real frames -------
+
+POD = "pod-a"
+EVICT = ("evict_0", "evict_1", "evict_2")
+
+
+def _applier(scenario: str, **kwargs: Any) -> KVEventApplier:
+    applier = KVEventApplier(**kwargs)
+    applier.set_pod(POD, SCENARIOS[scenario]["served_model_name"])
+    return applier
+
+
+def _keys(scenario: str, name: str, *, cache_salt: str | None = None) -> list[int]:
+    entry = SCENARIOS[scenario]
+    hasher = BlockHasher(block_size=entry["block_size"], model=entry["served_model_name"])
+    return hasher.keys(request(scenario, name)["token_ids"], cache_salt=cache_salt)
+
+
+async def _held(index: InMemoryIndex, keys: list[int]) -> int:
+    """Leading blocks of ``keys`` the index says POD holds in the GPU tier."""
+    hits = await index.lookup(keys)
+    return hits[POD]["GPU"] if POD in hits else 0
+
+
+async def _apply_seqs(
+    applier: KVEventApplier, index: InMemoryIndex, scenario: str, seqs: list[int]
+) -> None:
+    payloads = {m.seq: m.payload for m in pub_messages(scenario)}
+    for seq in seqs:
+        await applier.ingest(POD, payloads[seq]).apply(index)
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_the_project_decoder_reads_every_captured_batch_without_errors(scenario: str) -> None:
+    for m in pub_messages(scenario):
+        batch = decode_batch(m.payload)
+        assert batch.errors == [] and batch.unknown == 0
+        assert batch.data_parallel_rank == 0
+        raw = msgspec.msgpack.decode(m.payload)[1]
+        assert [type(e).__name__ for e in batch.events] == [e["type"] for e in raw]
+        for ev, r in zip(batch.events, raw, strict=True):
+            if isinstance(ev, (BlockStored, BlockRemoved)):
+                assert ev.block_hashes == r["block_hashes"]  # ints stay ints, bytes bytes
+            if isinstance(ev, BlockStored):
+                assert ev.parent_block_hash == r["parent_block_hash"]
+                assert ev.token_ids == r["token_ids"] and ev.block_size == 32
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+async def test_after_each_request_the_index_finds_the_pod_holding_its_full_prompt_blocks(
+    scenario: str,
+) -> None:
+    applier, index = _applier(scenario), InMemoryIndex()
+    for req in SCENARIOS[scenario]["requests"]:
+        await _apply_seqs(applier, index, scenario, req["seqs_after"])
+        if req["kind"] == "reset":
+            continue
+        keys = _keys(scenario, req["name"], cache_salt=req.get("cache_salt"))
+        assert await _held(index, keys) == len(req["token_ids"]) // 32, req["name"]
+    assert applier.stats.orphaned_blocks == 0
+    assert applier.stats.unknown_removed == 0
+    assert applier.stats.bad_events == 0 and applier.stats.decode_errors == 0
+
+
+async def test_a_salted_chain_is_found_only_with_the_same_salt() -> None:
+    applier, index = _applier("sha256_int"), InMemoryIndex()
+    await _apply_seqs(applier, index, "sha256_int", [0, 1, 2])  # a, b, a salted
+    (salted,) = stored_after("sha256_int", "completion_a_salted")
+    assert salted["extra_keys"][0] == ["tenant-a"]
+    n = len(request("sha256_int", "completion_a")["token_ids"]) // 32
+    assert await _held(index, _keys("sha256_int", "completion_a", cache_salt="tenant-a")) == n
+    assert await _held(index, _keys("sha256_int", "completion_a", cache_salt="tenant-b")) == 0
+    assert not set(_keys("sha256_int", "completion_a", cache_salt="tenant-a")) & set(
+        _keys("sha256_int", "completion_a")
+    )
+
+
+async def test_all_blocks_cleared_empties_the_pod_before_the_next_chain_is_stored() -> None:
+    applier, index = _applier("sha256_int"), InMemoryIndex()
+    before = [s for r in SCENARIOS["sha256_int"]["requests"][:6] for s in r["seqs_after"]]
+    await _apply_seqs(applier, index, "sha256_int", before)
+    assert await _held(index, _keys("sha256_int", "chat_a")) > 0
+    await _apply_seqs(
+        applier, index, "sha256_int", request("sha256_int", "after_reset")["seqs_after"]
+    )
+    assert await _held(index, _keys("sha256_int", "chat_a")) == 0
+    assert (
+        await _held(index, _keys("sha256_int", "completion_a_salted", cache_salt="tenant-a")) == 0
+    )
+    # only what after_reset stored: its own chain, and the blocks q1 shares with it
+    a = _keys("sha256_int", "completion_a")
+    b = _keys("sha256_int", "completion_b_shared_prefix")
+    shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert await _held(index, a) == shared
+    assert await _held(index, b) == len(b)
+    assert applier.stats.cleared == 1
+
+
+async def test_eviction_events_shrink_the_oldest_chain_from_its_end() -> None:
+    applier, index = _applier("sha256_int"), InMemoryIndex()
+    seqs = [s for r in SCENARIOS["sha256_int"]["requests"] for s in r["seqs_after"]]
+    await _apply_seqs(applier, index, "sha256_int", seqs)
+    removed = applier.stats.removed_blocks
+    after_reset = _keys("sha256_int", "after_reset")
+    assert removed > len(after_reset)  # the whole oldest chain, then the next one's tail
+    assert await _held(index, after_reset) == 0
+    evict_0 = _keys("sha256_int", "evict_0")
+    assert await _held(index, evict_0) == len(evict_0) - (removed - len(after_reset))
+    for name in EVICT[1:]:
+        assert await _held(index, _keys("sha256_int", name)) == len(_keys("sha256_int", name))
+
+
+async def test_a_late_joiner_counts_the_orphan_and_links_it_when_replay_brings_the_parent() -> None:
+    applier, index = _applier("sha256_int"), InMemoryIndex()
+    b = _keys("sha256_int", "completion_b_shared_prefix")
+    await _apply_seqs(applier, index, "sha256_int", [1])  # missed seq 0: b's parent unknown
+    pod_state = applier.pod(POD)
+    assert pod_state is not None and pod_state.needs_resync
+    assert applier.stats.orphaned_blocks == len(
+        stored_after("sha256_int", "completion_b_shared_prefix")[0]["block_hashes"]
+    )
+    assert await _held(index, b) == 0
+    replayed = next(
+        m for m in load_capture(FIXTURES, "sha256_int") if m.source == "replay:0" and m.seq == 0
+    )
+    await applier.ingest(POD, replayed.payload).apply(index)
+    assert await _held(index, b) == len(b)
+    assert applier.stats.orphans_linked > 0 and not pod_state.needs_resync
+
+
+@pytest.mark.parametrize(
+    ("scenario", "name"),
+    [
+        (s, n)
+        for s in ("sha256_int", "sha256_bytes", "xxhash_int_seed42")
+        for n in ("completion_a", "completion_a_salted", "chat_a", "after_reset", "evict_0")
+    ],
+)
+def test_engine_hasher_reproduces_the_real_engine_hashes_from_tokenize_ids(
+    scenario: str, name: str
+) -> None:
+    entry = SCENARIOS[scenario]
+    req = request(scenario, name)
+    hasher = EngineHasher(entry["hash_algo"], entry["env"]["PYTHONHASHSEED"])
+    hasher.int_hashes = entry["int_hashes"]
+    ev = next(e for e in stored_after(scenario, name) if e["parent_block_hash"] is None)
+    digests = hasher.chain(req["token_ids"], 32, cache_salt=req.get("cache_salt"))
+    assert [hasher.published(d) for d in digests[: len(ev["block_hashes"])]] == ev["block_hashes"]
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_engine_hasher_verifies_every_real_block_stored(scenario: str) -> None:
+    entry = SCENARIOS[scenario]
+    hasher = EngineHasher(entry["hash_algo"], entry["env"]["PYTHONHASHSEED"])
+    for m in pub_messages(scenario):
+        for ev in decode_batch(m.payload).events:
+            if isinstance(ev, BlockStored):
+                assert hasher.verify(ev) is True
+    assert hasher.mismatches == 0 and hasher.enabled
+    assert hasher.int_hashes is entry["int_hashes"]
+
+
+def test_engine_hasher_with_the_wrong_seed_reports_a_mismatch_and_disables_itself() -> None:
+    hasher = EngineHasher("sha256", seed="42")  # the sha256 engine ran without PYTHONHASHSEED
+    (m,) = [x for x in pub_messages("sha256_int") if x.seq == 0]
+    ev = decode_batch(m.payload).events[0]
+    assert isinstance(ev, BlockStored)
+    assert hasher.verify(ev) is False
+    assert hasher.mismatches == 1 and not hasher.enabled
+
+
+async def test_engine_hash_mode_recovers_an_orphan_from_a_routed_requests_tokens() -> None:
+    entry = SCENARIOS["sha256_int"]
+    applier = _applier("sha256_int", engine_hasher=EngineHasher("sha256"))
+    index = InMemoryIndex()
+    await _apply_seqs(applier, index, "sha256_int", [1])  # b's parent (seq 0) was missed
+    assert applier.stats.orphaned_blocks > 0
+    a = request("sha256_int", "completion_a")["token_ids"]
+    ops = applier.learn(entry["served_model_name"], a, 32)  # the router routed a earlier
+    await ops.apply(index)
+    b = _keys("sha256_int", "completion_b_shared_prefix")
+    assert await _held(index, b) == len(b)
+    assert applier.stats.engine_hash_linked > 0
