@@ -228,7 +228,8 @@ def test_approximate_tokenizer_is_flagged_and_shares_prefix_blocks() -> None:
         and a.block_keys[shared] == b.block_keys[shared]
     ):
         shared += 1
-    assert shared >= 100 // 4  # the ~460-char system prompt spans > 25 blocks of 16 chars
+    # the ~470-char rendered system message is ~117 pseudo-tokens = 29 full blocks of 4
+    assert shared >= 29
     assert a.block_keys[shared:] != b.block_keys[shared:]
     # deterministic across instances (other router replicas compute the same keys)
     again = ChatEncoder(ApproxTokenizer(4), hasher).encode_chat(
