@@ -65,26 +65,25 @@ class DecodedBatch(Protocol):
 
 
 class EventSink(Protocol):
-    """Decodes vLLM batches and applies them to an index (``scoring.events``)."""
+    """Decodes vLLM batches and applies them to an index (``scoring.events.IndexSink``).
+
+    Optional extensions, used when the sink has them (:class:`router.events.IndexSink`
+    does): ``async remove_pod(pod)`` (the pod left: forget it entirely; else
+    ``clear_pod``), ``lost_events(pod) -> bool`` (some events had to be skipped:
+    resync), and ``stats`` (an object with ``as_dict()``, or a callable returning a
+    dict: exported as ``kvroute_event_applier_*``).
+    """
 
     def decode(self, payload: bytes) -> DecodedBatch:
         """Raise ``ValueError`` on a payload that is not a vLLM event batch."""
         ...
 
-    async def apply(self, pod: str, model: str, batch: DecodedBatch) -> int:
+    async def apply(self, pod: str, model: str, batch: Any) -> int:
         """Apply ``batch`` as published by ``pod`` serving ``model``; return #events."""
         ...
 
     async def clear_pod(self, pod: str) -> None:
         """Forget the pod's entries (index and per-pod engine-hash map)."""
-        ...
-
-    async def remove_pod(self, pod: str) -> None:
-        """The pod left the fleet: forget its entries and everything else about it."""
-        ...
-
-    def lost_events(self, pod: str) -> bool:
-        """True when the sink had to skip some of the pod's events (resync it)."""
         ...
 
 
@@ -152,9 +151,7 @@ class KVEventSubscriber:
         self._own_ctx = context is None
         self._queue: asyncio.Queue[_Batch | _Clear] = asyncio.Queue()
         self.stats.queue_depth = self._queue.qsize
-        sink_stats = getattr(sink, "stats", None)
-        if callable(sink_stats):
-            self.stats.sink_stats = sink_stats
+        self.stats.sink_stats = self._sink_stats
         self._feeds: dict[str, _Feed] = {}
         self._gen = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -164,6 +161,20 @@ class KVEventSubscriber:
         self._busy = False
         if metrics_registry is not None:
             register_event_stats(self.stats, metrics_registry)
+
+    def _sink_stats(self) -> dict[str, Any]:
+        raw = getattr(self.sink, "stats", None)
+        if raw is None:
+            return {}
+        if hasattr(raw, "as_dict"):
+            return dict(raw.as_dict())
+        if callable(raw):
+            return dict(raw())
+        return {}
+
+    def _lost_events(self, pod: str) -> bool:
+        fn = getattr(self.sink, "lost_events", None)
+        return bool(fn(pod)) if fn is not None else False
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -347,8 +358,9 @@ class KVEventSubscriber:
     async def _clear(self, pod: str, reason: str, feed: _Feed | None) -> bool:
         self.stats.pod(pod).resyncs[reason] += 1
         try:
-            if reason == "removed":
-                await self.sink.remove_pod(pod)
+            remove_pod = getattr(self.sink, "remove_pod", None)
+            if reason == "removed" and remove_pod is not None:
+                await remove_pod(pod)
             else:
                 await self.sink.clear_pod(pod)
         except Exception as exc:
@@ -473,6 +485,6 @@ class KVEventSubscriber:
         st.batches += 1
         st.events += n
         st.lag_s = max(0.0, time.time() - float(batch.ts))
-        if self.sink.lost_events(feed.name):
+        if self._lost_events(feed.name):
             log.warning("KV events: %s: events were skipped in batch %d; resync", feed.name, seq)
             await self._clear(feed.name, "lost_events", feed)

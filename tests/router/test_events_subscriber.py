@@ -407,7 +407,6 @@ async def test_queue_overflow_drops_batches_and_resyncs_the_pod(
     async with dial_pod(ctx, queue_size=2) as (h, pub):
         stalled = StalledIndex(h.index)
         h.sink.index = stalled  # type: ignore[assignment]
-        h.sink._sync = False
         await pub.send([stored(chain(1), [0])])  # seq 0 stalls the writer
         await asyncio.wait_for(stalled.entered.wait(), 10)
         for i in range(1, 6):  # 1-2 fill the queue, 3-5 are dropped
@@ -572,3 +571,31 @@ async def test_a_batch_with_a_bad_event_resyncs_the_pod(ctx: zmq.asyncio.Context
         assert h.sink.applier.stats.bad_events == 1
         assert await h.blocks_held(chain(2)) == 0
         assert not h.sink.lost_events("p")  # the resync reset the flag
+
+
+async def test_the_plain_scoring_sink_works_without_the_router_extensions(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    from scoring.events import IndexSink as ScoringIndexSink
+
+    h = Harness(ctx, EventsSettings(mode="dial"))
+    h.sink = ScoringIndexSink(h.index)  # no remove_pod / lost_events
+    h.sub.sink = h.sink
+    pub = VllmLikePublisher(ctx, make_topic("p", MODEL))
+    await h.sub.start()
+    try:
+        h.registry.set_pods(
+            [PodSpec(name="p", url="http://127.0.0.1:1", events_endpoint=pub.endpoint)]
+        )
+        await pub.subscribed()
+        await pub.send([stored(chain(2), [1, 2])])
+        await h.applied(1)
+        assert await h.blocks_held(chain(2)) == 2
+        assert (
+            "kvroute_event_applier_stored_blocks_total 2.0" in generate_latest(h.metrics).decode()
+        )
+        h.registry.set_pods([])
+        assert await h.blocks_held(chain(2)) == 0
+    finally:
+        await h.sub.stop()
+        await pub.close()
