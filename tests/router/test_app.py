@@ -1,0 +1,280 @@
+"""The router's API in front of real simulated vLLM pods: validation errors, /v1/models,
+/ready, /health, /metrics, /v1/route, model and LoRA filtering, completions forms."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from router.app import Gateway, create_app
+from router.config import Settings
+from router.fleet import start_pods, static_pods, stop_pods
+from router.serve import RunningServer
+from router.sim.pod import SimPod
+from router.sim.settings import SimSettings
+
+MODEL = "sim-model"
+
+
+@dataclass
+class Rig:
+    pods: list[SimPod]
+    router: RunningServer
+    client: httpx.AsyncClient
+
+    @property
+    def gateway(self) -> Gateway:
+        g: Gateway = self.router.server.config.app.state.gateway  # type: ignore[attr-defined]
+        return g
+
+    async def metrics(self) -> str:
+        return (await self.client.get("/metrics")).text
+
+
+async def _start(
+    sims: list[SimSettings], events: bool = False, **overrides: Any
+) -> tuple[Rig, list[SimPod]]:
+    pods = await start_pods(sims)
+    settings = Settings.model_validate(
+        {
+            "discovery": {"static": [p.model_dump() for p in static_pods(pods)]},
+            "events": {"enabled": events},
+            "fleet": {"enabled": False},
+            **overrides,
+        }
+    )
+    router = await RunningServer(create_app(settings)).start()
+    return Rig(pods, router, httpx.AsyncClient(base_url=router.url, timeout=30)), pods
+
+
+def sim(i: int, **kw: Any) -> SimSettings:
+    return SimSettings.model_validate(
+        {"pod_name": f"sim-{i}", "time_scale": 0, "kv_events": False, "max_model_len": 4096, **kw}
+    )
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    r, pods = await _start([sim(0), sim(1, lora_adapters=["sql-lora"])])
+    yield r
+    await r.client.aclose()
+    await r.router.stop()
+    await stop_pods(pods)
+
+
+def chat(content: str = "hello", **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
+
+
+async def assert_openai_error(r: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    err: dict[str, Any] = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == code
+    assert err["message"]
+    return err
+
+
+# -- answers ---------------------------------------------------------------------------
+
+
+async def test_chat_completion_is_answered_by_a_pod_named_in_the_header(rig: Rig) -> None:
+    r = await rig.client.post("/v1/chat/completions", json=chat())
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion"
+    assert r.headers["x-kvroute-pod"] in {"sim-0", "sim-1"}
+
+
+async def test_streaming_chat_is_relayed_as_sse(rig: Rig) -> None:
+    async with rig.client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+        assert r.status_code == 200
+        body = b"".join([c async for c in r.aiter_raw()])
+    assert body.startswith(b"data: ") and body.rstrip().endswith(b"data: [DONE]")
+
+
+@pytest.mark.parametrize(
+    "prompt", ["once upon a time", ["a one-element batch"], [1, 2, 3, 4], [[5, 6, 7]]]
+)
+async def test_completions_accept_every_prompt_form(rig: Rig, prompt: Any) -> None:
+    r = await rig.client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "text_completion"
+
+
+async def test_lora_adapter_requests_go_only_to_pods_serving_it(rig: Rig) -> None:
+    for i in range(6):
+        r = await rig.client.post(
+            "/v1/chat/completions", json={**chat(f"q{i}"), "model": "sql-lora"}
+        )
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvroute-pod"] == "sim-1"
+
+
+async def test_models_lists_the_union_of_what_pods_serve(rig: Rig) -> None:
+    r = await rig.client.get("/v1/models")
+    ids = {m["id"] for m in r.json()["data"]}
+    assert ids == {MODEL, "sql-lora"}
+    by_id = {m["id"]: m for m in r.json()["data"]}
+    assert by_id[MODEL]["max_model_len"] == 4096
+    assert by_id["sql-lora"]["parent"] == MODEL
+
+
+async def test_health_and_ready(rig: Rig) -> None:
+    assert (await rig.client.get("/health")).json() == {"status": "ok"}
+    r = await rig.client.get("/ready")
+    assert r.status_code == 200
+    assert r.json()["healthy_pods"][MODEL] == 2
+
+
+async def test_ready_is_503_when_a_configured_model_has_no_healthy_pod(rig: Rig) -> None:
+    for p in rig.gateway.registry.all():
+        p.healthy = False
+    r = await rig.client.get("/ready")
+    assert r.status_code == 503
+    assert r.json()["ready"] is False
+
+
+async def test_ready_checks_every_configured_model() -> None:
+    r, pods = await _start([sim(0)], models=[MODEL, "other-model"])
+    try:
+        resp = await r.client.get("/ready")
+        assert resp.status_code == 503
+        assert resp.json()["healthy_pods"] == {MODEL: 1, "other-model": 0}
+    finally:
+        await r.client.aclose()
+        await r.router.stop()
+        await stop_pods(pods)
+
+
+async def test_unhealthy_pods_get_no_requests_and_a_model_without_healthy_pods_is_503(
+    rig: Rig,
+) -> None:
+    rig.gateway.registry.get("sim-0").healthy = False  # type: ignore[union-attr]
+    for i in range(4):
+        r = await rig.client.post("/v1/chat/completions", json=chat(f"x{i}"))
+        assert r.headers["x-kvroute-pod"] == "sim-1"
+    rig.gateway.registry.get("sim-1").healthy = False  # type: ignore[union-attr]
+    r = await rig.client.post("/v1/chat/completions", json=chat())
+    await assert_openai_error(r, 503, "no_healthy_pod")
+
+
+# -- every bad request -------------------------------------------------------------------
+
+
+async def test_invalid_json_is_400(rig: Rig) -> None:
+    r = await rig.client.post(
+        "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    await assert_openai_error(r, 400, "invalid_json")
+
+
+async def test_a_json_array_body_is_400(rig: Rig) -> None:
+    r = await rig.client.post("/v1/chat/completions", json=[1, 2])
+    await assert_openai_error(r, 400, "invalid_json")
+
+
+async def test_missing_model_is_400_naming_the_param(rig: Rig) -> None:
+    r = await rig.client.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
+    err = await assert_openai_error(r, 400, "missing_model")
+    assert err["param"] == "model"
+
+
+async def test_empty_messages_is_400(rig: Rig) -> None:
+    r = await rig.client.post("/v1/chat/completions", json={"model": MODEL, "messages": []})
+    err = await assert_openai_error(r, 400, "invalid_messages")
+    assert err["param"] == "messages"
+
+
+async def test_message_without_role_is_400(rig: Rig) -> None:
+    r = await rig.client.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": [{"content": "hi"}]}
+    )
+    err = await assert_openai_error(r, 400, "invalid_messages")
+    assert err["param"] == "messages[0]"
+
+
+async def test_bad_prompt_is_400(rig: Rig) -> None:
+    for prompt in (None, 5, [], [1, "a"], [-1]):
+        r = await rig.client.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+        await assert_openai_error(r, 400, "invalid_prompt")
+
+
+async def test_non_boolean_stream_is_400(rig: Rig) -> None:
+    r = await rig.client.post("/v1/chat/completions", json=chat(stream="yes"))
+    await assert_openai_error(r, 400, "invalid_stream")
+
+
+async def test_unknown_model_is_404_listing_the_served_models(rig: Rig) -> None:
+    r = await rig.client.post("/v1/chat/completions", json={**chat(), "model": "gpt-9"})
+    err = await assert_openai_error(r, 404, "model_not_found")
+    assert "gpt-9" in err["message"] and MODEL in err["message"]
+    assert err["type"] == "not_found_error"
+
+
+async def test_prompt_over_the_pods_max_model_len_is_400(rig: Rig) -> None:
+    r = await rig.client.post("/v1/chat/completions", json=chat("x" * 5000))
+    err = await assert_openai_error(r, 400, "context_length_exceeded")
+    assert "4096" in err["message"]
+
+
+async def test_bad_requests_are_counted_by_reason(rig: Rig) -> None:
+    await rig.client.post("/v1/chat/completions", json={"model": MODEL, "messages": []})
+    await rig.client.post("/v1/chat/completions", json={**chat(), "model": "nope"})
+    metrics = await rig.metrics()
+    assert 'kvroute_bad_requests_total{reason="invalid_messages"} 1.0' in metrics
+    assert 'kvroute_bad_requests_total{reason="model_not_found"} 1.0' in metrics
+
+
+async def test_unknown_route_is_an_openai_404(rig: Rig) -> None:
+    r = await rig.client.get("/v1/nothing")
+    assert r.status_code == 404
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# -- explain + metrics ---------------------------------------------------------------------
+
+
+async def test_route_explains_without_forwarding(rig: Rig) -> None:
+    before = await rig.metrics()
+    r = await rig.client.post("/v1/route", json=chat("explain me " * 20))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["pod"] in {"sim-0", "sim-1"}
+    assert body["policy"] == "cost"
+    assert body["tokenizer"] == "builtin" and body["approximate"] is False
+    assert body["prompt_tokens"] > 200 and body["block_size"] == 16
+    assert body["blocks"] == body["prompt_tokens"] // 16
+    assert body["candidates"][0]["pod"] == body["pod"]
+    assert {c["pod"] for c in body["candidates"]} == {"sim-0", "sim-1"}
+    for c in body["candidates"]:
+        assert {"cached_blocks", "inflight", "outstanding_prefill_tokens", "score"} <= set(c)
+    # nothing was forwarded: no request counted
+    assert "kvroute_requests_total{" not in before
+    assert "kvroute_requests_total{" not in await rig.metrics()
+
+
+async def test_metrics_count_requests_tokens_and_decisions(rig: Rig) -> None:
+    r = await rig.client.post("/v1/chat/completions", json=chat("count me"))
+    pod = r.headers["x-kvroute-pod"]
+    m = await rig.metrics()
+    assert (
+        f'kvroute_requests_total{{model="{MODEL}",pod="{pod}",policy="cost",status="200"}} 1.0' in m
+    )
+    assert f'kvroute_prompt_tokens_total{{model="{MODEL}",pod="{pod}"}}' in m
+    assert f'kvroute_predicted_cached_tokens_total{{model="{MODEL}",pod="{pod}"}}' in m
+    assert "kvroute_routing_decision_seconds_count 1.0" in m
+    assert 'kvroute_tokenization_seconds_count{tokenizer="builtin"} 1.0' in m
+    assert f'kvroute_inflight_requests{{pod="{pod}"}} 0.0' in m
+
+
+async def test_scraped_pod_metrics_feed_the_load_view_and_block_size(rig: Rig) -> None:
+    scraped = rig.gateway.scraper.get("sim-0")
+    assert scraped is not None
+    assert scraped.block_size == 16
+    assert scraped.running == 0 and scraped.waiting == 0
