@@ -1,5 +1,5 @@
 """``cost`` (the default): send the request where its predicted time to first token is
-lowest.
+lowest, charging misses more when the fleet has a backlog.
 
 For each candidate pod, with ``P`` prompt tokens, block size ``B`` and ``hits[t]`` =
 leading blocks servable from tier ``t`` or faster (tiers fastest first)::
@@ -7,17 +7,21 @@ leading blocks servable from tier ``t`` or faster (tiers fastest first)::
     cached[t]   = min(hits[t] * B, P)                      # made monotone over tiers
     transfer    = sum over slower tiers t with a rate of
                   (cached[t] - cached[faster]) / tier_load_rates_tokens_per_s[t]
-    uncached    = P - cached[slowest tier with a rate]
+    cached      = max(cached[slowest tier with a rate], in-flight hits * B)   (see below)
+    uncached    = P - cached
     slowdown    = 1 + decode_slowdown_per_running * running
                   (running = scraped ``running``; router ``inflight`` when not scraped)
-    queue_wait  = outstanding_prefill_tokens / prefill_rate_tokens_per_s * slowdown
-    ttft(pod)   = queue_wait + uncached / prefill_rate_tokens_per_s * slowdown + transfer
+    score(pod)  = (queued_tokens + w * uncached) / prefill_rate_tokens_per_s * slowdown
+                  + transfer
 
-The pod with the smallest ``ttft`` wins.  Pods within ``tie_epsilon_s`` of the minimum
+``queued_tokens`` is the pod's queued prefill work and ``w`` the miss weight, both
+below.  With ``w = 1`` the score is the predicted TTFT: queue wait + own prefill + load
+from slower tiers.
+The pod with the smallest score wins.  Pods within ``tie_epsilon_s`` of the minimum
 are tied; among them the winner is chosen by rendezvous hashing of the request id
 (highest ``xxh3(seed, request_id + pod)``): deterministic for a request, uniform across
 pods, with no bias toward the first candidate.  ``Decision.scores`` holds each pod's
-predicted TTFT in seconds (``lower_is_better``).
+score in seconds (``lower_is_better``).
 
 ``outstanding_prefill_tokens`` counts whole prompts, cached parts included.  With
 ``discount_queued_hits`` (default on) the policy scales it by the uncached share it
@@ -37,10 +41,18 @@ FCFS) runs.  ``cached`` above becomes ``max(index hits, in-flight hits)`` (in-fl
 blocks count as GPU blocks).  The index only learns a block once the engine stores it,
 so without this a burst of requests sharing a new prefix scatters over the fleet.
 
-``miss_weight`` scales the uncached term: 1 predicts TTFT exactly; larger values also
-charge a miss for the work it adds to the fleet (every recomputed token delays the
-requests queued behind it, and duplicates a prefix in a second cache).  The default
-(10) was chosen on the Mooncake traces with ``kvroute replay`` (docs/replay.md).
+The uncached term is weighted by ``w`` (the same for every candidate of one request)::
+
+    w = miss_weight + backlog_weight * mean_pods(queued_tokens) / P
+
+With no backlog ``w = miss_weight = 1`` and the score is the predicted TTFT.  When the
+fleet has a backlog, tokens recomputed because of a miss also push back every request
+queued behind them, and duplicate a prefix in a second cache; ``w`` charges a miss in
+proportion to the backlog (in units of this request's size), so a loaded fleet keeps
+requests on the pods that hold their prefixes, while an idle one spreads them (a short
+shared system prompt does not pull all traffic onto one pod).  ``backlog_weight = 4``
+was chosen with ``kvroute replay`` on the Mooncake traces (docs/replay.md); 0 gives the
+pure TTFT prediction.
 """
 
 from __future__ import annotations
@@ -78,7 +90,10 @@ class CostParams(PolicyParams):
         default=0.0, ge=0.0, description="fractional prefill slowdown per running request"
     )
     miss_weight: float = Field(
-        default=10.0, ge=0.0, description="weight of uncached prompt tokens (1 = pure TTFT)"
+        default=1.0, ge=0.0, description="weight of uncached prompt tokens with no backlog"
+    )
+    backlog_weight: float = Field(
+        default=4.0, ge=0.0, description="extra miss weight per prompt-size of mean backlog"
     )
     count_inflight_prefixes: bool = Field(
         default=True, description="treat prefixes of in-flight requests as cached"
@@ -104,11 +119,13 @@ def predict_ttft(
     p: CostParams,
     queued_tokens: float | None = None,
     inflight_blocks: int = 0,
+    miss_weight: float | None = None,
 ) -> tuple[float, int]:
     """Predicted cost (s) of ``request`` on ``pod`` and the prompt tokens it would reuse.
 
     ``queued_tokens`` overrides ``pod.outstanding_prefill_tokens`` as the queued work;
-    ``inflight_blocks`` leading blocks will be computed by requests queued ahead.
+    ``inflight_blocks`` leading blocks will be computed by requests queued ahead;
+    ``miss_weight`` overrides ``p.miss_weight`` (the backlog-adjusted ``w``).
     """
     prompt = request.prompt_tokens
     bs = request.block_size
@@ -136,7 +153,8 @@ def predict_ttft(
     running = pod.running if pod.running is not None else pod.inflight
     slowdown = 1.0 + p.decode_slowdown_per_running * running
     queued = pod.outstanding_prefill_tokens if queued_tokens is None else queued_tokens
-    work = queued + p.miss_weight * (prompt - cached)
+    w = p.miss_weight if miss_weight is None else miss_weight
+    work = queued + w * (prompt - cached)
     return work / p.prefill_rate_tokens_per_s * slowdown + transfer, cached
 
 
@@ -181,13 +199,17 @@ class CostPolicy(Policy):
             raise NoCandidatesError("cost: no candidate pods")
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
-        for pod in pods:
+        queued = [self.queued_tokens(pod) for pod in pods]
+        backlog = sum(queued) / len(pods)
+        w = self._p.miss_weight + self._p.backlog_weight * backlog / max(1, request.prompt_tokens)
+        for pod, q in zip(pods, queued, strict=True):
             predicted[pod.pod], cached[pod.pod] = predict_ttft(
                 request,
                 pod,
                 self._p,
-                self.queued_tokens(pod),
+                q,
                 self.inflight_hits(pod.pod, request.block_keys),
+                w,
             )
         best = min(predicted.values())
         tied = [name for name, t in predicted.items() if t <= best + self._p.tie_epsilon_s]
@@ -205,7 +227,7 @@ class CostPolicy(Policy):
             pod=chosen,
             scores=predicted,
             lower_is_better=True,
-            detail={"cached_tokens": cached, "tied": len(tied)},
+            detail={"cached_tokens": cached, "tied": len(tied), "miss_weight": w},
         )
 
     def on_routed(self, request: RouteRequest, pod: str) -> None:

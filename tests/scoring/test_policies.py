@@ -225,7 +225,7 @@ def test_cost_sends_a_request_to_the_pod_holding_its_prefix() -> None:
 
 
 def test_cost_leaves_a_cached_pod_whose_queue_costs_more_than_the_recompute() -> None:
-    policy = build_policy("cost", {"prefill_rate_tokens_per_s": 1000.0, "miss_weight": 1.0})
+    policy = build_policy("cost", {"prefill_rate_tokens_per_s": 1000.0, "backlog_weight": 0.0})
     # b saves 480 tokens (0.48 s) but has 5,000 tokens (5 s) queued
     views = [PodView("a"), PodView("b", hits={"GPU": 30}, outstanding_prefill_tokens=5000)]
     decision = policy.pick(req(keys=list(range(32))), views)
@@ -269,3 +269,21 @@ def test_cost_discounts_queued_work_it_predicted_to_hit() -> None:
     policy.on_routed(r, "a")
     queued = policy.queued_tokens(PodView("a", outstanding_prefill_tokens=160))  # type: ignore[attr-defined]
     assert queued == pytest.approx(16.0)
+
+
+def test_cost_keeps_a_loaded_fleet_on_the_cached_pod_by_charging_misses_for_the_backlog() -> None:
+    # same pods as above, but every pod has a backlog: a miss now also delays that backlog
+    views = [
+        PodView("a", outstanding_prefill_tokens=4000),
+        PodView("b", hits={"GPU": 30}, outstanding_prefill_tokens=5000),
+    ]
+    policy = build_policy("cost", {"prefill_rate_tokens_per_s": 1000.0})
+    decision = policy.pick(req(keys=list(range(32))), views)
+    assert decision.pod == "b"
+    assert decision.detail["miss_weight"] == pytest.approx(1.0 + 4.0 * 4500 / 512)
+
+
+def test_cost_on_an_idle_fleet_weighs_a_miss_as_its_own_prefill_only() -> None:
+    decision = build_policy("cost").pick(req(keys=list(range(8))), pods(3))
+    assert decision.detail["miss_weight"] == 1.0
+    assert decision.scores == {p: pytest.approx(128 / 5000.0) for p in ("p0", "p1", "p2")}
