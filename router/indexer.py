@@ -1,0 +1,179 @@
+"""`kvroute index`: a standalone KV-event indexer writing into Redis.
+
+It runs pod discovery and the KV-event subscriber, applying every batch to a
+:class:`~scoring.index.redis.RedisIndex` that any number of ``kvroute serve --redis
+URL`` replicas read.  It serves no API: only ``GET /metrics`` (the ``kvroute_event_*``
+counters) and ``GET /health`` on a small port.
+
+Usage::
+
+    kvroute index --redis redis://redis:6379/0 [--config FILE] \\
+        [--metrics-host 0.0.0.0] [--metrics-port 9100] [any `kvroute serve` setting flag]
+
+Settings come from the same model as ``kvroute serve`` (``--config`` YAML,
+``KVROUTE_*`` env, flags): ``discovery``, ``events``, ``redis_namespace``.  The
+index namespace must equal the routers' ``redis_namespace``.
+
+Model name per pod (it seeds the block keys, so it must match what the routers use):
+the topic ``kv@<pod>@<model>``, else the pod's first configured model, else
+``events.model_fallback``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from router.config import Settings
+from router.discovery import build_discovery
+from router.events import IndexSink, KVEventSubscriber
+from router.pods import PodRegistry
+
+log = logging.getLogger(__name__)
+
+
+def make_sink(index: Any, settings: Settings) -> IndexSink:
+    """``scoring.events``' decoder + applier bound to ``index``."""
+    return IndexSink(index, block_size=settings.block_size or settings.events.block_size_fallback)
+
+
+class Indexer:
+    """Discovery + subscriber + RedisIndex + a /metrics, /health server, in one loop."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        redis_url: str,
+        *,
+        metrics_host: str = "127.0.0.1",
+        metrics_port: int = 9100,
+    ) -> None:
+        from scoring.index.redis import RedisIndex
+
+        self.settings = settings
+        self.metrics = CollectorRegistry()
+        self.registry = PodRegistry()
+        self.index = RedisIndex.from_url(redis_url, namespace=settings.redis_namespace)
+        self.sink = make_sink(self.index, settings)
+        self.subscriber = KVEventSubscriber(
+            settings.events, self.registry, self.sink, metrics_registry=self.metrics
+        )
+        self.discovery = build_discovery(settings.discovery)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((metrics_host, metrics_port))
+        self.metrics_url = "http://{}:{}".format(*self._sock.getsockname()[:2])
+        self._server = uvicorn.Server(
+            uvicorn.Config(self._app(), log_level="warning", lifespan="off", access_log=False)
+        )
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _app(self) -> FastAPI:
+        app = FastAPI(title="kvroute index", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(self.metrics), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/health")
+        async def health() -> dict[str, Any]:
+            stats = self.subscriber.stats
+            return {
+                "status": "ok",
+                "pods": sorted(p.name for p in self.registry.all()),
+                "batches": stats.total("batches"),
+                "events": stats.total("events"),
+                "queue_depth": stats.queue_depth(),
+            }
+
+        return app
+
+    async def start(self) -> None:
+        await self.subscriber.start()
+        self._tasks.append(asyncio.create_task(self.discovery.run(self.registry), name="discovery"))
+        self._tasks.append(
+            asyncio.create_task(self._server.serve(sockets=[self._sock]), name="metrics-http")
+        )
+        while not self._server.started:
+            if self._tasks[-1].done():
+                self._tasks[-1].result()  # raise the server's startup error
+            await asyncio.sleep(0.01)
+        log.info(
+            "kvroute index: writing to Redis namespace %r; metrics on %s",
+            self.settings.redis_namespace,
+            self.metrics_url,
+        )
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        for task in self._tasks[:1]:  # discovery
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        await self.subscriber.stop()
+        await self.index.close()
+        self._sock.close()
+
+
+async def run(indexer: Indexer, stop: asyncio.Event) -> None:
+    """Run until ``stop`` is set or the metrics server exits (it handles SIGINT/SIGTERM)."""
+    await indexer.start()
+    try:
+        waiter = asyncio.create_task(stop.wait())
+        await asyncio.wait([waiter, *indexer._tasks[1:]], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+    finally:
+        await indexer.stop()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvroute index",
+        description="Run a KV-event indexer writing into Redis (discovery + subscriber). "
+        "Other flags (--config FILE, --events.mode bind, ...) are `kvroute serve` settings.",
+    )
+    p.add_argument("--redis", metavar="URL", help="Redis URL (else redis_url from the config)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="listen address of /metrics")
+    p.add_argument("--metrics-port", type=int, default=9100, help="port of /metrics, /health")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, rest = _parser().parse_known_args(list(argv or []))
+    try:
+        settings = Settings.load(rest)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvroute index: {exc}", flush=True)
+        return 2
+    url = args.redis or settings.redis_url
+    if not url:
+        print("kvroute index: a Redis URL is required (--redis URL or redis_url)", flush=True)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    async def _main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        indexer = Indexer(
+            settings, url, metrics_host=args.metrics_host, metrics_port=args.metrics_port
+        )
+        await run(indexer, stop)
+
+    asyncio.run(_main())
+    return 0

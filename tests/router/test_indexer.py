@@ -1,0 +1,207 @@
+"""`kvroute index` end to end: a simulated vLLM pod publishes KV events over ZMQ, the
+indexer writes them into a real Redis-protocol server, and a reader (as a `kvroute
+serve --redis` replica would) finds the prompt's blocks there."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from router.config import Settings
+from router.indexer import Indexer, main
+from router.sim.pod import SimPod
+from router.sim.settings import SimSettings
+from scoring.blocks import BlockHasher
+from scoring.index.redis import RedisIndex
+
+MODEL = "sim-model"
+BS = 16
+REPO = Path(__file__).resolve().parents[2]
+
+
+async def wait_until(cond: Callable[[], Any], timeout: float = 20.0) -> None:
+    """Await ``cond()`` (sync or async) until truthy; a deadline against hangs only."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = cond()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def sim_pod() -> AsyncIterator[SimPod]:
+    pod = SimPod(SimSettings(model=MODEL, pod_name="sim-0", block_size=BS, time_scale=0.0))
+    await pod.start()
+    try:
+        yield pod
+    finally:
+        await pod.stop()
+
+
+def write_config(tmp_path: Path, pod: SimPod, namespace: str, **extra: Any) -> Path:
+    cfg = {
+        "redis_namespace": namespace,
+        "discovery": {
+            "kind": "static",
+            "static": [
+                {
+                    "name": pod.name,
+                    "url": pod.url,
+                    "events_endpoint": pod.events_endpoint,
+                    "replay_endpoint": pod.replay_endpoint_url,
+                    "models": [MODEL],
+                }
+            ],
+        },
+        **extra,
+    }
+    path = tmp_path / "kvroute.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+async def complete(client: httpx.AsyncClient, pod: SimPod, prompt: str) -> list[int]:
+    """Send a completion to the pod; return the prompt's token ids (its /tokenize)."""
+    r = await client.post(
+        f"{pod.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    )
+    r.raise_for_status()
+    t = await client.post(f"{pod.url}/tokenize", json={"model": MODEL, "prompt": prompt})
+    t.raise_for_status()
+    return list(t.json()["tokens"])
+
+
+def test_main_without_a_redis_url_exits_2_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVROUTE_REDIS_URL", raising=False)
+    monkeypatch.delenv("KVROUTE_CONFIG", raising=False)
+    assert main([]) == 2
+    assert "--redis URL" in capsys.readouterr().out
+
+
+def test_main_with_a_missing_config_file_exits_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert main(["--redis", "redis://127.0.0.1:1", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml" in capsys.readouterr().out
+
+
+async def test_indexer_writes_a_sim_pods_events_into_redis_for_router_replicas(
+    sim_pod: SimPod, redis_url: str, redis_namespace: str, tmp_path: Path
+) -> None:
+    settings = Settings.load(["--config", str(write_config(tmp_path, sim_pod, redis_namespace))])
+    indexer = Indexer(settings, redis_url, metrics_port=0)
+    reader = RedisIndex.from_url(redis_url, namespace=redis_namespace)
+    hasher = BlockHasher(BS, MODEL)
+    await indexer.start()
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            # the SUB connects asynchronously: send until the indexer has seen a batch
+            # (a batch lost in the meantime comes back by the join replay)
+            n = 0
+
+            async def warmed_up() -> bool:
+                nonlocal n
+                n += 1
+                await complete(client, sim_pod, f"warm-up request number {n} " * 8)
+                await asyncio.sleep(0.05)
+                return indexer.subscriber.stats.pod("sim-0").batches > 0
+
+            await wait_until(warmed_up)
+            prompt = "The quick brown fox jumps over the lazy dog. " * 12
+            tokens = await complete(client, sim_pod, prompt)
+            keys = hasher.keys(tokens)
+            assert len(keys) >= 4
+
+            async def indexed() -> bool:
+                hits = await reader.lookup(keys)
+                return hits.get("sim-0", {}).get("GPU", 0) == len(keys)
+
+            await wait_until(indexed)
+
+            # the indexer's own endpoints
+            m = await client.get(f"{indexer.metrics_url}/metrics")
+            assert m.status_code == 200
+            assert 'kvroute_event_batches_total{pod="sim-0"}' in m.text
+            h = await client.get(f"{indexer.metrics_url}/health")
+            assert h.json()["pods"] == ["sim-0"]
+            assert h.json()["events"] > 0
+
+            # a reset of the pod's cache (AllBlocksCleared) empties its entries in Redis
+            sim_pod.reset_prefix_cache()
+
+            async def cleared() -> bool:
+                return "sim-0" not in await reader.lookup(keys)
+
+            await wait_until(cleared)
+        st = indexer.subscriber.stats.pod("sim-0")
+        assert st.decode_errors == 0
+        assert st.total_resyncs == 0
+    finally:
+        await indexer.stop()
+        await reader.close()
+
+
+async def test_the_kvroute_index_command_runs_and_stops_on_sigterm(
+    sim_pod: SimPod, redis_url: str, redis_namespace: str, tmp_path: Path
+) -> None:
+    config = write_config(tmp_path, sim_pod, redis_namespace)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "index",
+            "--redis",
+            redis_url,
+            "--config",
+            str(config),
+            "--metrics-port",
+            "0",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    reader = RedisIndex.from_url(redis_url, namespace=redis_namespace)
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            n = 0
+
+            async def indexed() -> bool:
+                nonlocal n
+                n += 1
+                assert proc.poll() is None, proc.stdout.read().decode()  # type: ignore[union-attr]
+                tokens = await complete(client, sim_pod, f"request {n} " * 20)
+                await asyncio.sleep(0.1)
+                return "sim-0" in await reader.lookup(BlockHasher(BS, MODEL).keys(tokens))
+
+            await wait_until(indexed, timeout=60)
+    finally:
+        await reader.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    assert rc == 0
