@@ -1,0 +1,241 @@
+"""The load view: vLLM /metrics parsing, scraping with staleness, router-tracked load
+(in memory and shared through a real Redis by two router replicas)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from router.app import create_app
+from router.config import Settings
+from router.load import MemoryLoadStore, MetricsScraper, RequestLoad, parse_vllm_metrics
+from router.pods import PodRegistry, PodSpec
+from router.serve import RunningServer
+
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="True",engine="0",num_gpu_blocks="1024"} 1.0
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0
+"""  # noqa: E501
+
+
+def test_vllm_metrics_are_summed_over_engines() -> None:
+    s = parse_vllm_metrics(VLLM_METRICS)
+    assert s.running == 5
+    assert s.waiting == 7
+    assert s.kv_usage == pytest.approx(0.375)
+    assert s.block_size == 32
+
+
+def test_missing_series_are_unknown_not_zero() -> None:
+    s = parse_vllm_metrics("# nothing here\nother_metric 1\n")
+    assert s.running is None and s.waiting is None and s.kv_usage is None
+    assert s.block_size is None
+
+
+def test_older_gpu_cache_usage_name_is_understood() -> None:
+    s = parse_vllm_metrics('vllm:gpu_cache_usage_perc{model_name="m"} 0.9\n')
+    assert s.kv_usage == pytest.approx(0.9)
+
+
+def test_garbage_lines_are_skipped() -> None:
+    s = parse_vllm_metrics(
+        'vllm:num_requests_running{x="1"} notanumber\nvllm:num_requests_waiting 4\n'
+    )
+    assert s.running is None and s.waiting == 4
+
+
+async def test_request_load_counts_prefill_until_first_token_and_inflight_until_end() -> None:
+    store = MemoryLoadStore()
+    a = RequestLoad(store, "p", 100)
+    b = RequestLoad(store, "p", 40)
+    await a.begin()
+    await b.begin()
+    assert await store.snapshot(["p", "q"]) == {"p": (2, 140), "q": (0, 0)}
+    await a.first_token()
+    await a.first_token()  # idempotent
+    assert await store.snapshot(["p"]) == {"p": (2, 40)}
+    await b.end()  # ending releases the prefill too
+    await b.end()
+    assert await store.snapshot(["p"]) == {"p": (1, 0)}
+    await a.end()
+    assert await store.snapshot(["p"]) == {"p": (0, 0)}
+
+
+def _metrics_app(text: list[str]) -> Starlette:
+    async def metrics(request: Request) -> Response:
+        return Response(text[0].encode())
+
+    async def models(request: Request) -> Response:
+        return JSONResponse(
+            {
+                "data": [
+                    {"id": "m", "max_model_len": 2048},
+                    {"id": "m-lora", "parent": "m", "max_model_len": 2048},
+                ]
+            }
+        )
+
+    return Starlette(routes=[Route("/metrics", metrics), Route("/v1/models", models)])
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_scraper_reads_pods_and_treats_old_values_as_unknown() -> None:
+    text = [VLLM_METRICS]
+    errors: list[str] = []
+    async with RunningServer(_metrics_app(text)) as srv, httpx.AsyncClient() as client:
+        registry = PodRegistry()
+        registry.set_pods(
+            [
+                PodSpec("up", srv.url, models=("m",)),
+                PodSpec("down", f"http://127.0.0.1:{_closed_port()}", models=("m",)),
+            ]
+        )
+        scraper = MetricsScraper(
+            registry, client, interval_s=60, timeout_s=2, stale_after_s=5, on_error=errors.append
+        )
+        await scraper.scrape_all()
+        got = scraper.get("up")
+        assert got is not None and got.waiting == 7 and got.running == 5
+        assert scraper.block_size(["down", "up"]) == 32
+        assert scraper.model_max_len("m", ["up"]) == 2048
+        assert scraper.parents == {"m-lora": "m"}
+        # the dead pod is unknown and counted, never zero load
+        assert scraper.get("down") is None
+        assert errors == ["down"]
+        # staleness: the same scrape seen 6 s later is unknown
+        assert scraper.get("up", now=time.monotonic() + 6) is None
+        # a new scrape refreshes the values
+        text[0] = VLLM_METRICS.replace("} 7.0", "} 1.0")
+        await scraper.scrape_all()
+        assert scraper.get("up").waiting == 1  # type: ignore[union-attr]
+        scraper.forget("up")
+        assert scraper.get("up") is None
+
+
+# -- shared load across replicas (Redis) ---------------------------------------------------
+
+
+def _held_stream_app(release: asyncio.Event, started: asyncio.Event) -> Starlette:
+    async def gen(request: Request) -> Response:
+        started.set()
+
+        async def body() -> AsyncIterator[bytes]:
+            yield b"data: first\n\n"
+            await release.wait()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"data": [{"id": "m"}]})
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", gen, methods=["POST"]),
+            Route("/v1/models", models),
+            Route("/health", lambda r: Response(b"")),
+        ]
+    )
+
+
+def _router_settings(pod_url: str, **kw: object) -> Settings:
+    return Settings.model_validate(
+        {
+            "discovery": {"static": [{"name": "p0", "url": pod_url, "models": ["m"]}]},
+            "events": {"enabled": False},
+            "fleet": {"enabled": False},
+            **kw,
+        }
+    )
+
+
+async def _inflight_seen_by(client: httpx.AsyncClient) -> tuple[int, int]:
+    r = await client.post(
+        "/v1/route", json={"model": "m", "messages": [{"role": "user", "content": "probe"}]}
+    )
+    c = r.json()["candidates"][0]
+    return c["inflight"], c["outstanding_prefill_tokens"]
+
+
+async def test_two_replicas_share_in_flight_load_through_redis(
+    redis_url: str, redis_namespace: str
+) -> None:
+    release, started = asyncio.Event(), asyncio.Event()
+    async with RunningServer(_held_stream_app(release, started)) as pod:
+        kw = {"redis_url": redis_url, "redis_namespace": redis_namespace}
+        async with (
+            RunningServer(create_app(_router_settings(pod.url, **kw))) as a,
+            RunningServer(create_app(_router_settings(pod.url, **kw))) as b,
+            httpx.AsyncClient(base_url=a.url, timeout=30) as ca,
+            httpx.AsyncClient(base_url=b.url, timeout=30) as cb,
+        ):
+            assert await _inflight_seen_by(cb) == (0, 0)
+            body = {"model": "m", "messages": [{"role": "user", "content": "hold"}], "stream": True}
+            async with ca.stream("POST", "/v1/chat/completions", json=body) as r:
+                chunks = r.aiter_raw()
+                await chunks.__anext__()  # first token: prefill done, still in flight
+                assert await _inflight_seen_by(cb) == (1, 0)
+                release.set()
+                async for _ in chunks:
+                    pass
+            for _ in range(500):  # replica A releases the slot after the stream's end
+                if await _inflight_seen_by(cb) == (0, 0):
+                    break
+                await asyncio.sleep(0.02)
+            assert await _inflight_seen_by(cb) == (0, 0)
+
+
+async def test_prefill_tokens_are_outstanding_until_the_first_token() -> None:
+    release, started = asyncio.Event(), asyncio.Event()
+
+    # an upstream that sends headers only after `release`: prefill is still running
+    async def gen(request: Request) -> Response:
+        started.set()
+        await release.wait()
+        return JSONResponse({"ok": True})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"data": [{"id": "m"}]})
+
+    app = Starlette(
+        routes=[Route("/v1/chat/completions", gen, methods=["POST"]), Route("/v1/models", models)]
+    )
+    async with RunningServer(app) as pod:
+        settings = _router_settings(pod.url, health={"enabled": False})
+        async with (
+            RunningServer(create_app(settings)) as router,
+            httpx.AsyncClient(base_url=router.url, timeout=30) as client,
+        ):
+            body = {"model": "m", "messages": [{"role": "user", "content": "p" * 100}]}
+            task = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+            await asyncio.wait_for(started.wait(), 10)
+            inflight, prefill = await _inflight_seen_by(client)
+            assert inflight == 1 and prefill > 100
+            release.set()
+            assert (await task).status_code == 200
+            assert await _inflight_seen_by(client) == (0, 0)
