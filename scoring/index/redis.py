@@ -9,11 +9,13 @@ the in-memory index; the shared behaviour suite holds both to them):
   and per ``clear_pod``;
 * counted (pod, key, tier) entries: ``add`` increments, ``remove`` decrements, the entry
   is deleted at 0;
-* ``clear_pod`` never scans: each (pod, tier) has a *slot id* (its generation); clearing
-  retires the id, so its entries become invisible at once and disappear with the
-  block's TTL (``ttl_s``, refreshed by every ``add`` of the block by any pod) or
-  earlier through :meth:`RedisIndex.sweep`;
-* block keys are unsigned 64-bit ints, stored as 8 raw big-endian bytes in key names.
+* each (pod, tier) has a *slot id* -- its generation -- and a hash of its blocks; a
+  block has a hash of the slot ids holding it.  ``clear_pod`` never scans: it retires
+  the slot id (entries invisible at once) and UNLINKs the slot's hash; the retired id's
+  fields in block hashes go with the block's TTL or :meth:`RedisIndex.sweep`;
+* TTL ``ttl_s`` on both hashes, refreshed by every ``add`` touching them, so nothing
+  outlives a pod that vanished without a ``clear_pod`` by more than ``ttl_s``;
+* block keys are unsigned 64-bit ints, stored as 8 raw big-endian bytes.
 
 Key layout and cluster placement: see :mod:`scoring.index.redis_lua` and docs/redis.md.
 
@@ -79,7 +81,6 @@ class _Layout:
         self.pods = self.prefix + b"pods"
         self.ids = self.prefix + b"ids"
         self.next = self.prefix + b"next"
-        self.entries = self.prefix + b"n"
         self.load_replicas = self.prefix + b"load:r"
         self.load_hash = self.prefix + b"load:h:"
 
@@ -90,8 +91,9 @@ class RedisIndex:
     Parameters: ``client`` -- a ``redis.asyncio.Redis`` with ``decode_responses=False``;
     ``namespace`` -- isolates indexes sharing one server (one per model is the natural
     cluster shard, see docs/redis.md); ``tiers`` -- fastest first, identical on every
-    replica; ``ttl_s`` -- seconds a block key lives after the last ``add`` touching it
-    (``None``/0 disables; then only :meth:`sweep` frees retired entries);
+    replica; ``ttl_s`` -- seconds a block hash / slot hash lives after the last ``add``
+    touching it (``None``/0 disables: then a pod that vanishes without ``clear_pod``
+    stays, and only :meth:`sweep` frees retired ids' fields in block hashes);
     ``batch_keys`` -- keys per script call (bounds how long one call blocks the server).
     """
 
@@ -204,8 +206,8 @@ class RedisIndex:
         k = self._k
         await self._run_batches(
             self._add,
-            [k.pods, k.ids, k.next, k.entries],
-            [k.block, p, t, str(self.ttl_s).encode()],
+            [k.pods, k.ids, k.next],
+            [k.prefix, p, t, str(self.ttl_s).encode()],
             chunks,
         )
 
@@ -217,14 +219,14 @@ class RedisIndex:
             return
         chunks = self._chunks(keys)
         k = self._k
-        await self._run_batches(self._remove, [k.pods, k.entries], [k.block, p, t], chunks)
+        await self._run_batches(self._remove, [k.pods], [k.prefix, p, t], chunks)
 
     async def clear_pod(self, pod: str, tier: str | None = None) -> None:
         """Retire the pod's slot ids (all tiers, or ``tier``): O(tiers), no keyspace scan."""
         p = _check_name("pod", pod)
         tiers = [t.encode() for t in self.tiers] if tier is None else [self._tier(tier)]
         k = self._k
-        await self._clear(keys=[k.pods, k.ids, k.entries], args=[p, *tiers])
+        await self._clear(keys=[k.pods, k.ids], args=[k.prefix, p, *tiers])
 
     async def lookup(
         self, keys: Sequence[int], pods: Collection[str] | None = None
@@ -233,7 +235,7 @@ class RedisIndex:
         if not keys:
             return {}
         packed = pack_keys(keys)
-        args: list[Any] = [self._k.block, packed, *self._tier_args]
+        args: list[Any] = [self._k.prefix, packed, *self._tier_args]
         if pods is not None:
             cands = sorted({_check_name("pod", p) for p in pods})
             if not cands:
@@ -248,12 +250,8 @@ class RedisIndex:
         return out
 
     async def pod_entries(self) -> dict[str, int]:
-        """Distinct (key, tier) entries per pod: added minus removed since the pod's last clear.
-
-        Entries dropped by the TTL are not subtracted (the TTL is a safety net for
-        vanished pods, not the normal removal path).
-        """
-        flat = await self._entries(keys=[self._k.ids, self._k.entries], args=[])
+        """Distinct (key, tier) entries per pod (HLEN of its live slots; exact)."""
+        flat = await self._entries(keys=[self._k.ids], args=[self._k.prefix])
         return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def close(self) -> None:
@@ -264,7 +262,7 @@ class RedisIndex:
     # -- maintenance -------------------------------------------------------------------
 
     async def sweep(self, count: int = 1000) -> int:
-        """Delete entries of retired (cleared) slots everywhere; returns how many.
+        """Delete retired (cleared) slot ids from every block hash; returns how many.
 
         Not on any request path: it SCANs this namespace's block keys in pages of
         ``count`` and cleans each page with one script.  Needed only when ``ttl_s`` is
@@ -276,7 +274,11 @@ class RedisIndex:
         while True:
             cursor, names = await self._r.scan(cursor=cursor, match=pattern, count=count)
             if names:
-                removed += int(await self._sweep(keys=[self._k.ids], args=list(names)))
+                removed += int(
+                    await self._sweep(
+                        keys=[self._k.pods, self._k.ids], args=[self._k.prefix, *names]
+                    )
+                )
             if cursor == 0:
                 return removed
 

@@ -1,32 +1,37 @@
 """Lua scripts run server-side by :mod:`scoring.index.redis` (Redis >= 7, Valkey >= 8).
 
 Key layout, all under one hash tag ``{ns}`` so that every key of a namespace lives in
-one cluster slot and each script touches a single slot (``P`` = ``"{" + ns + "}:"``):
+one cluster slot and each script touches a single slot (``P`` = ``"{" + ns + "}:"``;
+``K`` = a block key as 8 raw big-endian bytes):
 
-* ``P b <8 bytes>`` -- HASH, one per block key (big-endian uint64, raw bytes):
-  field = slot id (decimal), value = count of stored copies.  Carries the TTL,
-  refreshed by every ``add`` that touches it.
-* ``P pods`` -- HASH ``pod NUL tier`` -> slot id of the pod's *current generation* in
-  that tier.
-* ``P ids`` -- HASH slot id -> ``tier NUL pod`` for live slots only.
-* ``P next`` -- counter for new slot ids (never reused).
-* ``P n`` -- HASH slot id -> number of distinct (key) entries of that slot.
+* ``P s <id>`` -- HASH per *slot* (one generation of one (pod, tier)): field ``K`` ->
+  count of stored copies.  The source of truth: a pod's walk along a chain is one HMGET
+  per chunk of blocks.  TTL ``ttl_s``, refreshed by every ``add`` to the slot, so a pod
+  that stores nothing for ``ttl_s`` (vanished without a ``clear_pod``) is forgotten.
+* ``P b K`` -- HASH per block: field slot id -> 1 while that slot holds the block.  A
+  *holder hint*: finds who holds block 0 in one call.  No TTL (a hot block stored once
+  and then only hit must stay findable); written and deleted with the slot entry.
+* ``P pods`` -- HASH ``pod NUL tier`` -> current slot id; ``P ids`` -- HASH slot id ->
+  ``tier NUL pod`` (live slots only); ``P next`` -- slot id counter (ids never reused).
+  No TTL.
 
-A *slot* is one generation of one (pod, tier).  ``clear_pod`` deletes the slot from
-``pods`` / ``ids`` / ``n``: every field carrying the old id becomes invisible at once
-(lookups only count ids present in ``ids``) and dies with its block key's TTL, or is
-removed earlier by ``sweep``.  The next ``add`` allocates a fresh id.
+``clear_pod`` retires the slot: drops it from ``pods``/``ids`` and UNLINKs its hash
+(freed in the background; no scan).  Its hint fields become invisible at once (only
+slots with entries count) and are deleted by ``SWEEP`` (run periodically by whoever
+owns the index writes), which also retires slots whose hash expired.
 
-Block keys are built inside the scripts from the prefix in ``ARGV`` and the packed keys;
-they share the declared keys' hash tag (same slot), which Redis allows for scripts
+Block and slot key names are built inside the scripts from prefixes in ``ARGV``; they
+share the declared keys' hash tag (same cluster slot), which Redis allows for scripts
 declared with a shebang.
 """
 
 from __future__ import annotations
 
-#: KEYS: pods, ids, next, n.  ARGV: block-key prefix, pod, tier, ttl seconds (0 = none),
-#: packed keys (8 bytes each).  Returns the number of new (key) entries.
+#: KEYS: pods, ids, next.  ARGV: key prefix P, pod, tier, ttl seconds (0 = none),
+#: packed keys (8 bytes each).  Returns the number of new entries.  The slot's TTL is
+#: refreshed; a new entry also writes its holder hint.
 ADD = """#!lua
+local P = ARGV[1]
 local field = ARGV[2] .. '\\0' .. ARGV[3]
 local id = redis.call('HGET', KEYS[1], field)
 if not id then
@@ -34,106 +39,112 @@ if not id then
   redis.call('HSET', KEYS[1], field, id)
   redis.call('HSET', KEYS[2], id, ARGV[3] .. '\\0' .. ARGV[2])
 end
-local prefix = ARGV[1]
+local slot = P .. 's' .. id
+local bprefix = P .. 'b'
 local ttl = tonumber(ARGV[4])
 local packed = ARGV[5]
 local new = 0
 for off = 1, #packed, 8 do
-  local k = prefix .. string.sub(packed, off, off + 7)
-  if redis.call('HINCRBY', k, id, 1) == 1 then new = new + 1 end
-  if ttl > 0 then redis.call('EXPIRE', k, ttl) end
+  local kb = string.sub(packed, off, off + 7)
+  if redis.call('HINCRBY', slot, kb, 1) == 1 then
+    redis.call('HSET', bprefix .. kb, id, 1)
+    new = new + 1
+  end
 end
-if new > 0 then redis.call('HINCRBY', KEYS[4], id, new) end
+if ttl > 0 then redis.call('EXPIRE', slot, ttl) end
 return new
 """
 
-#: KEYS: pods, n.  ARGV: block-key prefix, pod, tier, packed keys.
+#: KEYS: pods.  ARGV: key prefix P, pod, tier, packed keys.
 #: Returns the number of entries that reached count 0 and were deleted.
 REMOVE = """#!lua
+local P = ARGV[1]
 local id = redis.call('HGET', KEYS[1], ARGV[2] .. '\\0' .. ARGV[3])
 if not id then return 0 end
-local prefix = ARGV[1]
+local slot = P .. 's' .. id
+local bprefix = P .. 'b'
 local packed = ARGV[4]
 local gone = 0
 for off = 1, #packed, 8 do
-  local k = prefix .. string.sub(packed, off, off + 7)
-  local v = redis.call('HGET', k, id)
+  local kb = string.sub(packed, off, off + 7)
+  local v = redis.call('HGET', slot, kb)
   if v then
     if tonumber(v) <= 1 then
-      redis.call('HDEL', k, id)
+      redis.call('HDEL', slot, kb)
+      redis.call('HDEL', bprefix .. kb, id)
       gone = gone + 1
     else
-      redis.call('HINCRBY', k, id, -1)
+      redis.call('HINCRBY', slot, kb, -1)
     end
   end
-end
-if gone > 0 then
-  if redis.call('HINCRBY', KEYS[2], id, -gone) <= 0 then redis.call('HDEL', KEYS[2], id) end
 end
 return gone
 """
 
-#: KEYS: pods, ids, n.  ARGV: pod, tier...  Retires the pod's slot in each tier.
-#: Returns the number of slots retired.
+#: KEYS: pods, ids.  ARGV: key prefix P, pod, tier...  Retires the pod's slot in each
+#: tier.  Returns the number of slots retired.
 CLEAR = """#!lua
 local retired = 0
-for i = 2, #ARGV do
-  local f = ARGV[1] .. '\\0' .. ARGV[i]
+for i = 3, #ARGV do
+  local f = ARGV[2] .. '\\0' .. ARGV[i]
   local id = redis.call('HGET', KEYS[1], f)
   if id then
     redis.call('HDEL', KEYS[1], f)
     redis.call('HDEL', KEYS[2], id)
-    redis.call('HDEL', KEYS[3], id)
+    redis.call('UNLINK', ARGV[1] .. 's' .. id)
     retired = retired + 1
   end
 end
 return retired
 """
 
-#: KEYS: pods, ids.  ARGV: block-key prefix, packed keys, number of tiers T,
-#: tier names (fastest first, T of them), then candidate pods (none = all pods).
+#: KEYS: pods, ids.  ARGV: key prefix P, packed keys, number of tiers T, tier names
+#: (fastest first), then candidate pods (none = every pod holding block 0).
 #:
-#: Walk: resolve the slot ids of the candidates (or of every live pod holding block 0),
-#: then for block i = 1..n fetch only the ids of pods still extending their prefix
-#: (HMGET), take each pod's fastest tier holding block i, and extend every tier
-#: counter ``c[t]`` with ``c[t] == i-1 and fastest <= t``.  A pod leaves the walk when
-#: its slowest-tier counter stops; the walk stops when no pod is left.
-#: Returns a flat array: pod, c[1], ..., c[T], pod, ...
+#: 1. Holders: the pods whose slot ids appear in block 0's holder hint (HKEYS, or HMGET
+#:    of the candidates' ids).
+#: 2. Walk: each holder has per-tier counters c[1..T]; block i extends c[t] when
+#:    c[t] == i-1 and the pod holds block i in a tier <= t (cumulative over tiers).
+#:    A pod reads its own slot hashes, one HMGET per slot per chunk of blocks (32, 128,
+#:    512, ...), and stops at its first missing block.
+#: Returns a flat array pod, c[1], ..., c[T], ... for pods with c[T] > 0.
 LOOKUP = """#!lua flags=no-writes
-local prefix = ARGV[1]
+local CHUNK_MAX = 4000
+local P = ARGV[1]
 local packed = ARGV[2]
 local nt = tonumber(ARGV[3])
 local nblocks = math.floor(#packed / 8)
 if nblocks == 0 then return {} end
-local tier_of_name = {}
-for t = 1, nt do tier_of_name[ARGV[3 + t]] = t end
+local bprefix = P .. 'b'
+local sprefix = P .. 's'
+
+local kb = {}
+local built = 0
+local function keys_upto(e)
+  for i = built + 1, e do kb[i] = string.sub(packed, 8 * i - 7, 8 * i) end
+  if e > built then built = e end
+end
 
 local function hmget(key, fields)
   local out = {}
   local n = #fields
-  local step = 4000
-  for s = 1, n, step do
-    local e = math.min(s + step - 1, n)
+  for s = 1, n, CHUNK_MAX do
+    local e = math.min(s + CHUNK_MAX - 1, n)
     local part = redis.call('HMGET', key, unpack(fields, s, e))
     for j = 1, #part do out[s + j - 1] = part[j] end
   end
   return out
 end
 
-local function bkey(i)
-  return prefix .. string.sub(packed, 8 * i - 7, 8 * i)
-end
-
--- pod names to follow
+-- pods to follow
 local names = {}
 local first = 4 + nt
+keys_upto(1)
 if #ARGV >= first then
   for c = first, #ARGV do names[#names + 1] = ARGV[c] end
 else
   local seen = {}
-  local flat = redis.call('HGETALL', bkey(1))
-  local ids = {}
-  for j = 1, #flat, 2 do ids[#ids + 1] = flat[j] end
+  local ids = redis.call('HKEYS', bprefix .. kb[1])
   if #ids == 0 then return {} end
   local infos = hmget(KEYS[2], ids)
   for j = 1, #ids do
@@ -150,9 +161,8 @@ else
 end
 if #names == 0 then return {} end
 
--- slot ids of those pods, per tier
-local fields = {}
-local want_pod, want_tier = {}, {}
+-- their slot ids per tier
+local fields, want_pod, want_tier = {}, {}, {}
 for c = 1, #names do
   for t = 1, nt do
     fields[#fields + 1] = names[c] .. '\\0' .. ARGV[3 + t]
@@ -161,10 +171,8 @@ for c = 1, #names do
   end
 end
 local slot_ids = hmget(KEYS[1], fields)
-local pod_of, tier_of = {}, {}
-local ids_of = {}
+local pod_of, tier_of, ids_of, counts = {}, {}, {}, {}
 local active = {}
-local counts = {}
 for j = 1, #fields do
   local id = slot_ids[j]
   if id then
@@ -183,37 +191,65 @@ for j = 1, #fields do
   end
 end
 
-for i = 1, nblocks do
-  if #active == 0 then break end
-  local ask = {}
-  for a = 1, #active do
-    local l = ids_of[active[a]]
-    for j = 1, #l do ask[#ask + 1] = l[j] end
+-- extend counters of pod with block i held at fastest tier b (nil: not held)
+local function extend(pod, i, b)
+  if not b then return false end
+  local c = counts[pod]
+  for t = b, nt do
+    if c[t] == i - 1 then c[t] = i end
   end
-  local vals = hmget(bkey(i), ask)
-  local best = {}
-  for j = 1, #ask do
-    if vals[j] then
-      local id = ask[j]
-      local pod = pod_of[id]
+  return true
+end
+
+-- holders of block 0 (hint); their ids stay followed, the others are dropped
+local ask = {}
+for a = 1, #active do
+  local l = ids_of[active[a]]
+  for j = 1, #l do ask[#ask + 1] = l[j] end
+end
+local hint = hmget(bprefix .. kb[1], ask)
+local holds = {}
+for j = 1, #ask do
+  if hint[j] then holds[pod_of[ask[j]]] = true end
+end
+local still = {}
+for a = 1, #active do
+  if holds[active[a]] then still[#still + 1] = active[a] end
+end
+active = still
+local i = 1
+
+-- walk: each holder alone, chunk by chunk over its slot hashes
+for a = 1, #active do
+  local pod = active[a]
+  local l = ids_of[pod]
+  local s = i
+  local size = 32
+  local going = true
+  while going and s <= nblocks do
+    local e = math.min(s + size - 1, nblocks)
+    keys_upto(e)
+    local best = {}
+    for j = 1, #l do
+      local id = l[j]
       local t = tier_of[id]
-      local b = best[pod]
-      if b == nil or t < b then best[pod] = t end
-    end
-  end
-  local still = {}
-  for a = 1, #active do
-    local pod = active[a]
-    local b = best[pod]
-    if b then
-      local c = counts[pod]
-      for t = b, nt do
-        if c[t] == i - 1 then c[t] = i end
+      local vals = redis.call('HMGET', sprefix .. id, unpack(kb, s, e))
+      for k = 1, #vals do
+        if vals[k] then
+          local b = best[k]
+          if b == nil or t < b then best[k] = t end
+        end
       end
-      if c[nt] == i then still[#still + 1] = pod end
     end
+    for k = 1, e - s + 1 do
+      if not extend(pod, s + k - 1, best[k]) then
+        going = false
+        break
+      end
+    end
+    s = e + 1
+    size = math.min(size * 4, CHUNK_MAX)
   end
-  active = still
 end
 
 local out = {}
@@ -226,21 +262,22 @@ end
 return out
 """
 
-#: KEYS: ids, n.  Returns a flat array pod, entries, pod, entries (summed over tiers).
+#: KEYS: ids.  ARGV: key prefix P.  Returns a flat array pod, entries, ... (entries
+#: summed over the pod's tiers: HLEN of each live slot).
 POD_ENTRIES = """#!lua flags=no-writes
-local flat = redis.call('HGETALL', KEYS[2])
-local total = {}
-local order = {}
+local flat = redis.call('HGETALL', KEYS[1])
+local total, order = {}, {}
 for j = 1, #flat, 2 do
-  local info = redis.call('HGET', KEYS[1], flat[j])
-  if info then
-    local z = string.find(info, '\\0', 1, true)
-    local pod = string.sub(info, z + 1)
+  local info = flat[j + 1]
+  local z = string.find(info, '\\0', 1, true)
+  local pod = string.sub(info, z + 1)
+  local n = redis.call('HLEN', ARGV[1] .. 's' .. flat[j])
+  if n > 0 then
     if total[pod] == nil then
       total[pod] = 0
       order[#order + 1] = pod
     end
-    total[pod] = total[pod] + tonumber(flat[j + 1])
+    total[pod] = total[pod] + n
   end
 end
 local out = {}
@@ -251,15 +288,37 @@ end
 return out
 """
 
-#: KEYS: ids.  ARGV: block keys (full names) to clean.  Deletes fields whose slot id
-#: is no longer live.  Returns the number of fields deleted.
+#: KEYS: pods, ids.  ARGV: key prefix P, then block hint names to clean.  A slot id is
+#: dead when it is not in ``ids`` or its hash is gone (expired, or emptied by removes):
+#: its hint fields are deleted and an expired slot is retired from ``pods``/``ids``.
+#: Returns the number of hint fields deleted.
 SWEEP = """#!lua
+local P = ARGV[1]
+local alive = {}
+local function live(id)
+  local v = alive[id]
+  if v ~= nil then return v end
+  local info = redis.call('HGET', KEYS[2], id)
+  v = false
+  if info then
+    if redis.call('EXISTS', P .. 's' .. id) == 1 then
+      v = true
+    else
+      local z = string.find(info, '\\0', 1, true)
+      local field = string.sub(info, z + 1) .. '\\0' .. string.sub(info, 1, z - 1)
+      if redis.call('HGET', KEYS[1], field) == id then redis.call('HDEL', KEYS[1], field) end
+      redis.call('HDEL', KEYS[2], id)
+    end
+  end
+  alive[id] = v
+  return v
+end
 local gone = 0
-for a = 1, #ARGV do
-  local flat = redis.call('HGETALL', ARGV[a])
-  for j = 1, #flat, 2 do
-    if redis.call('HEXISTS', KEYS[1], flat[j]) == 0 then
-      redis.call('HDEL', ARGV[a], flat[j])
+for a = 2, #ARGV do
+  local ids = redis.call('HKEYS', ARGV[a])
+  for j = 1, #ids do
+    if not live(ids[j]) then
+      redis.call('HDEL', ARGV[a], ids[j])
       gone = gone + 1
     end
   end

@@ -38,7 +38,16 @@ async def index(redis_url: str, redis_namespace: str) -> AsyncIterator[RedisInde
 
 
 def block_name(namespace: str, key: int) -> bytes:
+    """The holder hint of one block."""
     return b"{" + namespace.encode() + b"}:b" + struct.pack(">Q", key)
+
+
+async def slot_name(raw: aioredis.Redis, namespace: str, pod: str, tier: str = "GPU") -> bytes:
+    """The hash of the pod's current slot (generation) in ``tier``."""
+    prefix = b"{" + namespace.encode() + b"}:"
+    slot_id = await raw.hget(prefix + b"pods", f"{pod}\0{tier}".encode())
+    assert slot_id is not None, f"{pod} has no slot in {tier}"
+    return prefix + b"s" + slot_id
 
 
 class CountingConnection(aioredis.Connection):
@@ -177,17 +186,18 @@ async def test_scripts_reload_after_the_server_forgets_them(
 # -- counting, generations and TTL ------------------------------------------------------
 
 
-async def test_an_entry_removed_to_zero_deletes_the_block_key(
+async def test_an_entry_removed_to_zero_deletes_its_slot_field_and_hint(
     index: RedisIndex, raw: aioredis.Redis, redis_namespace: str
 ) -> None:
     await index.add("pod-a", [7])
     await index.add("pod-a", [7])
     await index.remove("pod-a", [7])
-    assert await raw.hget(block_name(redis_namespace, 7), b"1") == b"1"
+    slot = await slot_name(raw, redis_namespace, "pod-a")
+    assert await raw.hget(slot, struct.pack(">Q", 7)) == b"1"
     await index.remove("pod-a", [7])
-    assert await raw.exists(block_name(redis_namespace, 7)) == 0
+    assert await raw.exists(slot, block_name(redis_namespace, 7)) == 0
     await index.remove("pod-a", [7])  # unknown now: ignored, never negative
-    assert await raw.exists(block_name(redis_namespace, 7)) == 0
+    assert await raw.exists(slot, block_name(redis_namespace, 7)) == 0
     assert await index.lookup([7]) == {}
 
 
@@ -197,13 +207,15 @@ async def test_clear_pod_hides_entries_at_once_without_scanning(
     await index.add("pod-a", list(range(500)))
     await index.add("pod-b", list(range(10)))
     await index.clear_pod("pod-c")  # warm the script cache
+    slot = await slot_name(raw, redis_namespace, "pod-a")
     before = (await raw.info("commandstats")).get("cmdstat_scan", {}).get("calls", 0)
     assert await round_trips(index.clear_pod("pod-a")) == 1
     after = (await raw.info("commandstats")).get("cmdstat_scan", {}).get("calls", 0)
     assert after == before  # the script retires two ids per tier; it never scans
     assert await index.lookup(list(range(500))) == {"pod-b": {"GPU": 10, "CPU": 10, "DISK": 10}}
     assert await index.pod_entries() == {"pod-b": 10}
-    # the retired generation's fields are still stored until the TTL or a sweep
+    assert await raw.exists(slot) == 0  # the slot's hash is unlinked
+    # its holder hints stay until a sweep, invisible meanwhile
     assert await raw.hlen(block_name(redis_namespace, 400)) == 1
 
 
@@ -237,46 +249,58 @@ async def test_sweep_deletes_only_retired_generations(
     assert await index.sweep() == 0
 
 
-async def test_add_sets_and_refreshes_the_block_ttl(
+async def test_add_sets_and_refreshes_the_slot_ttl(
     redis_url: str, redis_namespace: str, raw: aioredis.Redis
 ) -> None:
     idx = RedisIndex.from_url(redis_url, namespace=redis_namespace, ttl_s=600)
     try:
-        name = block_name(redis_namespace, 9)
         await idx.add("pod-a", [9])
-        assert 0 < await raw.pttl(name) <= 600_000
-        await raw.pexpire(name, 5_000)
-        await idx.add("pod-b", [9])  # any pod's add refreshes the block
-        assert await raw.pttl(name) > 5_000
-        await raw.pexpire(name, 5_000)
-        await idx.remove("pod-b", [9])  # a remove does not extend it
-        assert 0 < await raw.pttl(name) <= 5_000
-    finally:
-        await idx.close()
-
-
-async def test_ttl_zero_stores_blocks_without_expiry(
-    redis_url: str, redis_namespace: str, raw: aioredis.Redis
-) -> None:
-    idx = RedisIndex.from_url(redis_url, namespace=redis_namespace, ttl_s=0)
-    try:
-        await idx.add("pod-a", [9])
+        slot = await slot_name(raw, redis_namespace, "pod-a")
+        assert 0 < await raw.pttl(slot) <= 600_000
+        await raw.pexpire(slot, 5_000)
+        await idx.add("pod-a", [10])  # any add to the slot refreshes it
+        assert await raw.pttl(slot) > 5_000
+        await raw.pexpire(slot, 5_000)
+        await idx.remove("pod-a", [10])  # a remove does not extend it
+        assert 0 < await raw.pttl(slot) <= 5_000
+        # hints carry no TTL: a block stored once and then only hit stays findable
         assert await raw.pttl(block_name(redis_namespace, 9)) == -1
     finally:
         await idx.close()
 
 
-async def test_an_expired_block_ends_the_walk(
+async def test_ttl_zero_stores_slots_without_expiry(
+    redis_url: str, redis_namespace: str, raw: aioredis.Redis
+) -> None:
+    idx = RedisIndex.from_url(redis_url, namespace=redis_namespace, ttl_s=0)
+    try:
+        await idx.add("pod-a", [9])
+        assert await raw.pttl(await slot_name(raw, redis_namespace, "pod-a")) == -1
+    finally:
+        await idx.close()
+
+
+async def test_a_pod_whose_slot_expired_is_forgotten_and_swept(
     index: RedisIndex, raw: aioredis.Redis, redis_namespace: str
 ) -> None:
     await index.add("pod-a", [1, 2, 3, 4])
-    await raw.pexpire(block_name(redis_namespace, 3), 1)
+    await index.add("pod-b", [1, 2])
+    slot = await slot_name(raw, redis_namespace, "pod-a")
+    await raw.pexpire(slot, 1)  # as if pod-a stored nothing for ttl_s
 
     async def gone() -> bool:
-        return await raw.exists(block_name(redis_namespace, 3)) == 0
+        return await raw.exists(slot) == 0
 
-    await wait_until(gone, "block 3 to expire")
-    assert await index.lookup([1, 2, 3, 4]) == {"pod-a": {"GPU": 2, "CPU": 2, "DISK": 2}}
+    await wait_until(gone, "pod-a's slot to expire")
+    # its hints still name it, but the walk reads the slot: pod-a holds nothing
+    assert await index.lookup([1, 2, 3, 4]) == {"pod-b": {"GPU": 2, "CPU": 2, "DISK": 2}}
+    assert await index.pod_entries() == {"pod-b": 2}
+    assert await index.sweep() == 4  # hint fields of the expired slot
+    assert await index.block_keys() == 2
+    prefix = b"{" + redis_namespace.encode() + b"}:"
+    assert await raw.hget(prefix + b"pods", b"pod-a\0GPU") is None  # slot retired
+    await index.add("pod-a", [1])  # a fresh generation
+    assert (await index.lookup([1]))["pod-a"] == {"GPU": 1, "CPU": 1, "DISK": 1}
 
 
 # -- several replicas -----------------------------------------------------------------
@@ -330,7 +354,7 @@ async def test_the_lookup_script_is_read_only(
         2,
         ns + b"pods",
         ns + b"ids",
-        ns + b"b",
+        ns,
         struct.pack(">3Q", 1, 2, 3),
         b"3",
         b"GPU",
@@ -338,15 +362,14 @@ async def test_the_lookup_script_is_read_only(
         b"DISK",
     )
     assert reply == [b"pod-a", 3, 3, 3]
-    with pytest.raises(aioredis.ResponseError):
+    with pytest.raises(aioredis.ResponseError, match=r"(?i)write"):
         await raw.eval_ro(
             redis_lua.ADD,
-            4,
+            3,
             ns + b"pods",
             ns + b"ids",
             ns + b"next",
-            ns + b"n",
-            ns + b"b",
+            ns,
             b"pod-x",
             b"GPU",
             b"0",
