@@ -119,16 +119,20 @@ class BlockHasher:
         )
 
     def extend(
-        self, keys: list[int], token_ids: Sequence[int], *, lora: str | None = None
+        self,
+        keys: list[int],
+        token_ids: Sequence[int],
+        *,
+        lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> list[int]:
         """Keys for ``token_ids`` given the keys already computed for a prefix of them.
 
         ``token_ids[: len(keys) * block_size]`` must be the prefix that produced ``keys``
-        (multi-turn chats: the new turn only hashes the blocks it adds).
+        (multi-turn chats: the new turn only hashes the blocks it adds).  ``cache_salt``
+        only matters when ``keys`` is empty (it lives in block 0).
         """
         done = len(keys) * self.block_size
         if not keys:
-            return self.keys(token_ids, lora=lora)
-        return keys + chain_keys(
-            token_ids[done:], self.block_size, parent=keys[-1], lora=lora
-        )
+            return self.keys(token_ids, lora=lora, cache_salt=cache_salt)
+        return keys + chain_keys(token_ids[done:], self.block_size, parent=keys[-1], lora=lora)
