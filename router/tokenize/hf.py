@@ -179,8 +179,14 @@ class HFTokenizer:
         templates: Mapping[str, str] | None = None,
         special_tokens: Mapping[str, str] | None = None,
         name: str = "hf",
+        parallel_chars: int = 16_384,
+        parallel_chunks: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        #: chat texts longer than this are split at safe special tokens and the pieces
+        #: tokenized in parallel (``encode_batch``); 0 disables splitting
+        self.parallel_chars = parallel_chars
+        self.parallel_chunks = parallel_chunks or max(2, os.cpu_count() or 2)
         self.templates = dict(templates or {})
         self.special_tokens = dict(special_tokens or {})
         self.name = name
@@ -196,6 +202,12 @@ class HFTokenizer:
         lengths = [len(t.content) for t in tokenizer.get_added_tokens_decoder().values()]
         #: the longest added token, in characters (bounds look-ahead of token matching)
         self.max_added_token_chars = max(lengths, default=0)
+        split = self._find_split_tokens()
+        self._split_pattern = (
+            re.compile("|".join(re.escape(c) for c in sorted(split, key=len, reverse=True)))
+            if split
+            else None
+        )
 
     # --- loading ----------------------------------------------------------------------
 
@@ -299,18 +311,47 @@ class HFTokenizer:
         return self.encode_text(prompt, add_special_tokens=True)
 
     def encode_text(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        if not add_special_tokens:
+            return self.encode_with_cuts(text)[0]
+        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
-    # --- incremental support (used by ChatEncoder) ---------------------------------------
+    # --- chat-mode encoding with cut points (used by ChatEncoder) --------------------------
 
     def encode_with_cuts(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Chat-mode ids of ``text`` and its safe cut points ``(char_offset, token_index)``.
+        """Chat-mode ids of ``text`` (``add_special_tokens=False``) and its safe cut points.
 
-        A cut at ``(c, k)`` means ``ids[:k]`` is exactly the encoding of ``text[:c]`` and
+        A cut ``(c, k)`` means ``ids[:k]`` is exactly the encoding of ``text[:c]`` and
         ``text[c:]`` starts with a cut token (:class:`CutToken`) matched at ``c``.
+
+        Texts longer than ``parallel_chars`` are split before *split tokens* (cut tokens
+        that no other added token can overlap) into about ``parallel_chunks`` pieces,
+        encoded with ``encode_batch`` (Rust threads), and each piece is checked to start
+        with its split token; any surprise falls back to one sequential encode.
         """
+        starts = self._split_points(text)
+        if len(starts) > 1:
+            pieces = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+            encodings = self.tokenizer.encode_batch(pieces, add_special_tokens=False)
+            ids: list[int] = []
+            cuts: list[tuple[int, int]] = []
+            for start, piece, enc in zip(starts, pieces, encodings, strict=True):
+                piece_ids = enc.ids
+                if start:
+                    expected = self._cut_ids.get(self._split_content(piece))
+                    span = enc.token_to_chars(0) if piece_ids else None
+                    if span is None or piece_ids[0] != expected or span[0] != 0:
+                        break  # the split token was not matched as expected
+                    cuts.append((start, len(ids)))
+                base = len(ids)
+                cuts.extend((start + c, base + k) for c, k in self._cuts_in(piece, enc, piece_ids))
+                ids.extend(piece_ids)
+            else:
+                return ids, cuts
         enc = self.tokenizer.encode(text, add_special_tokens=False)
         ids = enc.ids
+        return ids, self._cuts_in(text, enc, ids)
+
+    def _cuts_in(self, text: str, enc: Any, ids: list[int]) -> list[tuple[int, int]]:
         cuts = []
         if self._cut_pattern is not None:
             by_content = self._cut_ids
@@ -320,10 +361,55 @@ class HFTokenizer:
                 if (
                     k  # not None, not the first token
                     and ids[k] == by_content[match.group()]
-                    and enc.offsets[k][0] == start
+                    and enc.token_to_chars(k)[0] == start
                 ):
                     cuts.append((start, k))
-        return ids, cuts
+        return cuts
+
+    def _split_content(self, piece: str) -> str:
+        match = self._split_pattern.match(piece) if self._split_pattern is not None else None
+        return match.group() if match else ""
+
+    def _split_points(self, text: str) -> list[int]:
+        if (
+            self._split_pattern is None
+            or not self.parallel_chars
+            or len(text) < self.parallel_chars
+            or self.parallel_chunks < 2
+        ):
+            return [0]
+        step = len(text) // self.parallel_chunks
+        starts = [0]
+        goal = step
+        for match in self._split_pattern.finditer(text, step):
+            if match.start() >= goal:
+                starts.append(match.start())
+                goal = match.start() + step
+        return starts
+
+    def _find_split_tokens(self) -> set[str]:
+        """Cut tokens no other added token can overlap (start before and run into them).
+
+        Such a token's every occurrence in a text is matched as itself unless a longer
+        token starts at the same place (caught by checking each piece's first token).
+        """
+        contents = [t.content for t in self.tokenizer.get_added_tokens_decoder().values()]
+        safe = set()
+        for cut in self._cut_ids:
+            overlapped = False
+            for other in contents:
+                if other == cut:
+                    continue
+                for i in range(1, len(other)):
+                    tail = other[i:]
+                    if tail.startswith(cut) or cut.startswith(tail):
+                        overlapped = True
+                        break
+                if overlapped:
+                    break
+            if not overlapped:
+                safe.add(cut)
+        return safe
 
     def _find_cut_tokens(self) -> dict[int, CutToken]:
         out = {}
