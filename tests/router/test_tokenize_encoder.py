@@ -268,3 +268,50 @@ def test_tiny_engine_model_reuse_is_exact_when_available() -> None:
         got = encoder.encode_chat(messages)
         assert got.token_ids == tok.encode_chat(messages)
     assert encoder.stats.verify_failures == 0 and encoder.stats.reuse_hits == 5
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_parallel_chunked_encoding_equals_one_sequential_encode(
+    toks: dict[str, HFTokenizer], template: str
+) -> None:
+    base = toks[template]
+    text = base.render_chat(conversation_turns(12)[-1], tools=None)
+    sequential = HFTokenizer(
+        base.tokenizer,
+        templates=base.templates,
+        special_tokens=base.special_tokens,
+        parallel_chars=0,
+    )
+    chunked = HFTokenizer(
+        base.tokenizer,
+        templates=base.templates,
+        special_tokens=base.special_tokens,
+        parallel_chars=100,
+        parallel_chunks=5,
+    )
+    assert len(chunked._split_points(text)) >= 4  # really split
+    assert chunked.encode_with_cuts(text) == sequential.encode_with_cuts(text)
+    assert (
+        chunked.encode_with_cuts(text)[0]
+        == base.tokenizer.encode(text, add_special_tokens=False).ids
+    )
+
+
+def test_tokens_another_added_token_can_overlap_are_never_split_points() -> None:
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    raw = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.add_special_tokens(
+        [
+            AddedToken("<|a|>", special=True),
+            AddedToken("x<|a", special=True),
+            AddedToken("<|b|>", special=True),
+        ]
+    )
+    tok = HFTokenizer(raw)
+    # "x<|a" runs into "<|a|>" (in "x<|a|>" the matcher takes "x<|a"): never split before it
+    assert tok._find_split_tokens() == {"<|b|>", "x<|a"}
+    text = "a x<|a|> a <|b|> a " * 50
+    tok.parallel_chars, tok.parallel_chunks = 10, 8
+    assert tok.encode_with_cuts(text)[0] == raw.encode(text, add_special_tokens=False).ids
