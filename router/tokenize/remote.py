@@ -48,6 +48,19 @@ def _error_text(resp: httpx.Response) -> str:
     return str(body)[:200]
 
 
+def _classify(resp: httpx.Response, url: str) -> list[int] | RemoteTokenizeError:
+    """Token ids, or the error to try the next pod with (5xx); raises on a 4xx."""
+    if resp.status_code >= 500:
+        return RemoteTokenizeError(
+            f"{url}: HTTP {resp.status_code}: {_error_text(resp)}", resp.status_code
+        )
+    if resp.status_code != 200:
+        raise RemoteTokenizeError(
+            f"{url}: HTTP {resp.status_code}: {_error_text(resp)}", resp.status_code
+        )
+    return _tokens(resp, url)
+
+
 def _tokens(resp: httpx.Response, url: str) -> list[int]:
     try:
         body = resp.json()
@@ -137,16 +150,11 @@ class RemoteTokenizer:
             except httpx.HTTPError as exc:
                 last = RemoteTokenizeError(f"{url}: {type(exc).__name__}: {exc}")
                 continue
-            if resp.status_code >= 500:
-                last = RemoteTokenizeError(
-                    f"{url}: HTTP {resp.status_code}: {_error_text(resp)}", resp.status_code
-                )
+            result = _classify(resp, url)
+            if isinstance(result, RemoteTokenizeError):
+                last = result
                 continue
-            if resp.status_code != 200:
-                raise RemoteTokenizeError(
-                    f"{url}: HTTP {resp.status_code}: {_error_text(resp)}", resp.status_code
-                )
-            return _tokens(resp, url)
+            return result
         assert last is not None
         raise last
 
@@ -187,16 +195,11 @@ class RemoteTokenizer:
                 except httpx.HTTPError as exc:
                     last = RemoteTokenizeError(f"{url}: {type(exc).__name__}: {exc}")
                     continue
-                if resp.status_code >= 500:
-                    last = RemoteTokenizeError(
-                        f"{url}: HTTP {resp.status_code}: {_error_text(resp)}", resp.status_code
-                    )
+                result = _classify(resp, url)
+                if isinstance(result, RemoteTokenizeError):
+                    last = result
                     continue
-                if resp.status_code != 200:
-                    raise RemoteTokenizeError(
-                        f"{url}: HTTP {resp.status_code}: {_error_text(resp)}", resp.status_code
-                    )
-                return _tokens(resp, url)
+                return result
         assert last is not None
         raise last
 
