@@ -10,6 +10,9 @@ Layout (chosen for a small footprint and a fast chain walk):
   fastest tier, ``tiers[0]``); ``_slow[t][key]`` the mask of pods holding ``key`` in
   tier ``t >= 1``.  All three are empty on a GPU-only fleet, so the common entry costs
   one dict slot, one key int and one mask int.
+* Equal masks are interned (one shared int object per distinct holder set, bounded by
+  ``_CANON_MAX``): less memory per key, and the chain walk skips the AND when a block's
+  holders are the very object of the previous block's.
 * Counts above 1 (vLLM stores the same hash twice on one pod) live in a side table
   ``_extra[(key, pid, tier)] = count``; an entry with count 1 is just its bit.
 
@@ -36,6 +39,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 
 from scoring.index.base import DEFAULT_TIERS, PodHits
+
+_CANON_MAX = 1 << 16  # distinct interned masks kept before the table is reset
 
 
 class UnknownTierError(ValueError):
@@ -71,6 +76,7 @@ class InMemoryIndex:
         self._not_fast: dict[int, int] = {}
         self._slow: list[dict[int, int]] = [{} for _ in self.tiers]  # [0] unused
         self._extra: dict[tuple[int, int, int], int] = {}
+        self._canon: dict[int, int] = {}
         self._pid: dict[str, int] = {}
         self._names: list[str | None] = []
         self._free: list[int] = []
@@ -130,12 +136,17 @@ class InMemoryIndex:
         extra = self._extra
         new_entries = 0
         new_pod = 0
+        canon = self._canon
+        if len(canon) > _CANON_MAX:
+            canon.clear()
+        intern = canon.setdefault
         if t == 0:
             not_fast = self._not_fast
             for k in keys:
                 a = pop(k, 0)
                 if not a & bit:
-                    any_[k] = a | bit
+                    a |= bit
+                    any_[k] = intern(a, a)
                     new_entries += 1
                     new_pod += 1
                     continue
@@ -165,6 +176,7 @@ class InMemoryIndex:
                     new_pod += 1
                     if not a & bit:
                         a |= bit
+                        a = intern(a, a)
                         new_entries += 1
                         not_fast[k] = not_fast.get(k, 0) | bit
                 any_[k] = a
@@ -227,6 +239,7 @@ class InMemoryIndex:
         extra = self._extra
         # common case: one fastest-tier copy, no slower tiers anywhere
         fast_only = t == 0 and not self._not_fast and not extra and not self._extra_tiers_used()
+        intern = self._canon.setdefault
         for k in keys:
             a = any_.get(k)
             if a is None or not a & bit:
@@ -236,7 +249,7 @@ class InMemoryIndex:
                 self._entries -= 1
                 self._pod_n[pid] -= 1
                 if a:
-                    any_[k] = a
+                    any_[k] = intern(a, a)
                 else:
                     del any_[k]
                 continue
@@ -343,15 +356,18 @@ class InMemoryIndex:
             return self._lookup_tiers(keys, alive)
         drops: list[tuple[int, int]] = []
         i = 0
+        last = first  # alive already includes block 0's holders
         for m in map(self._any.get, keys):
-            if m is None:
-                break
-            a = alive & m
-            if a != alive:
-                drops.append((alive & ~a, i))
-                alive = a
-                if not a:
+            if m is not last:  # interned: the same holders as the previous block
+                if m is None:
                     break
+                last = m
+                a = alive & m
+                if a != alive:
+                    drops.append((alive & ~a, i))
+                    alive = a
+                    if not a:
+                        break
             i += 1
         if alive:
             drops.append((alive, i))

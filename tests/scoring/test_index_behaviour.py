@@ -264,3 +264,72 @@ def test_memory_index_sync_and_async_views_agree() -> None:
     idx.add_sync("a", K[:3])
     assert idx.lookup_sync(K) == {"a": dict.fromkeys(idx.tiers, 3)}
     assert isinstance(idx, BlockIndex)
+
+
+def reference_lookup(
+    counts: dict[tuple[str, int, str], int],
+    tiers: tuple[str, ...],
+    keys: list[int],
+    pods: set[str] | None,
+) -> dict[str, dict[str, int]]:
+    """The semantics of scoring/index/base.py, computed the slow and obvious way."""
+    holders = {p for (p, _k, _t), c in counts.items() if c > 0}
+    if pods is not None:
+        holders &= pods
+    out: dict[str, dict[str, int]] = {}
+    for p in holders:
+        hits = {}
+        for ti, t in enumerate(tiers):
+            n = 0
+            while n < len(keys) and any(
+                counts.get((p, keys[n], u), 0) > 0 for u in tiers[: ti + 1]
+            ):
+                n += 1
+            hits[t] = n
+        if hits[tiers[-1]] > 0:
+            out[p] = hits
+    # the walk stops at the first block no candidate still on the chain holds
+    return out
+
+
+def test_memory_index_matches_a_reference_model_under_random_operations() -> None:
+    import random
+
+    rng = random.Random(20261130)
+    idx = InMemoryIndex()
+    counts: dict[tuple[str, int, str], int] = {}
+    pods = [f"p{i}" for i in range(7)]
+    universe = list(range(1, 25))
+    for step in range(1200):
+        op = rng.random()
+        pod = rng.choice(pods)
+        tier = rng.choice(idx.tiers[:2]) if rng.random() < 0.8 else idx.tiers[2]
+        ks = rng.sample(universe, rng.randint(1, 6))
+        if op < 0.5:
+            idx.add_sync(pod, ks, tier)
+            for k in ks:
+                counts[(pod, k, tier)] = counts.get((pod, k, tier), 0) + 1
+        elif op < 0.9:
+            idx.remove_sync(pod, ks, tier)
+            for k in ks:
+                if counts.get((pod, k, tier), 0) > 0:
+                    counts[(pod, k, tier)] -= 1
+        elif op < 0.95:
+            idx.clear_pod_sync(pod, tier)
+            for key in [key for key in counts if key[0] == pod and key[2] == tier]:
+                counts[key] = 0
+        else:
+            idx.clear_pod_sync(pod)
+            for key in [key for key in counts if key[0] == pod]:
+                counts[key] = 0
+        chain = universe[: rng.randint(1, len(universe))]
+        cand = set(rng.sample(pods, 3)) if rng.random() < 0.3 else None
+        assert idx.lookup_sync(chain, cand) == reference_lookup(counts, idx.tiers, chain, cand), (
+            step
+        )
+        entries = {}
+        for (p, _k, _t), c in counts.items():
+            if c > 0:
+                entries[p] = entries.get(p, 0) + 1
+        assert idx.pod_entries_sync() == entries, step
+        assert len(idx) == len({(p, k) for (p, k, _t), c in counts.items() if c > 0}), step
