@@ -17,7 +17,8 @@ Multi-turn reuse (tokenizers with ``render_chat`` + ``encode_with_cuts``, i.e.
 2. a bounded LRU maps ``H(context, messages[:i])`` -> the previous request's rendered text
    ``P``, token ids, block keys and *cut points*.  The context hashes tools, template
    kwargs, LoRA name and cache salt.  The longest message prefix of this request present in
-   the LRU is the candidate;
+   the LRU is the candidate; failing that (a new conversation), the latest request that
+   shares its first 1-4 messages (system prompt, tools, few-shot examples);
 3. ``L`` = common prefix length of the new text ``T`` and ``P``.  A cut point ``(c, k)`` of
    ``P`` (a non-normalized added token such as ``<|im_start|>`` starting at character
    ``c``, token index ``k``) is usable when ``c + M <= L`` (``M`` = longest added token),
@@ -50,6 +51,10 @@ from router.tokenize.base import PromptTokenizer, TokenizeError
 from scoring.blocks import BlockHasher
 
 log = logging.getLogger(__name__)
+
+#: a request whose own history is not cached may still reuse the latest cached request
+#: that shares its first 1..SHARED_PREFIX_MESSAGES messages (system prompt, few-shot turns)
+SHARED_PREFIX_MESSAGES = 4
 _h64 = xxhash.xxh3_64_intdigest
 
 
@@ -179,6 +184,8 @@ class ChatEncoder:
         self.stats = EncoderStats()
         self.reuse_enabled = isinstance(tokenizer, IncrementalTokenizer) and max_entries > 0
         self._lru: OrderedDict[int, _Entry] = OrderedDict()
+        #: H(context, messages[:i]) for i <= SHARED_PREFIX_MESSAGES -> key of the latest entry
+        self._heads: OrderedDict[int, int] = OrderedDict()
         self._cached_tokens = 0
         self._lock = threading.Lock()
 
@@ -314,7 +321,11 @@ class ChatEncoder:
                     ids, cuts = tok.encode_with_cuts(text)
                     keys = self.hasher.keys(ids, lora=lora, cache_salt=cache_salt)
                     reused = 0
-        self._store(chain[-1], _Entry(text, array("I", ids), cuts, keys))
+        self._store(
+            chain[-1],
+            _Entry(text, array("I", ids), cuts, keys),
+            heads=chain[1 : SHARED_PREFIX_MESSAGES + 1],
+        )
         with self._lock:
             self.stats.requests += 1
             self.stats.tokenized_tokens += len(ids) - reused
@@ -372,9 +383,16 @@ class ChatEncoder:
                 if entry is not None:
                     self._lru.move_to_end(h)
                     return entry
+            # a new conversation that starts like a recent one (shared system prompt, tools,
+            # few-shot examples): the latest request with the same first messages
+            for h in reversed(chain[1 : SHARED_PREFIX_MESSAGES + 1]):
+                key = self._heads.get(h)
+                entry = self._lru.get(key) if key is not None else None
+                if entry is not None:
+                    return entry
         return None
 
-    def _store(self, key: int, entry: _Entry) -> None:
+    def _store(self, key: int, entry: _Entry, heads: Sequence[int] = ()) -> None:
         entry.size = len(entry.ids)
         if entry.size > self.max_cached_tokens:
             return
@@ -384,6 +402,11 @@ class ChatEncoder:
                 self._cached_tokens -= old.size
             self._lru[key] = entry
             self._cached_tokens += entry.size
+            for h in heads:
+                self._heads[h] = key
+                self._heads.move_to_end(h)
+            while len(self._heads) > SHARED_PREFIX_MESSAGES * max(1, self.max_entries):
+                self._heads.popitem(last=False)
             while self._lru and (
                 len(self._lru) > self.max_entries or self._cached_tokens > self.max_cached_tokens
             ):

@@ -315,3 +315,20 @@ def test_tokens_another_added_token_can_overlap_are_never_split_points() -> None
     text = "a x<|a|> a <|b|> a " * 50
     tok.parallel_chars, tok.parallel_chunks = 10, 8
     assert tok.encode_with_cuts(text)[0] == raw.encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_a_new_conversation_reuses_a_shared_system_prompt_and_stays_exact(
+    toks: dict[str, HFTokenizer], template: str
+) -> None:
+    tok = toks[template]
+    hasher = BlockHasher(4)
+    encoder = ChatEncoder(tok, hasher)
+    system = {"role": "system", "content": "Follow the house rules carefully. " * 40}
+    encoder.encode_chat([system, {"role": "user", "content": "first user's question"}])
+    other = [system, {"role": "user", "content": "a different user asks something else"}]
+    got = encoder.encode_chat(other)
+    ids, keys = full_encode(tok, hasher, other)
+    assert (got.token_ids, got.block_keys) == (ids, keys)
+    system_tokens = len(tok.encode_text(system["content"], add_special_tokens=False))
+    assert got.reused_tokens >= system_tokens
