@@ -381,10 +381,41 @@ def _requests() -> list[dict[str, Any]]:
                 {"role": "user", "content": "And if it was evicted?"},
             ],
         },
+        {
+            # generation fills whole blocks: are generated tokens published too?
+            "name": "completion_generates_blocks",
+            "kind": "completion",
+            "prompt": "Count upwards, never stop: " + " ".join(str(i) for i in range(40)),
+            "max_tokens": 72,
+        },
+        {
+            # a fully cached prompt whose length is a multiple of the block size: vLLM
+            # recomputes its last block and publishes it again (same hash, stored twice)
+            "name": "completion_block_aligned",
+            "kind": "completion",
+            "prompt": "An aligned prompt, padded to whole blocks. " * 8,
+            "align": True,
+        },
+        {
+            "name": "completion_block_aligned_repeat",
+            "kind": "completion",
+            "prompt": "An aligned prompt, padded to whole blocks. " * 8,
+            "align": True,
+        },
         {"name": "reset_prefix_cache", "kind": "reset"},
         {"name": "after_reset", "kind": "completion", "prompt": q2},
     ]
     return reqs
+
+
+def _pad_to_blocks(client: httpx.Client, prompt: str) -> str:
+    """``prompt`` plus " x" fillers until its token count is a multiple of BLOCK_SIZE."""
+    for _ in range(4 * BLOCK_SIZE):
+        n = len(client.post("/tokenize", json={"prompt": prompt}).json()["tokens"])
+        if n % BLOCK_SIZE == 0:
+            return prompt
+        prompt += " x"
+    raise RuntimeError("could not pad the prompt to whole blocks")
 
 
 def _tokenize(client: httpx.Client, req: Mapping[str, Any]) -> list[int]:
@@ -406,7 +437,12 @@ def _send(client: httpx.Client, req: Mapping[str, Any]) -> dict[str, Any]:
     if req["kind"] == "reset":
         client.post("/reset_prefix_cache").raise_for_status()
         return {}
-    body: dict[str, Any] = {"model": SERVED_MODEL, "max_tokens": 4, "temperature": 0.0}
+    body: dict[str, Any] = {
+        "model": SERVED_MODEL,
+        "max_tokens": req.get("max_tokens", 4),
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     if req.get("cache_salt"):
         body["cache_salt"] = req["cache_salt"]
     if req["kind"] == "chat":
@@ -415,8 +451,9 @@ def _send(client: httpx.Client, req: Mapping[str, Any]) -> dict[str, Any]:
     else:
         body["prompt"] = req["prompt"]
         path = "/v1/completions"
-    client.post(path, json=body).raise_for_status()
-    return {"endpoint": path, "body": body}
+    resp = client.post(path, json=body)
+    resp.raise_for_status()
+    return {"endpoint": path, "body": body, "usage": resp.json().get("usage")}
 
 
 def _prefix_cache_counters(client: httpx.Client) -> dict[str, float]:
@@ -453,6 +490,11 @@ SCENARIOS: dict[str, Scenario] = {
             "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: raw 32-byte sha256 digests",
         ),
         Scenario(
+            "sha256_int_seed7",
+            EngineConfig("sha256", int_hashes=True, python_hash_seed="7", num_blocks=96),
+            "sha256 with PYTHONHASHSEED=7: NONE_HASH = sha256(pickle('7')), not the default",
+        ),
+        Scenario(
             "xxhash_int_seed42",
             EngineConfig("xxhash", int_hashes=True, python_hash_seed="42", num_blocks=96),
             "xxhash (xxh3_128 over pickle) with PYTHONHASHSEED=42: NONE_HASH = xxhash('42')",
@@ -486,6 +528,8 @@ def capture_scenario(
             for req in reqs:
                 if req["name"].startswith("evict_") and _has_block_removed(recorder.messages):
                     break
+                if req.get("align"):
+                    req = {**req, "prompt": _pad_to_blocks(client, req["prompt"])}
                 token_ids = _tokenize(client, req) if req["kind"] != "reset" else []
                 first = recorder.count()
                 sent = _send(client, req)
@@ -558,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenario", action="append", choices=sorted(SCENARIOS))
     ap.add_argument("--keep-logs", type=Path, default=None, help="write engine logs here")
     args = ap.parse_args(argv)
+    # a TERM (e.g. from a job runner) unwinds normally, so every engine started is stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     reason = missing_engine_reason()
     if reason:
         print(f"capture_vllm_events: {reason}", file=sys.stderr)

@@ -11,6 +11,7 @@ request for the same configuration in the same module gets the running engine.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -52,8 +53,15 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFactory]:
                 pytest.fail(f"vLLM engine did not start: {exc}")
         return started[key]
 
+    # `timeout` and CI runners stop pytest with SIGTERM: unwind so the engines stop too
+    previous = signal.signal(signal.SIGTERM, _raise_exit)
     try:
         yield make
     finally:
         for proc in started.values():
             proc.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
