@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -56,6 +57,10 @@ class APIError(Exception):
             }
         }
         return JSONResponse(body, status_code=self.status)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before a non-streaming answer was ready."""
 
 
 def _sse(obj: Mapping[str, Any]) -> bytes:
@@ -241,10 +246,31 @@ class SimAPI:
             "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
         }
 
-    async def _run(self, req: SimRequest) -> None:
-        async with contextlib.aclosing(self.engine.generate(req)) as gen:
-            async for _ in gen:
+    async def _run(self, req: SimRequest, request: Request) -> None:
+        """Generate to the end; a client that disconnects first aborts the request
+        (as vLLM does), freeing its queue place or running slot."""
+
+        async def consume() -> None:
+            async with contextlib.aclosing(self.engine.generate(req)) as gen:
+                async for _ in gen:
+                    pass
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
                 pass
+
+        work = asyncio.create_task(consume())
+        watch = asyncio.create_task(disconnected())
+        try:
+            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+            await asyncio.gather(work, watch, return_exceptions=True)
+        if work.cancelled():
+            raise ClientDisconnected()
+        work.result()  # re-raises an engine error
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
@@ -258,7 +284,7 @@ class SimAPI:
         created = int(time.time())
         if stream:
             return self._stream(req, rid, model, created, usage, chat=False)
-        await self._run(req)
+        await self._run(req, request)
         return JSONResponse(
             {
                 "id": rid,
@@ -290,7 +316,7 @@ class SimAPI:
         created = int(time.time())
         if stream:
             return self._stream(req, rid, model, created, usage, chat=True)
-        await self._run(req)
+        await self._run(req, request)
         return JSONResponse(
             {
                 "id": rid,
@@ -468,6 +494,10 @@ def build_app(settings: SimSettings, engine: SimEngine, tokenizer: PromptTokeniz
     app = FastAPI(
         title=f"kvroute sim {settings.pod_name}", docs_url=None, redoc_url=None, openapi_url=None
     )
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed"
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ OUTPUT_TEXT = (
 )
 
 EventSink = Callable[[list[KVCacheEvent]], object]
+Sleeper = Callable[[float], Awaitable[None]]
 
 
 @dataclass
@@ -73,8 +74,11 @@ def output_text(token_ids: list[int]) -> str:
 
 
 class SimEngine:
-    def __init__(self, settings: SimSettings) -> None:
+    def __init__(self, settings: SimSettings, *, sleep: Sleeper | None = None) -> None:
+        """``sleep(seconds)`` waits one simulated delay (already x ``time_scale``);
+        default ``asyncio.sleep``.  Tests pass a recorder to check the time model."""
         self.settings = settings
+        self._sleeper: Sleeper = sleep or asyncio.sleep
         self.block_size = settings.block_size
         self.cache = PrefixCache(settings.capacity_blocks)
         self.hasher = EngineHasher(settings.block_size, settings.hash_seed)
@@ -175,7 +179,7 @@ class SimEngine:
 
     async def _sleep(self, seconds: float) -> None:
         scale = self.settings.time_scale
-        await asyncio.sleep(seconds * scale if scale > 0 else 0)
+        await self._sleeper(seconds * scale if scale > 0 else 0.0)
 
     async def generate(self, req: SimRequest) -> AsyncGenerator[int, None]:
         """Yield ``req``'s output tokens at their simulated times.
