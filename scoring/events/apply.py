@@ -21,7 +21,11 @@ Semantics (the README quotes this):
 * **Counting**: the same hash stored twice on a pod counts 2 (vLLM does not dedupe
   physical blocks); ``BlockRemoved`` takes one copy per listed hash; the index sees one
   ``add`` when a (hash, tier) goes 0 -> 1 and one ``remove`` when it goes 1 -> 0.  A
-  removal of a hash we never saw is counted (``unknown_removed``) and ignored.
+  removal of a hash we never saw is counted (``unknown_removed``) and ignored.  Copies
+  are counted across KV-cache groups (``group_idx``; hybrid models store a block once
+  per group), so a block stays indexed while any group holds it.  A per-request
+  ``kv_cache_report_mode="full"`` (vLLM re-announcing prefix-cache *hits* as
+  BlockStored) would inflate counts; the default "incremental" mode does not.
 * **Tiers**: ``medium`` "GPU" (or absent) -> tier "GPU", "CPU" -> "CPU", "STORAGE" /
   "DISK" -> "DISK"; an unknown medium is counted (``bad_events``) and skipped.  An
   offload ``BlockStored`` without tokens (a placeholder naming known hashes) records the
@@ -38,6 +42,8 @@ Semantics (the README quotes this):
   and counted in ``engine_hash_linked``.  When the buffer is full the oldest orphans
   are dropped (``orphans_dropped``); ``needs_resync`` then stays set until the caller
   has cleared / replayed the pod and calls :meth:`KVEventApplier.mark_resynced`.
+  A ``BlockRemoved`` of a block that sits in a waiting orphan is remembered and cancels
+  that copy when the orphan is linked, so a late link never indexes an evicted block.
 * **Engine-hash mode** (optional :class:`~scoring.events.engine_hash.EngineHasher`): every
   ``BlockStored`` is re-hashed and checked against the engine's hashes; a mismatch
   disables the mode loudly (see that module).
@@ -66,6 +72,9 @@ from scoring.events.engine_hash import EngineHasher
 from scoring.index.base import BlockIndex
 
 log = logging.getLogger(__name__)
+
+#: the tier of vLLM's own KV cache ("GPU" also on CPU engines)
+FAST_TIER = "GPU"
 
 DEFAULT_MEDIUM_TIERS: Mapping[str, str] = {
     "GPU": "GPU",
@@ -172,6 +181,24 @@ class ApplierStats:
         return asdict(self)
 
 
+class Held:
+    """Stored copies of one block on a pod beyond the common case (one GPU copy)."""
+
+    __slots__ = ("counts", "key")
+
+    def __init__(self, key: int, counts: dict[str, int]) -> None:
+        self.key = key
+        #: tier -> stored copies (> 0)
+        self.counts = counts
+
+    def __repr__(self) -> str:
+        return f"Held({self.key}, {self.counts})"
+
+
+def _key(v: int | Held) -> int:
+    return v if type(v) is int else v.key  # type: ignore[union-attr]
+
+
 @dataclass(slots=True)
 class PodEvents:
     """What the applier knows about one pod's engine cache."""
@@ -179,13 +206,14 @@ class PodEvents:
     pod: str
     model: str
     block_size: int | None = None
-    #: engine hash -> our key, while some tier holds the block
-    keys: dict[EngineHash, int] = field(default_factory=dict)
-    #: tier -> engine hash -> stored copies
-    counts: dict[str, dict[EngineHash, int]] = field(default_factory=dict)
+    #: engine hash -> our key (exactly one copy, in the GPU tier: the common case, kept
+    #: as a bare int to save memory) or a :class:`Held` with counts per tier
+    blocks: dict[EngineHash, int | Held] = field(default_factory=dict)
     #: parent engine hash -> BlockStored events waiting for it
     orphans: dict[EngineHash, list[BlockStored]] = field(default_factory=dict)
     orphan_blocks: int = 0
+    #: removals of blocks that sit in a pending orphan: applied when it is linked
+    orphan_removed: dict[EngineHash, int] = field(default_factory=dict)
     #: events were lost for good (orphans dropped, undecodable payload, bad event)
     lost: bool = False
 
@@ -194,6 +222,18 @@ class PodEvents:
         """True while orphans wait for a parent or events were lost: the router should
         replay the pod's recent batches or clear and re-learn it."""
         return self.lost or bool(self.orphans)
+
+    def key_of(self, engine_hash: EngineHash) -> int | None:
+        """Our key for a block the pod holds (None when it holds no such block)."""
+        v = self.blocks.get(engine_hash)
+        return None if v is None else _key(v)
+
+    def copies(self, engine_hash: EngineHash) -> dict[str, int]:
+        """Stored copies of a block per tier ({} when not held)."""
+        v = self.blocks.get(engine_hash)
+        if v is None:
+            return {}
+        return {FAST_TIER: 1} if type(v) is int else dict(v.counts)  # type: ignore[union-attr]
 
 
 def _cache_salt(ev: BlockStored) -> str | None:
@@ -281,10 +321,10 @@ class KVEventApplier:
             st.lost = False
 
     def _reset(self, st: PodEvents) -> None:
-        st.keys.clear()
-        st.counts.clear()
+        st.blocks.clear()
         st.orphans.clear()
         st.orphan_blocks = 0
+        st.orphan_removed.clear()
         st.lost = False
         self._orphan_pods.discard(st.pod)
 
@@ -360,7 +400,7 @@ class KVEventApplier:
             self._bad(st, f"unknown medium {medium!r} (known: {sorted(self.medium_tiers)})")
         return tier
 
-    def _stored(self, st: PodEvents, ev: BlockStored, ops: IndexOps) -> None:
+    def _stored(self, st: PodEvents, ev: BlockStored, ops: IndexOps, linking: bool = False) -> None:
         tier = self._tier(st, ev.medium)
         if tier is None:
             return
@@ -389,7 +429,7 @@ class KVEventApplier:
             salt = _cache_salt(ev)
             parent = root_key(st.model, ev.lora_name)
         else:
-            parent = st.keys.get(ph)  # type: ignore[assignment]
+            parent = st.key_of(ph)  # type: ignore[assignment]
             if parent is None and self.hasher is not None:
                 parent = self._link_learned(st, ph, tier, ops)
             if parent is None:
@@ -402,7 +442,7 @@ class KVEventApplier:
         except ValueError as exc:
             self._bad(st, f"BlockStored token ids: {exc}")
             return
-        self._record(st, hashes, keys, tier, ops)
+        self._record(st, hashes, keys, tier, ops, linking)
         self.stats.stored_blocks += n
         if st.orphans:
             self._link_children(st, hashes, ops)
@@ -414,22 +454,39 @@ class KVEventApplier:
         keys: list[int],
         tier: str,
         ops: IndexOps,
+        linking: bool = False,
     ) -> None:
-        counts = st.counts.get(tier)
-        if counts is None:
-            counts = st.counts[tier] = {}
-        known = st.keys
+        """Count one more copy of each block in ``tier``; the index hears of the
+        blocks whose count in that tier went 0 -> 1.  ``linking``: the blocks come from
+        an orphan, and removals that arrived while it waited cancel copies."""
+        blocks = st.blocks
+        pending = st.orphan_removed if linking else None
         new: list[int] = []
+        fast = tier == FAST_TIER
         for h, k in zip(hashes, keys, strict=True):
-            c = counts.get(h)
-            if c is None:
-                counts[h] = 1
-                k = known.setdefault(h, k)
+            if pending and h in pending:
+                n = pending.pop(h) - 1
+                if n:
+                    pending[h] = n
+                continue
+            v = blocks.get(h)
+            if v is None:
+                blocks[h] = k if fast else Held(k, {tier: 1})
                 new.append(k)
+            elif type(v) is int:
+                if fast:
+                    blocks[h] = Held(v, {FAST_TIER: 2})
+                else:
+                    blocks[h] = Held(v, {FAST_TIER: 1, tier: 1})
+                    new.append(v)
             else:
-                counts[h] = c + 1
+                counts = v.counts  # type: ignore[union-attr]
+                c = counts.get(tier, 0)
+                counts[tier] = c + 1
+                if not c:
+                    new.append(v.key)  # type: ignore[union-attr]
         ops.add(st.pod, tier, new)
-        if len(known) > self.max_blocks_per_pod:
+        if len(blocks) > self.max_blocks_per_pod:
             self._evict(st, ops)
 
     def _record_known(self, st: PodEvents, ev: BlockStored, tier: str, ops: IndexOps) -> None:
@@ -437,7 +494,7 @@ class KVEventApplier:
         hashes: list[EngineHash] = []
         keys: list[int] = []
         for h in ev.block_hashes:
-            k = st.keys.get(h)
+            k = st.key_of(h)
             if k is None:
                 self.stats.unresolved_blocks += 1
             else:
@@ -448,17 +505,19 @@ class KVEventApplier:
             self.stats.stored_blocks += len(hashes)
 
     def _evict(self, st: PodEvents, ops: IndexOps) -> None:
-        over = len(st.keys) - self.max_blocks_per_pod + max(1, self.max_blocks_per_pod // 100)
+        over = len(st.blocks) - self.max_blocks_per_pod + max(1, self.max_blocks_per_pod // 100)
         victims: list[EngineHash] = []
-        for h in st.keys:
+        for h in st.blocks:  # oldest stored first
             if len(victims) >= over:
                 break
             victims.append(h)
         for h in victims:
-            k = st.keys.pop(h)
-            for tier, counts in st.counts.items():
-                if counts.pop(h, None) is not None:
-                    ops.remove(st.pod, tier, (k,))
+            v = st.blocks.pop(h)
+            if type(v) is int:
+                ops.remove(st.pod, FAST_TIER, (v,))
+            else:
+                for tier in v.counts:  # type: ignore[union-attr]
+                    ops.remove(st.pod, tier, (v.key,))  # type: ignore[union-attr]
         self.stats.evicted_blocks += len(victims)
 
     # -- orphans ---------------------------------------------------------------------
@@ -494,7 +553,9 @@ class KVEventApplier:
             if h in st.orphans:
                 for ev in self._take_orphans(st, h):
                     self.stats.orphans_linked += len(ev.block_hashes)
-                    self._stored(st, ev, ops)
+                    self._stored(st, ev, ops, linking=True)
+        if not st.orphans:
+            st.orphan_removed.clear()
 
     def _link_learned(
         self, st: PodEvents, parent: EngineHash, tier: str, ops: IndexOps
@@ -505,7 +566,7 @@ class KVEventApplier:
         chain = self.hasher.ancestry(st.model, parent)
         if not chain:
             return None
-        missing = [(h, k) for h, k in chain if h not in st.keys]
+        missing = [(h, k) for h, k in chain if h not in st.blocks]
         if missing:
             self._record(st, [h for h, _ in missing], [k for _, k in missing], tier, ops)
             self.stats.engine_hash_linked += len(missing)
@@ -539,7 +600,9 @@ class KVEventApplier:
                 if h in st.orphans:
                     for ev in self._take_orphans(st, h):
                         self.stats.orphans_linked += len(ev.block_hashes)
-                        self._stored(st, ev, ops)
+                        self._stored(st, ev, ops, linking=True)
+            if not st.orphans:
+                st.orphan_removed.clear()
         return ops
 
     # -- BlockRemoved ----------------------------------------------------------------
@@ -548,25 +611,40 @@ class KVEventApplier:
         tier = self._tier(st, ev.medium)
         if tier is None:
             return
-        counts = st.counts.get(tier)
         self.stats.removed_blocks += len(ev.block_hashes)
-        if counts is None:
-            self.stats.unknown_removed += len(ev.block_hashes)
-            return
-        known = st.keys
+        blocks = st.blocks
+        fast = tier == FAST_TIER
         gone: list[int] = []
-        single_tier = len(st.counts) == 1
         for h in ev.block_hashes:
-            c = counts.get(h)
-            if c is None:
-                self.stats.unknown_removed += 1
+            v = blocks.get(h)
+            if v is not None and type(v) is int:
+                if fast:
+                    del blocks[h]
+                    gone.append(v)
+                else:
+                    self._unknown_removal(st, h)
+                continue
+            if v is None:
+                self._unknown_removal(st, h)
+                continue
+            counts = v.counts  # type: ignore[union-attr]
+            c = counts.get(tier)
+            if not c:
+                self._unknown_removal(st, h)
                 continue
             if c > 1:
-                counts[h] = c - 1
+                counts[tier] = c - 1
                 continue
-            del counts[h]
-            if single_tier or not any(h in other for other in st.counts.values()):
-                gone.append(known.pop(h))
-            else:
-                gone.append(known[h])
+            del counts[tier]
+            gone.append(v.key)  # type: ignore[union-attr]
+            if not counts:
+                del blocks[h]
+            elif counts == {FAST_TIER: 1}:
+                blocks[h] = v.key  # type: ignore[union-attr]  # back to the compact form
         ops.remove(st.pod, tier, gone)
+
+    def _unknown_removal(self, st: PodEvents, h: EngineHash) -> None:
+        if st.orphans and any(h in ev.block_hashes for evs in st.orphans.values() for ev in evs):
+            st.orphan_removed[h] = st.orphan_removed.get(h, 0) + 1
+            return
+        self.stats.unknown_removed += 1

@@ -195,7 +195,7 @@ def bench_memory() -> None:
         del idx
     # index + applier (engine hash -> key, counts) fed by real payloads
     rng = random.Random(6)
-    stores, _, n_store, _ = make_payloads(16, 2000, rng, None)
+    stores, _, _, _ = make_payloads(16, 2000, rng, None)
     gc.collect()
     tracemalloc.start()
     applier = KVEventApplier()

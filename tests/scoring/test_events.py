@@ -271,13 +271,28 @@ def test_the_same_hash_stored_twice_needs_two_removals() -> None:
     assert applier.stats.removed_blocks == 2
 
 
+def test_copies_are_counted_per_tier_and_per_block() -> None:
+    applier, index = setup()
+    feed(applier, index, stored([11], None, TOKENS[:16]))
+    st = applier.pod("p")
+    assert st is not None and st.copies(11) == {"GPU": 1}
+    feed(applier, index, stored([11], None, TOKENS[:16]))
+    feed(applier, index, stored([11], None, TOKENS[:16], medium="CPU"))
+    assert st.copies(11) == {"GPU": 2, "CPU": 1}
+    feed(applier, index, BlockRemoved([11], "CPU"), BlockRemoved([11], "GPU"))
+    assert st.copies(11) == {"GPU": 1}
+    assert st.key_of(11) == keys_of(TOKENS)[0]
+    feed(applier, index, BlockRemoved([11], "GPU"))
+    assert st.copies(11) == {} and st.key_of(11) is None
+
+
 def test_removing_the_tail_shrinks_the_chain_from_the_end() -> None:
     applier, index = setup()
     feed(applier, index, stored([11, 12, 13, 14], None, TOKENS))
     feed(applier, index, BlockRemoved([14], "GPU"), BlockRemoved([13], "GPU"))
     assert index.lookup_sync(keys_of(TOKENS)) == {"p": gpu(2, index)}
     st = applier.pod("p")
-    assert st is not None and set(st.keys) == {11, 12}  # forgotten with the blocks
+    assert st is not None and set(st.blocks) == {11, 12}  # forgotten with the blocks
 
 
 def test_removing_a_block_we_never_saw_is_counted_and_ignored() -> None:
@@ -323,7 +338,7 @@ def test_all_blocks_cleared_forgets_the_pod_in_every_tier() -> None:
     assert index.lookup_sync(keys_of(TOKENS)) == {"q": gpu(1, index)}
     assert applier.stats.cleared == 1
     st = applier.pod("p")
-    assert st is not None and st.keys == {} and st.counts == {}
+    assert st is not None and st.blocks == {}
 
 
 # -- bad input -----------------------------------------------------------------------
@@ -398,6 +413,17 @@ def test_an_orphan_is_linked_when_its_parent_arrives_later() -> None:
     assert st is not None and not st.needs_resync
 
 
+def test_a_block_removed_while_its_orphan_waits_is_not_indexed_when_linked() -> None:
+    applier, index = setup()
+    feed(applier, index, stored([13, 14], 12, TOKENS[32:]))  # orphan
+    feed(applier, index, BlockRemoved([14], "GPU"))  # the engine evicts its tail
+    assert applier.stats.unknown_removed == 0
+    feed(applier, index, stored([11, 12], None, TOKENS[:32]))  # the parent, via replay
+    assert index.lookup_sync(keys_of(TOKENS)) == {"p": gpu(3, index)}
+    st = applier.pod("p")
+    assert st is not None and set(st.blocks) == {11, 12, 13} and st.orphan_removed == {}
+
+
 def test_orphans_link_transitively() -> None:
     applier, index = setup()
     feed(applier, index, stored([14], 13, TOKENS[48:]))
@@ -441,7 +467,7 @@ def test_a_pod_keeps_at_most_max_blocks_per_pod_hashes() -> None:
     tokens = list(range(16 * 150))
     feed(applier, index, BlockStored(list(range(1, 151)), None, tokens, BS, None, "GPU"))
     st = applier.pod("p")
-    assert st is not None and len(st.keys) <= 100
+    assert st is not None and len(st.blocks) <= 100
     assert applier.stats.evicted_blocks >= 50
     assert index.lookup_sync(keys_of(tokens)) == {}  # the chain's head was forgotten
 
