@@ -12,10 +12,11 @@ Time model, per request (all delays x ``time_scale``):
 * then one token every ``1 / decode_rate`` seconds.
 
 Cache and events follow vLLM: when prefill ends the prompt's full blocks are stored
-(one ``BlockStored`` for the new ones; cached blocks are only touched and emit
-nothing); blocks evicted to make room emit one ``BlockRemoved`` each; when the request
-ends, the full blocks of ``prompt + output[:-1]`` (the last sampled token is never fed
-back, so it has no KV) are stored.  Prefix-cache counters count tokens:
+(one ``BlockStored`` for the blocks it computed; blocks served from cache are only
+touched and emit nothing — but a fully cached block-aligned prompt recomputes, and
+re-publishes, its last block); blocks evicted to make room emit one ``BlockRemoved``
+each; when the request ends, the full blocks of ``prompt + output[:-1]`` (the last
+sampled token is never fed back, so it has no KV) are stored.  Prefix-cache counters count tokens:
 ``queries += prompt tokens``, ``hits += cached tokens``.
 ``kv_cache_usage_perc`` = blocks held by running requests / cache blocks (cached but
 idle blocks count as free, as in vLLM).
@@ -87,6 +88,7 @@ class SimEngine:
         self.sink: EventSink | None = None
         self.waiting = 0
         self.running = 0
+        self._copies: dict[int, int] = {}  # hash -> physical copies (>= 1 while cached)
         self._active: dict[int, int] = {}  # request id -> tokens holding KV
         self._ids = itertools.count()
         self._prefill_lock = asyncio.Lock()
@@ -120,6 +122,7 @@ class SimEngine:
     def reset_prefix_cache(self) -> None:
         """Drop every cached block and publish AllBlocksCleared."""
         self.cache.clear()
+        self._copies.clear()
         self._emit([self.events.cleared()])
 
     # -- events --------------------------------------------------------------------
@@ -136,43 +139,49 @@ class SimEngine:
             keys += (req.cache_salt,)
         return keys or None
 
-    def _store(self, req: SimRequest, keys: list[int], tokens: list[int]) -> None:
-        """Insert the chain ``keys`` (full blocks of ``tokens``) and publish the change."""
+    def _store(self, req: SimRequest, keys: list[int], tokens: list[int], start: int) -> None:
+        """Cache the chain ``keys`` (full blocks of ``tokens``) after computing blocks
+        ``start:`` of it, and publish what changed, in vLLM's order: removals that
+        made room, then one ``BlockStored`` for the computed blocks, then removals of
+        blocks of this very chain when it does not fit.
+
+        Like vLLM, every computed block is published, even when its hash is already
+        cached (a block-aligned prompt recomputes its last block; identical requests
+        computed concurrently): that is a second physical copy of the hash, and its
+        eviction publishes one ``BlockRemoved`` per copy.  Copies do not take extra
+        capacity here.
+        """
         stored, evicted = self.cache.insert(keys)
-        if self.sink is None or not (stored or evicted):
-            return
+        pos = {k: i for i, k in enumerate(keys)}
+        # blocks we counted as hits but that were evicted meanwhile are computed too
+        first = min([start, *(pos[k] for k in stored)])
+        copies = self._copies
+        for k in keys[first:]:
+            copies[k] = copies.get(k, 0) + 1
         wire = self.settings.int_hashes
         ev = self.events
-        new = set(stored)
-        events: list[KVCacheEvent] = [
-            ev.removed(wire_hash(k, wire)) for k in evicted if k not in new
-        ]
-        pos = {k: i for i, k in enumerate(keys)}
-        run: list[int] = []
-        for k in stored:  # stored is in chain order; emit one event per contiguous run
-            if run and pos[k] != run[-1] + 1:
-                events.append(self._stored_event(req, keys, tokens, run))
-                run = []
-            run.append(pos[k])
-        if run:
-            events.append(self._stored_event(req, keys, tokens, run))
-        events += [ev.removed(wire_hash(k, wire)) for k in evicted if k in new]
-        self._emit(events)
+        events: list[KVCacheEvent] = []
+        tail: list[KVCacheEvent] = []
+        for k in evicted:
+            removed = [ev.removed(wire_hash(k, wire))] * copies.pop(k, 1)
+            (tail if k in pos and pos[k] >= first else events).extend(removed)
+        if first < len(keys):
+            events.append(self._stored_event(req, keys, tokens, first))
+        self._emit(events + tail)
 
     def _stored_event(
-        self, req: SimRequest, keys: list[int], tokens: list[int], run: list[int]
+        self, req: SimRequest, keys: list[int], tokens: list[int], first: int
     ) -> KVCacheEvent:
         wire = self.settings.int_hashes
         bs = self.block_size
-        first, last = run[0], run[-1]
         return self.events.stored(
-            [wire_hash(keys[i], wire) for i in run],
+            [wire_hash(k, wire) for k in keys[first:]],
             wire_hash(keys[first - 1], wire) if first > 0 else None,
-            tokens[first * bs : (last + 1) * bs],
+            tokens[first * bs : len(keys) * bs],
             bs,
             lora_id=self._lora_ids.get(req.lora) if req.lora else None,
             lora_name=req.lora,
-            extra_keys=[self._extra_keys(req, i) for i in run],
+            extra_keys=[self._extra_keys(req, i) for i in range(first, len(keys))],
         )
 
     # -- time ----------------------------------------------------------------------
@@ -209,7 +218,9 @@ class SimEngine:
                 m.prompt_tokens.inc(n)
                 self._active[rid] = n
                 await self._sleep((n - req.cached_tokens) / self.settings.prefill_rate)
-                self._store(req, req.block_hashes, req.prompt_ids)
+                self._store(
+                    req, req.block_hashes, req.prompt_ids, req.cached_tokens // self.block_size
+                )
                 prefilled = True
             req.ttft = loop.time() - arrival
             m.time_to_first_token.observe(req.ttft)
@@ -242,4 +253,4 @@ class SimEngine:
             tokens, lora=req.lora, cache_salt=req.cache_salt, prefix=req.block_hashes
         )
         if len(keys) > len(req.block_hashes):
-            self._store(req, keys, tokens)
+            self._store(req, keys, tokens, len(req.block_hashes))

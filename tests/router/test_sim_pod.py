@@ -382,10 +382,17 @@ async def test_cache_hit_emits_only_new_blocks_and_counts_hit_tokens(
     assert metric(m1, "vllm:prefix_cache_queries_total") == 96 + 136
     assert metric(m1, "vllm:prefix_cache_hits_total") == 96
 
-    # the same prompt again: everything cached emits no event at all; the last
-    # prompt token is always recomputed, so a block-aligned prompt hits one block less
+    # a repeated prompt that ends mid-block is served from cache and publishes nothing
+    again = (await http.post(url, json={"prompt": base + "y" * 40, "max_tokens": 1})).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
+    # vLLM always recomputes the last prompt token: a block-aligned prompt hits one
+    # block less, recomputes it and publishes it again (a second copy of that hash)
     third = (await http.post(url, json={"prompt": base, "max_tokens": 1})).json()
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
+    (restored,) = await sub.events()
+    assert restored["block_hashes"] == stored["block_hashes"][-1:]
+    assert restored["parent_block_hash"] == stored["block_hashes"][-2]
+    assert restored["token_ids"] == ByteTokenizer().encode_prompt(base)[80:96]
     pod.reset_prefix_cache()
     assert await sub.events() == [{"type": "AllBlocksCleared"}]
 
@@ -431,6 +438,29 @@ async def test_eviction_emits_one_block_removed_per_hash_oldest_first(
     assert all(e["medium"] == "GPU" and e["group_idx"] == 0 for e in removed)
     assert len(stored[0]["block_hashes"]) == 4
     assert len(pod.engine.cache) == 8
+
+
+async def test_a_hash_stored_twice_is_removed_twice_on_eviction(
+    make_pod: MakePod, http: httpx.AsyncClient, subscribe: Callable[[SimPod], Awaitable[Sub]]
+) -> None:
+    pod = await make_pod(block_size=16, capacity_tokens=16 * 8)
+    sub = await subscribe(pod)
+    url = f"{pod.url}/v1/completions"
+    for _ in range(2):  # block-aligned: the second run re-stores block 6
+        await http.post(url, json={"prompt": "a" * 95, "max_tokens": 1})
+    (first,) = await sub.events()
+    (again,) = await sub.events()
+    last = first["block_hashes"][-1]
+    assert again["block_hashes"] == [last]
+    await http.post(url, json={"prompt": "b" * 127, "max_tokens": 1})  # 8 blocks: all "a" go
+    events = await sub.events()
+    removed = [e["block_hashes"][0] for e in events if e["type"] == "BlockRemoved"]
+    assert sorted(removed, key=str) == sorted([*first["block_hashes"], last], key=str)
+    stores = {h: 0 for h in first["block_hashes"]}
+    for e in (first, again):
+        for h in e["block_hashes"]:
+            stores[h] += 1
+    assert all(removed.count(h) == n for h, n in stores.items())  # stores - removals = 0
 
 
 async def test_reset_prefix_cache_endpoint_emits_all_blocks_cleared_and_forgets(
