@@ -27,6 +27,7 @@ Completion prompts: tokenize with ``add_special_tokens=True``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -44,6 +45,15 @@ from router.tokenize.conversation import (
     supports_developer_role,
 )
 from router.tokenize.template import compile_template, render_template
+
+log = logging.getLogger(__name__)
+
+#: tokenizer classes that use tokenizer.json exactly as saved (transformers 5 maps a
+#: model-specific class such as Qwen2Tokenizer or LlamaTokenizer to code that rebuilds the
+#: normalizer and pre-tokenizer from vocab + merges, which may differ from the file)
+GENERIC_TOKENIZER_CLASSES = frozenset(
+    {"", "PreTrainedTokenizer", "TokenizersBackend", "GPT2Tokenizer"}
+)
 
 #: the named special tokens transformers exposes to templates (``special_tokens_map``)
 SPECIAL_TOKEN_NAMES = (
@@ -190,6 +200,10 @@ class HFTokenizer:
         self.templates = dict(templates or {})
         self.special_tokens = dict(special_tokens or {})
         self.name = name
+        #: ``tokenizer_config.json``'s ``tokenizer_class`` ("" when absent)
+        self.tokenizer_class = ""
+        #: reasons to doubt exactness found at load time (also logged)
+        self.warnings: list[str] = []
         for source in self.templates.values():
             compile_template(source)  # fail at load time, not on the first request
         self._cut_tokens = self._find_cut_tokens()
@@ -229,12 +243,22 @@ class HFTokenizer:
             if (content := _token_content(config.get(name))) is not None
         }
         _add_missing_tokens(tok, config, special)
-        return cls(
+        out = cls(
             tok,
             templates=_load_templates(root, config),
             special_tokens=special,
             name=f"hf:{root}",
         )
+        out.tokenizer_class = str(config.get("tokenizer_class") or "")
+        if out.tokenizer_class.removesuffix("Fast") not in GENERIC_TOKENIZER_CLASSES:
+            out.warnings.append(
+                f"tokenizer_class {out.tokenizer_class!r}: transformers may rebuild this "
+                "tokenizer's normalizer/pre-tokenizer in code instead of using "
+                "tokenizer.json as is; confirm with router.tokenize.verify."
+                "check_against_engine (or use tokenizer=remote:)"
+            )
+            log.warning("%s: %s", out.name, out.warnings[-1])
+        return out
 
     # --- PromptTokenizer ----------------------------------------------------------------
 

@@ -396,3 +396,17 @@ def test_engine_tiny_model_dir_matches_transformers() -> None:
     for messages in (CONVERSATIONS["single_user"], CONVERSATIONS["system_multi_turn"]):
         assert tok.encode_chat(messages) == hf_ids(ref, messages, add_generation_prompt=True)
     assert tok.encode_prompt("Hello there") == ref("Hello there")["input_ids"]
+
+
+def test_model_specific_tokenizer_class_is_flagged_for_runtime_verification(
+    tmp_path: Path, dirs: dict[str, Path]
+) -> None:
+    model = tmp_path / "qwen-like"
+    shutil.copytree(dirs["chatml"], model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "Qwen2Tokenizer"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    flagged = HFTokenizer.from_dir(model)
+    assert flagged.tokenizer_class == "Qwen2Tokenizer"
+    assert flagged.warnings and "check_against_engine" in flagged.warnings[0]
+    assert HFTokenizer.from_dir(dirs["chatml"]).warnings == []  # PreTrainedTokenizerFast

@@ -236,3 +236,41 @@ def test_as_async_wraps_local_tokenizers(tok: HFTokenizer) -> None:
     assert chat == tok.encode_chat([{"role": "user", "content": "long " * 100}])
     assert prompt == tok.encode_prompt("short")
     assert wrapped.name == tok.name and wrapped.approximate is False
+
+
+def test_check_against_engine_passes_when_ids_agree(
+    tok: HFTokenizer, engines: list[_Engine]
+) -> None:
+    from router.tokenize.verify import SAMPLE_CHATS, SAMPLE_PROMPTS, check_against_engine
+
+    remote = RemoteTokenizer(engines[0].url)
+    result = asyncio.run(check_against_engine(tok, remote))
+    assert result.ok
+    assert result.checked == len(SAMPLE_CHATS) + len(SAMPLE_PROMPTS)
+    assert result.mismatches == [] and result.errors == []
+
+
+def test_check_against_engine_reports_a_mismatch_loudly(
+    engines: list[_Engine], caplog: pytest.LogCaptureFixture
+) -> None:
+    from router.tokenize.verify import check_against_engine
+
+    other = HFTokenizer.from_dir(fixture_dirs()["chatml"])  # not the engine's tokenizer
+    with caplog.at_level("ERROR"):
+        result = asyncio.run(check_against_engine(other, RemoteTokenizer(engines[0].url)))
+    assert not result.ok
+    assert result.mismatches and "first difference at token" in result.mismatches[0]
+    assert "does NOT match the engine" in caplog.text
+
+
+def test_check_against_engine_counts_requests_it_cannot_compare(
+    tok: HFTokenizer, engines: list[_Engine]
+) -> None:
+    from router.tokenize.verify import check_against_engine
+
+    chats = [[{"role": "narrator", "content": "x"}], [{"role": "user", "content": "fine"}]]
+    result = asyncio.run(
+        check_against_engine(tok, RemoteTokenizer(engines[0].url), chats=chats, prompts=[])
+    )
+    assert result.checked == 1 and result.ok
+    assert len(result.errors) == 1 and "narrator" in result.errors[0]
