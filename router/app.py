@@ -4,7 +4,8 @@ All state lives in one :class:`Gateway`, created by the app's lifespan and reach
 ``app.state.gateway``; nothing is a module global, so several apps (tests, workers) can
 live in one process.  The lifespan starts, in order: the pod registry and discovery, a
 first health round (to learn which models the pods serve), the index (in memory, or
-Redis with ``redis_url``) and the KV-event subscriber feeding it, the load store, the
+Redis with ``redis_url``) and the KV-event subscriber feeding it (with ``redis_url`` only
+when ``index_writer``: by default a separate `kvroute index` writes), the load store, the
 metrics scraper; it stops them in reverse order.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or not),
@@ -71,11 +72,11 @@ class Gateway:
             self.registry, settings.health, metrics_registry=self.metrics.registry
         )
         self.subscriber: KVEventSubscriber | None = None
-        if settings.events.enabled:
+        if settings.events.enabled and (settings.redis_url is None or settings.index_writer):
             self.subscriber = KVEventSubscriber(
                 settings.events,
                 self.registry,
-                _make_sink(self.index),
+                _make_sink(self.index, settings),
                 metrics_registry=self.metrics.registry,
             )
         self.router = RequestRouter(
@@ -243,10 +244,10 @@ def _make_load_store(settings: Settings) -> LoadStore:
     return MemoryLoadStore()
 
 
-def _make_sink(index: BlockIndex) -> Any:
+def _make_sink(index: BlockIndex, settings: Settings) -> Any:
     from scoring.events import IndexSink
 
-    return IndexSink(index)
+    return IndexSink(index, block_size=settings.block_size or settings.events.block_size_fallback)
 
 
 # -- the app ---------------------------------------------------------------------------

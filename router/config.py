@@ -133,6 +133,11 @@ class Settings(BaseSettings):
     redis_namespace: str = Field(
         default="kvroute", min_length=1, description="key prefix in Redis (one per router fleet)"
     )
+    index_writer: bool = Field(
+        default=False,
+        description="with redis_url: also apply KV events to Redis from this process "
+        "(default off: one `kvroute index` writes, every replica reads)",
+    )
     index_capacity: int = Field(
         default=10_000_000, ge=1, description="in-memory index: max (pod, block) entries (LRU)"
     )
