@@ -36,7 +36,7 @@ not on the request path); ``pod_entries`` is O(pods) from counters.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Sequence
 
 from scoring.index.base import DEFAULT_TIERS, PodHits
 
@@ -47,12 +47,16 @@ class UnknownTierError(ValueError):
     """A tier name that is not one of the index's ``tiers``."""
 
 
-def _bits(mask: int) -> Iterable[int]:
+def _bits(mask: int) -> list[int]:
     """Positions of the set bits of a non-negative ``mask``, lowest first."""
+    if mask.bit_count() > 16:  # dense: one pass over the binary string is cheaper
+        return [i for i, c in enumerate(bin(mask)[:1:-1]) if c == "1"]
+    out = []
     while mask:
         low = mask & -mask
-        yield low.bit_length() - 1
+        out.append(low.bit_length() - 1)
         mask ^= low
+    return out
 
 
 class InMemoryIndex:
@@ -375,8 +379,9 @@ class InMemoryIndex:
         tiers = self.tiers
         out: dict[str, PodHits] = {}
         for mask, n in drops:
+            hits = dict.fromkeys(tiers, n)
             for pid in _bits(mask):
-                out[names[pid]] = dict.fromkeys(tiers, n)  # type: ignore[index]
+                out[names[pid]] = hits.copy()  # type: ignore[index]
         return out
 
     def _extra_tiers_used(self) -> bool:

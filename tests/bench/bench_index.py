@@ -5,7 +5,9 @@ Run: python tests/bench/bench_index.py [--entries 1000000 10000000] [--lookups 2
 
 Prints three markdown tables:
 
-1. lookup latency (p50 / p99 / max) of a 2,048-block chain, with 16 / 64 / 256 pods
+1. lookup latency of a 2,048-block chain -- wall-clock p50 / p99 / max, and the
+   thread's CPU time p50 / p99 (what the lookup itself costs when a shared machine
+   preempts the process; the wall p99 shows the preemption) -- with 16 / 64 / 256 pods
    and the given numbers of indexed (key, pod) entries; two query kinds:
    ``all-hit`` (every pod holds the whole chain: the walk never stops early, the worst
    case) and ``mixed`` (pods hold prefixes of random lengths of the queried chain);
