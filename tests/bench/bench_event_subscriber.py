@@ -13,7 +13,10 @@ rate) and *paced* (``--rate`` batches/s: the lag a normal load sees).  Printed p
 block events/s and batches/s applied, lag = apply time - the batch's engine timestamp
 (p50 / p99), and the event loop's responsiveness while ingesting: a 1 ms ticker task's
 oversleep (p99 / max), which is what a request served by the same loop would wait, next
-to the longest garbage-collector pause in the run (a stall no event code can avoid).
+to the longest garbage-collector pause in the run (a stall no event code can avoid), and
+"hold": the CPU time the subscriber's tasks keep the loop between two yields (p99 / max;
+bounded by ``time_slice_s`` = 2 ms plus one batch; a loop stall much longer than the
+hold is the OS running other processes on this 2-core machine).
 """
 
 from __future__ import annotations
@@ -118,13 +121,36 @@ async def run_once(index: Any, n: int, blocks: int, rate: float) -> dict[str, fl
     sub = KVEventSubscriber(
         EventsSettings(mode="dial", queue_size=max(n, 1)), PodRegistry(), sink, context=ctx
     )
-    sub.registry.set_pods([])
+    # how long the subscriber's tasks hold the loop between two yields: wall time, and
+    # the CPU time this thread spent (wall >> CPU: the OS ran something else meanwhile)
+    holds: list[tuple[float, float]] = []
+    resumed: list[tuple[float, float]] = []
+    real_pause = sub._pause
+
+    async def probed_pause(slice_end: float) -> float:
+        if time.perf_counter() >= slice_end and resumed:
+            w0, c0 = resumed[-1]
+            holds.append((time.perf_counter() - w0, time.thread_time() - c0))
+        out = await real_pause(slice_end)
+        if out != slice_end:
+            resumed.append((time.perf_counter(), time.thread_time()))
+            del resumed[:-1]
+        return out
+
+    sub._pause = probed_pause  # type: ignore[method-assign]
     await sub.start()
+    stalls: list[float] = []
+    done = False
+    # baseline: the same ticker on an idle loop (what the machine's noise costs)
+    idle: list[float] = []
+    idle_end = time.perf_counter() + 0.5
+    while time.perf_counter() < idle_end:
+        t = time.perf_counter()
+        await asyncio.sleep(0.001)
+        idle.append(time.perf_counter() - t - 0.001)
     sub.registry.set_pods(
         [PodSpec(name="bench", url="http://127.0.0.1:1", events_endpoint=endpoint, models=("m",))]
     )
-    stalls: list[float] = []
-    done = False
 
     async def ticker() -> None:
         while not done:
@@ -170,6 +196,9 @@ async def run_once(index: Any, n: int, blocks: int, rate: float) -> dict[str, fl
         "stall_p99_ms": pct(stalls, 0.99) * 1e3,
         "stall_max_ms": max(stalls) * 1e3 if stalls else float("nan"),
         "gc_max_ms": max(gc_pauses, default=0.0) * 1e3,
+        "idle_p99_ms": pct(idle, 0.99) * 1e3,
+        "hold_cpu_p99_ms": pct([c for _, c in holds], 0.99) * 1e3,
+        "hold_cpu_max_ms": max((c for _, c in holds), default=0.0) * 1e3,
         "gaps": st.gaps,
         "resyncs": st.total_resyncs,
         "dropped": st.dropped,
@@ -251,15 +280,18 @@ async def main_async(args: argparse.Namespace) -> None:
     )
     hdr = (
         f"{'index':<7}{'shape':<15}{'block ev/s':>11}{'batches/s':>10}{'lag p50':>9}"
-        f"{'lag p99':>9}{'loop p99':>9}{'loop max':>9}{'GC max':>9}{'gaps':>6}{'drop':>6}"
+        f"{'lag p99':>9}{'idle p99':>9}{'loop p99':>9}{'loop max':>9}{'GC max':>9}"
+        f"{'hold p99':>9}{'hold max':>9}{'gaps':>6}{'drop':>6}"
     )
     print(hdr)
     print("-" * len(hdr))
     for name, shape, m in rows:
         print(
             f"{name:<7}{shape:<15}{m['blocks_per_s']:>11,.0f}{m['batches_per_s']:>10,.0f}"
-            f"{m['lag_p50_ms']:>7.1f}ms{m['lag_p99_ms']:>7.1f}ms{m['stall_p99_ms']:>7.2f}ms"
-            f"{m['stall_max_ms']:>7.2f}ms{m['gc_max_ms']:>7.2f}ms{m['gaps']:>6.0f}"
+            f"{m['lag_p50_ms']:>7.1f}ms{m['lag_p99_ms']:>7.1f}ms{m['idle_p99_ms']:>7.2f}ms"
+            f"{m['stall_p99_ms']:>7.2f}ms"
+            f"{m['stall_max_ms']:>7.2f}ms{m['gc_max_ms']:>7.2f}ms"
+            f"{m['hold_cpu_p99_ms']:>7.2f}ms{m['hold_cpu_max_ms']:>7.2f}ms{m['gaps']:>6.0f}"
             f"{m['dropped']:>6.0f}"
         )
 
