@@ -83,6 +83,7 @@ class EngineHasher:
         *,
         lora_paths: Mapping[str, str] | None = None,
         max_learned: int = 1_000_000,
+        int_hashes: bool = True,
     ) -> None:
         self.algo = algo
         self._h = _hash_fn(algo)
@@ -99,8 +100,10 @@ class EngineHasher:
         self.none_hash: bytes = self._h(seed)
         self.lora_paths = dict(lora_paths or {})
         self.max_learned = max_learned
-        #: published hashes are ints (last 8 digest bytes); learned from the events
-        self.int_hashes = True
+        #: published hashes are ints (last 8 digest bytes; the engine's
+        #: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1 default) or raw digests; the events
+        #: correct it (the form of the first verified BlockStored wins)
+        self.int_hashes = int_hashes
         self.enabled = True
         self.matches = 0
         self.mismatches = 0

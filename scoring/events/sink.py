@@ -48,3 +48,13 @@ class IndexSink:
     async def clear_pod(self, pod: str) -> None:
         """Forget the pod's entries (index and the applier's engine-hash map)."""
         await self._run(self.applier.clear_pod(pod))
+
+    async def remove_pod(self, pod: str) -> None:
+        """The pod left the fleet: forget its entries and the applier's state for it."""
+        await self._run(self.applier.remove_pod(pod))
+
+    def needs_resync(self, pod: str) -> bool:
+        """Orphans wait for a parent or events of ``pod`` were lost (see
+        :attr:`scoring.events.PodEvents.needs_resync`)."""
+        st = self.applier.pod(pod)
+        return st is not None and st.needs_resync

@@ -498,6 +498,11 @@ async def test_index_sink_decodes_registers_the_pod_and_applies() -> None:
     assert sink.stats.decode_errors == 1
     await sink.clear_pod("p")
     assert index.lookup_sync(keys_of(TOKENS)) == {}
+    assert not sink.needs_resync("p")
+    await sink.apply("p", MODEL, sink.decode(encode_batch([stored([13], 12, TOKENS[:16])])))
+    assert sink.needs_resync("p")  # an orphan waits
+    await sink.remove_pod("p")
+    assert sink.applier.pod("p") is None and not sink.needs_resync("p")
 
 
 def test_consecutive_writes_are_merged_into_one_index_call() -> None:
