@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 from collections.abc import Iterator, Sequence
@@ -117,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
     fleet = None
     if (
         settings.discovery.kind == "static"
@@ -133,6 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings.fleet.pods,
             settings.fleet.model,
         )
+    # uvicorn re-raises SIGINT/SIGTERM after its own graceful shutdown; turn that into a
+    # normal return so the fleet is stopped and the exit status is 0
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         os.environ[SETTINGS_ENV] = settings.model_dump_json()
         uvicorn.run(
@@ -147,8 +152,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             access_log=False,
             timeout_graceful_shutdown=5,
         )
+    except _Stop:
+        pass
     finally:
         os.environ.pop(SETTINGS_ENV, None)
         if fleet is not None:
             fleet.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+class _Stop(BaseException):
+    """A stop signal arrived (after uvicorn's graceful shutdown)."""
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _Stop()
