@@ -115,3 +115,19 @@ def test_remote_tokenizer_against_the_engine(base_url: str, tok: HFTokenizer) ->
     chat, prompt = asyncio.run(run())
     assert chat == tok.encode_chat(CHATS[1])
     assert prompt == tok.encode_prompt(PROMPTS[2])
+
+
+def test_runtime_check_against_the_engine_passes(base_url: str, tok: HFTokenizer) -> None:
+    from router.tokenize.verify import check_against_engine
+
+    remote = RemoteTokenizer(base_url, model=SERVED_MODEL)
+
+    async def run() -> Any:
+        try:
+            return await check_against_engine(tok, remote)
+        finally:
+            await remote.aclose()
+
+    result = asyncio.run(run())
+    assert result.ok, result.mismatches
+    assert result.errors == []
