@@ -674,3 +674,76 @@ async def test_a_real_vllm_engine_is_indexed_including_its_replayed_past(
                 await h.sub.stop()
     finally:
         engine.stop()
+
+
+# -- simulated vLLM pods (router.sim) ----------------------------------------------------
+
+
+async def test_bind_mode_indexes_sim_pods_that_connect_to_us(ctx: zmq.asyncio.Context) -> None:
+    """Two simulated pods whose PUB sockets connect to our bound SUB (vLLM's
+    ``"endpoint": "tcp://router:5557"``), named by their ``kv@<pod>@<model>`` topics."""
+    import httpx
+
+    from router.sim.pod import SimPod
+    from router.sim.settings import SimSettings
+
+    h = Harness(ctx, EventsSettings(mode="bind", bind_endpoint="tcp://127.0.0.1:*"))
+    h.hasher = BlockHasher(16, MODEL)
+    await h.sub.start()
+    assert h.sub.bound_endpoint is not None
+    pods = [
+        SimPod(
+            SimSettings(
+                model=MODEL,
+                pod_name=f"sim-{i}",
+                block_size=16,
+                time_scale=0.0,
+                kv_endpoint=h.sub.bound_endpoint,
+                replay_endpoint=None,
+            )
+        )
+        for i in range(2)
+    ]
+    for pod in pods:
+        await pod.start()
+    h.registry.set_pods([PodSpec(name=p.name, url=p.url, models=(MODEL,)) for p in pods])
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+
+            async def send(pod: SimPod, prompt: str) -> list[int]:
+                r = await client.post(
+                    f"{pod.url}/v1/completions",
+                    json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
+                )
+                r.raise_for_status()
+                t = await client.post(f"{pod.url}/tokenize", json={"prompt": prompt})
+                return list(t.json()["tokens"])
+
+            # a connecting PUB drops what it sends before our subscription reached it:
+            # send until each pod's batches arrive, then a prompt sharing no block
+            # with those warm-ups (whose chains may have lost their first batch)
+            prompts = {p.name: f"{p.name} says: " + "lorem ipsum dolor " * 10 for p in pods}
+            tokens: dict[str, list[int]] = {}
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20
+            for i in range(1000):
+                for p in pods:
+                    if h.sub.stats.pod(p.name).batches == 0:
+                        tokens[p.name] = await send(p, f"{prompts[p.name]} {i}")
+                if all(h.sub.stats.pod(p.name).batches for p in pods):
+                    break
+                assert loop.time() < deadline, "no batch arrived"
+                await asyncio.sleep(0.02)
+            for p in pods:
+                tokens[p.name] = await send(p, f"{p.name} final: " + "sit amet consectetur " * 8)
+            await wait_for(lambda: all(h.sub.stats.pod(p.name).batches >= 2 for p in pods))
+            for p in pods:
+                other = next(q for q in pods if q is not p)
+                keys = h.hasher.keys(tokens[p.name])
+                assert await h.blocks_held(tokens[p.name], p.name) == len(keys)
+                assert await h.blocks_held(tokens[p.name], other.name) == 0
+            assert h.sub.stats.unknown_pod_batches == 0
+    finally:
+        await h.sub.stop()
+        for pod in pods:
+            await pod.stop()
