@@ -241,7 +241,7 @@ def _cache_salt(ev: BlockStored) -> str | None:
     if not ev.extra_keys:
         return None
     first = ev.extra_keys[0]
-    if not first:
+    if not first or not isinstance(first, (list, tuple)):
         return None
     items = list(first)
     if ev.lora_name and items and items[0] == ev.lora_name:
@@ -368,8 +368,12 @@ class KVEventApplier:
         for err in batch.errors:
             self._bad(st, err)
         ops = IndexOps()
-        for ev in batch.events:
-            self._apply(st, ev, ops)
+        for i, ev in enumerate(batch.events):
+            try:
+                self._apply(st, ev, ops)
+            except Exception as exc:  # an input we did not foresee must not stop ingest
+                log.exception("pod %s: event %d of a batch could not be applied", pod, i)
+                self._bad(st, f"event {i} ({type(ev).__name__}) could not be applied: {exc!r}")
         return ops
 
     def apply(self, pod: str, event: BlockStored | BlockRemoved | AllBlocksCleared) -> IndexOps:

@@ -249,6 +249,8 @@ class EngineHasher:
         entry = ev.extra_keys[j] if ev.extra_keys and j < len(ev.extra_keys) else None
         if entry is None:
             return False if ev.lora_name else None
+        if not isinstance(entry, (list, tuple)):
+            return False
         items = list(entry)
         tagged: list[tuple[Any, ...]] = []
         if ev.lora_name:

@@ -21,6 +21,7 @@ from scoring.events import (
     BlockStored,
     DecodeError,
     EngineHasher,
+    EventBatch,
     IndexSink,
     KVEventApplier,
     UnknownPodError,
@@ -389,6 +390,40 @@ def test_out_of_range_token_ids_are_a_bad_event_not_a_crash() -> None:
     applier, index = setup()
     feed(applier, index, stored([11], None, [-1] * 16))
     assert applier.stats.bad_events == 1
+
+
+def test_odd_extra_keys_shapes_do_not_break_ingest() -> None:
+    ours = EngineHasher("sha256", "42")
+    applier, index = setup(engine_hasher=ours)
+    feed(
+        applier,
+        index,
+        stored([11], None, TOKENS[:16], extra_keys=[5]),
+        stored([21], None, TOKENS[16:32], extra_keys=[{"salt": "x"}]),
+        stored([31], None, TOKENS[32:48], extra_keys=[["salt", 3.5]]),
+    )
+    assert applier.stats.stored_blocks == 3 and applier.stats.bad_events == 0
+    assert index.lookup_sync(keys_of(TOKENS[:16])) == {"p": gpu(1, index)}
+    assert ours.unverifiable == 3 and ours.mismatches == 0 and ours.enabled
+
+
+def test_older_engines_positional_events_apply_like_map_events() -> None:
+    applier, index = setup()
+    payload = encode_batch_positional(
+        [stored([11, 12], None, TOKENS[:32]), stored([13, 14], 12, TOKENS[32:])]
+    )
+    applier.ingest_sync(index, "p", payload)
+    applier.ingest_sync(index, "p", enc([0.0, [["BlockRemoved", [14], "GPU"]]]))
+    assert index.lookup_sync(keys_of(TOKENS)) == {"p": gpu(3, index)}
+
+
+def test_an_event_that_fails_to_apply_is_counted_and_the_batch_goes_on() -> None:
+    applier, index = setup()
+    weird = BlockStored([[1, 2]], None, TOKENS[:16], BS, None, "GPU")  # type: ignore[list-item]
+    ok = stored([11], None, TOKENS[:16])
+    applier.apply_batch("p", EventBatch(0.0, [weird, ok])).apply_sync(index)
+    assert applier.stats.bad_events == 1 and "could not be applied" in applier.stats.last_error
+    assert index.lookup_sync(keys_of(TOKENS)) == {"p": gpu(1, index)}
 
 
 # -- orphans (llm-d #372) ------------------------------------------------------------
