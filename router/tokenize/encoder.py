@@ -41,7 +41,8 @@ import logging
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -90,7 +91,10 @@ class IncrementalTokenizer(Protocol):
 
 @dataclass
 class EncoderStats:
+    """Counters since start: ``errors`` counts requests rejected with TokenizeError."""
+
     requests: int = 0
+    errors: int = 0
     reuse_hits: int = 0
     reused_tokens: int = 0
     tokenized_tokens: int = 0
@@ -198,7 +202,8 @@ class ChatEncoder:
     def encode_prompt(
         self, prompt: str, *, lora: str | None = None, cache_salt: str | None = None
     ) -> EncodedPrompt:
-        ids = self.tokenizer.encode_prompt(prompt)
+        with self._counting_errors():
+            ids = self.tokenizer.encode_prompt(prompt)
         return self._finish(ids, lora, cache_salt)
 
     async def aencode_prompt(
@@ -206,7 +211,9 @@ class ChatEncoder:
     ) -> EncodedPrompt:
         remote = getattr(self.tokenizer, "aencode_prompt", None)
         if remote is not None:
-            return self._finish(await remote(prompt), lora, cache_salt)
+            with self._counting_errors():
+                ids = await remote(prompt)
+            return self._finish(ids, lora, cache_salt)
         if isinstance(prompt, str) and len(prompt) > self.offload_chars:
             return await asyncio.to_thread(
                 self.encode_prompt, prompt, lora=lora, cache_salt=cache_salt
@@ -225,17 +232,18 @@ class ChatEncoder:
         lora: str | None = None,
         cache_salt: str | None = None,
     ) -> EncodedPrompt:
-        if not self.reuse_enabled:
-            ids = self.tokenizer.encode_chat(
-                messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                chat_template_kwargs=chat_template_kwargs,
+        with self._counting_errors():
+            if not self.reuse_enabled:
+                ids = self.tokenizer.encode_chat(
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template_kwargs=chat_template_kwargs,
+                )
+                return self._finish(ids, lora, cache_salt)
+            return self._encode_incremental(
+                messages, tools, add_generation_prompt, chat_template_kwargs, lora, cache_salt
             )
-            return self._finish(ids, lora, cache_salt)
-        return self._encode_incremental(
-            messages, tools, add_generation_prompt, chat_template_kwargs, lora, cache_salt
-        )
 
     async def aencode_chat(
         self,
@@ -249,12 +257,13 @@ class ChatEncoder:
     ) -> EncodedPrompt:
         remote = getattr(self.tokenizer, "aencode_chat", None)
         if remote is not None:
-            ids = await remote(
-                messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                chat_template_kwargs=chat_template_kwargs,
-            )
+            with self._counting_errors():
+                ids = await remote(
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template_kwargs=chat_template_kwargs,
+                )
             return self._finish(ids, lora, cache_salt)
         kwargs: dict[str, Any] = dict(
             tools=tools,
@@ -268,6 +277,15 @@ class ChatEncoder:
         return self.encode_chat(messages, **kwargs)
 
     # --- internals --------------------------------------------------------------------
+
+    @contextmanager
+    def _counting_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except TokenizeError:
+            with self._lock:
+                self.stats.errors += 1
+            raise
 
     def _finish(self, ids: list[int], lora: str | None, cache_salt: str | None) -> EncodedPrompt:
         keys = self.hasher.keys(ids, lora=lora, cache_salt=cache_salt)

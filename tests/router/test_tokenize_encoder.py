@@ -176,6 +176,7 @@ def test_bad_input_is_rejected_and_the_encoder_keeps_working(toks: dict[str, HFT
     for bad in ([], "text", [{"content": "no role"}], [{"role": "user", "content": {"x": 1}}]):
         with pytest.raises(TokenizeError):
             encoder.encode_chat(bad)  # type: ignore[arg-type]
+    assert encoder.stats.errors == 4
     ok = encoder.encode_chat([{"role": "user", "content": "fine"}])
     assert ok.token_ids == toks["chatml"].encode_chat([{"role": "user", "content": "fine"}])
 
