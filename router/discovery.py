@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -252,7 +253,7 @@ class K8sDiscovery:
     def _make_client(self) -> httpx.AsyncClient:
         verify: Any = True
         if self.base_url.startswith("https://") and Path(self.settings.ca_file).is_file():
-            verify = self.settings.ca_file
+            verify = ssl.create_default_context(cafile=self.settings.ca_file)
         return httpx.AsyncClient(
             base_url=self.base_url,
             verify=verify,

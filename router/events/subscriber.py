@@ -15,8 +15,9 @@ Sequence semantics per pod (``expected`` = last applied seq + 1):
 * ``seq > expected``: a **gap** (the publisher's high-water mark dropped batches, or
   a network hiccup).  With ``replay_on_gap`` and a pod ``replay_endpoint``, the missed
   batches ``[expected, seq)`` are fetched from the pod's replay socket and applied
-  first; if the replay fails or its buffer no longer reaches back to ``expected``, the
-  pod is **resynced**.
+  first.  If its buffer no longer reaches back to ``expected``, the pod is **resynced**
+  and re-learned from the batches the buffer still holds (as if we had joined at the
+  oldest one); if the replay fails (or there is no replay endpoint), it is resynced.
 * ``seq < expected``: the engine restarted (vLLM numbers batches from 0 per engine
   process): the pod is cleared, then the batch applied.
 * A pod removed from the registry is cleared.
@@ -468,13 +469,21 @@ class KVEventSubscriber:
             st.replay_failures += 1
             first = batches[0].seq if batches else None
             log.warning(
-                "KV events: %s: replay buffer does not cover seq %d..%d (first held: %s)",
+                "KV events: %s: replay buffer does not cover seq %d..%d (first held: %s); "
+                "resync from what it holds",
                 feed.name,
                 start,
                 stop - 1,
                 first,
             )
-            return False
+            # clear, then re-learn from the buffer: as if we had joined at its oldest batch
+            await self._resync(feed, "gap")
+            held = [rb for rb in batches if rb.seq < stop]
+            if held and [rb.seq for rb in held] == list(range(held[0].seq, stop)):
+                for rb in held:
+                    await self._apply(feed, feed.model, rb.seq, rb.payload)
+                    st.replayed_batches += 1
+            return True
         st.replays += 1
         for rb in batches:
             await self._apply(feed, feed.model, rb.seq, rb.payload)

@@ -294,19 +294,22 @@ async def test_replay_disabled_by_setting_resyncs_instead(ctx: zmq.asyncio.Conte
         assert await h.blocks_held(chain(2)) == 0
 
 
-async def test_a_gap_older_than_the_replay_buffer_resyncs_the_pod(
+async def test_a_gap_older_than_the_replay_buffer_resyncs_and_relearns_what_it_holds(
     ctx: zmq.asyncio.Context,
 ) -> None:
     async with dial_pod(ctx) as (h, pub):
-        await pub.send([stored(chain(2), [1, 2])])
+        await pub.send([stored(chain(2), [1, 2])])  # seq 0
         await pub.send([], publish=False)  # seq 1 lost...
-        await pub.send([stored(chain(1, start=500), [5])])
-        pub.buffer = [e for e in pub.buffer if e[0] != 1]  # ...and aged out of the buffer
-        await h.applied(2)
+        await pub.send([stored(chain(1, start=300), [3])], publish=False)  # seq 2 lost
+        await pub.send([stored(chain(1, start=500), [5])])  # seq 3
+        pub.buffer = [e for e in pub.buffer if e[0] != 1]  # ...and seq 1 aged out
+        await h.applied(3)
         st = h.sub.stats.pod("p")
         assert (st.gaps, st.replays, st.replay_failures) == (1, 0, 1)
         assert st.resyncs["gap"] == 1
-        assert await h.blocks_held(chain(2)) == 0
+        assert st.replayed_batches == 1  # seq 2, still in the buffer
+        assert await h.blocks_held(chain(2)) == 0  # stored before the resync: forgotten
+        assert await h.blocks_held(chain(1, start=300)) == 1  # re-learned from the buffer
         assert await h.blocks_held(chain(1, start=500)) == 1
 
 
