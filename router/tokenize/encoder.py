@@ -38,8 +38,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import threading
 from array import array
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -359,12 +361,9 @@ class ChatEncoder:
             return entry.ids.tolist(), list(entry.cuts), list(entry.keys), len(entry.ids)
         common = common_prefix_len(text, entry.text)
         limit = common - tok.max_added_token_chars
-        best = None
-        for i in range(len(entry.cuts) - 1, -1, -1):
-            if entry.cuts[i][0] <= limit:
-                best = i
-                break
-        if best is None:
+        # the last cut at or before `limit` (cuts are sorted by character offset)
+        best = bisect_right(entry.cuts, (limit, sys.maxsize)) - 1
+        if best < 0:
             return None
         char_cut, tok_cut = entry.cuts[best]
         tail_ids, tail_cuts = tok.encode_with_cuts(text[char_cut:])
