@@ -10,6 +10,7 @@ format the router decodes, and check that the project's decoder and index unders
 from __future__ import annotations
 
 import hashlib
+import itertools
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,7 +102,7 @@ def reference_engine_hashes(
 def test_fixtures_are_small_and_every_scenario_file_exists() -> None:
     total = sum(p.stat().st_size for p in FIXTURES.iterdir())
     assert total < 1_000_000
-    assert {"sha256_int", "sha256_bytes", "xxhash_int_seed42"} <= set(SCENARIOS)
+    assert {"sha256_int", "sha256_bytes", "sha256_int_seed7", "xxhash_int_seed42"} <= set(SCENARIOS)
     for entry in SCENARIOS.values():
         assert (FIXTURES / entry["file"]).is_file()
         assert entry["vllm_version"].startswith("0.32")
@@ -202,6 +203,47 @@ def test_a_prefix_cache_hit_publishes_nothing() -> None:
     assert request("sha256_int", "completion_a_repeat_hit")["seqs_after"] == []
 
 
+def test_generated_tokens_are_published_once_they_fill_a_block() -> None:
+    req = request("sha256_int", "completion_generates_blocks")
+    prompt, generated = req["token_ids"], req["usage"]["completion_tokens"]
+    stored = stored_after("sha256_int", "completion_generates_blocks")
+    tokens = [t for ev in stored for t in ev["token_ids"]]
+    # every full block of prompt + generated tokens (but the last, not yet computed)
+    assert len(tokens) == ((len(prompt) + generated - 1) // 32) * 32 > len(prompt)
+    assert tokens[: len(prompt)] == prompt
+    # one chain: each later event continues from the previous one's last block
+    for prev, ev in itertools.pairwise(stored):
+        assert ev["parent_block_hash"] == prev["block_hashes"][-1]
+
+
+def test_repeating_a_block_aligned_prompt_stores_its_last_block_again_with_the_same_hash() -> None:
+    req = request("sha256_int", "completion_block_aligned")
+    assert len(req["token_ids"]) % 32 == 0
+    (first,) = stored_after("sha256_int", "completion_block_aligned")
+    (again,) = stored_after("sha256_int", "completion_block_aligned_repeat")
+    assert again["block_hashes"] == first["block_hashes"][-1:]
+    assert again["parent_block_hash"] == first["block_hashes"][-2]
+    assert again["token_ids"] == req["token_ids"][-32:]
+
+
+async def test_a_block_stored_twice_stays_indexed_until_both_copies_are_removed() -> None:
+    applier, index = _applier("sha256_int"), InMemoryIndex()
+    seqs = {
+        n: request("sha256_int", n)["seqs_after"]
+        for n in ("completion_block_aligned", "completion_block_aligned_repeat")
+    }
+    await _apply_seqs(applier, index, "sha256_int", seqs["completion_block_aligned"])
+    await _apply_seqs(applier, index, "sha256_int", seqs["completion_block_aligned_repeat"])
+    keys = _keys("sha256_int", "completion_block_aligned")
+    (again,) = stored_after("sha256_int", "completion_block_aligned_repeat")
+    last = again["block_hashes"][0]
+    ops = applier.apply(POD, BlockRemoved(block_hashes=[last], medium="GPU"))
+    await ops.apply(index)
+    assert await _held(index, keys) == len(keys)  # one physical copy is left
+    await applier.apply(POD, BlockRemoved(block_hashes=[last], medium="GPU")).apply(index)
+    assert await _held(index, keys) == len(keys) - 1
+
+
 def test_a_prompt_sharing_a_prefix_stores_only_its_new_blocks_chained_to_the_shared_one() -> None:
     a = request("sha256_int", "completion_a")["token_ids"]
     b = request("sha256_int", "completion_b_shared_prefix")["token_ids"]
@@ -253,7 +295,7 @@ def test_eviction_takes_the_oldest_request_first_and_its_tail_first() -> None:
     ("scenario", "name"),
     [
         (s, n)
-        for s in ("sha256_int", "sha256_bytes", "xxhash_int_seed42")
+        for s in ("sha256_int", "sha256_bytes", "sha256_int_seed7", "xxhash_int_seed42")
         for n in ("completion_a", "completion_a_salted", "chat_a", "after_reset")
     ],
 )
@@ -272,6 +314,15 @@ def test_the_documented_hash_formula_reproduces_the_real_engine_hashes(
         as_int=entry["int_hashes"],
     )
     assert ev["block_hashes"] == expected[: len(ev["block_hashes"])]
+
+
+def test_pythonhashseed_changes_the_sha256_hashes_too() -> None:
+    (default,) = stored_after("sha256_int", "completion_a")
+    (seeded,) = stored_after("sha256_int_seed7", "completion_a")
+    same_prompt = request("sha256_int", "completion_a")["token_ids"]
+    assert request("sha256_int_seed7", "completion_a")["token_ids"] == same_prompt
+    assert seeded["token_ids"] == default["token_ids"]
+    assert not set(seeded["block_hashes"]) & set(default["block_hashes"])
 
 
 def test_xxhash_without_the_engines_seed_does_not_reproduce_its_hashes() -> None:
@@ -415,7 +466,7 @@ async def test_a_late_joiner_counts_the_orphan_and_links_it_when_replay_brings_t
     ("scenario", "name"),
     [
         (s, n)
-        for s in ("sha256_int", "sha256_bytes", "xxhash_int_seed42")
+        for s in ("sha256_int", "sha256_bytes", "sha256_int_seed7", "xxhash_int_seed42")
         for n in ("completion_a", "completion_a_salted", "chat_a", "after_reset", "evict_0")
     ],
 )

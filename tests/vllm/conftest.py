@@ -12,7 +12,7 @@ request for the same configuration in the same module gets the running engine.
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,41 +25,57 @@ from tools.capture_vllm_events import (
     missing_engine_reason,
 )
 
-EngineFactory = Callable[..., EngineProcess]
 
+class EngineFactory:
+    """Starts engines on demand; ``stop_all`` stops them by PID."""
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFactory]:
-    """Factory: ``engine(hash_algo="sha256", int_hashes=True, python_hash_seed=None,
-    num_blocks=None, model="tiny-llama", extra_args=(), kv_cache_gib=1, name="a")``
-    -> a healthy :class:`EngineProcess` (``base_url``, ``pub_endpoint``,
-    ``replay_endpoint``).  ``name`` tells apart engines with the same configuration."""
-    started: dict[tuple[Any, ...], EngineProcess] = {}
-    log_dir: Path = tmp_path_factory.mktemp("vllm-logs")
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.started: dict[tuple[Any, ...], EngineProcess] = {}
 
-    def make(name: str = "a", **kwargs: Any) -> EngineProcess:
-        config = EngineConfig(**kwargs)
-        reason = missing_engine_reason(config.model)
+    def __call__(self, name: str = "a", **config: Any) -> EngineProcess:
+        """A healthy engine; ``config`` is :class:`EngineConfig`'s fields (hash_algo,
+        int_hashes, python_hash_seed, num_blocks, model, extra_args, kv_cache_gib);
+        ``name`` tells apart engines with the same configuration."""
+        return self.many([name], **config)[0]
+
+    def many(self, names: list[str], **config: Any) -> list[EngineProcess]:
+        """Several engines with one configuration, started side by side."""
+        cfg = EngineConfig(**config)
+        reason = missing_engine_reason(cfg.model)
         if reason:
             pytest.skip(reason)
-        key = (name, config)
-        if key not in started:
-            proc = EngineProcess(config, log_path=log_dir / f"{name}-{config.hash_algo}.log")
-            proc.start()
-            started[key] = proc
+        new = []
+        for name in names:
+            if (name, cfg) not in self.started:
+                log = self.log_dir / f"{name}-{cfg.hash_algo}.log"
+                proc = self.started[(name, cfg)] = EngineProcess(cfg, log_path=log)
+                proc.start()
+                new.append(proc)
+        for proc in new:
             try:
                 proc.wait_ready()
             except EngineStartError as exc:
                 pytest.fail(f"vLLM engine did not start: {exc}")
-        return started[key]
+        return [self.started[(name, cfg)] for name in names]
 
+    def stop_all(self) -> None:
+        for proc in self.started.values():
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFactory]:
+    """Factory of real engines for this module: ``engine(name, **config)`` or
+    ``engine.many([names], **config)`` -> healthy :class:`EngineProcess` objects
+    (``base_url``, ``pub_endpoint``, ``replay_endpoint``)."""
+    factory = EngineFactory(tmp_path_factory.mktemp("vllm-logs"))
     # `timeout` and CI runners stop pytest with SIGTERM: unwind so the engines stop too
     previous = signal.signal(signal.SIGTERM, _raise_exit)
     try:
-        yield make
+        yield factory
     finally:
-        for proc in started.values():
-            proc.stop()
+        factory.stop_all()
         signal.signal(signal.SIGTERM, previous)
 
 

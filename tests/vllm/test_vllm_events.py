@@ -19,6 +19,7 @@ from scoring.blocks import BlockHasher
 from scoring.events import EngineHasher, KVEventApplier
 from scoring.index.memory import InMemoryIndex
 from tests.scoring.test_real_vllm_payloads import reference_engine_hashes
+from tests.vllm.conftest import EngineFactory
 from tools.capture_vllm_events import EngineProcess, FrameRecorder, replay
 
 pytestmark = pytest.mark.vllm
@@ -29,9 +30,8 @@ PREFIX = "A shared system prompt about routing requests to the pod holding their
 
 
 @pytest.fixture(scope="module")
-def sha_engine(engine: Any) -> EngineProcess:
-    proc: EngineProcess = engine(name="events", hash_algo="sha256", int_hashes=True)
-    return proc
+def sha_engine(engine: EngineFactory) -> EngineProcess:
+    return engine("events", hash_algo="sha256", int_hashes=True)
 
 
 @pytest.fixture
@@ -231,9 +231,9 @@ async def test_a_late_joining_applier_recovers_an_orphan_chain_in_engine_hash_mo
 
 
 def test_bytes_mode_engine_publishes_32_byte_digests_whose_tail_is_the_int_hash(
-    engine: Any,
+    engine: EngineFactory,
 ) -> None:
-    proc: EngineProcess = engine(name="bytes", hash_algo="sha256", int_hashes=False)
+    proc = engine("bytes", hash_algo="sha256", int_hashes=False)
     rec = FrameRecorder(proc.pub_endpoint)
     rec.start()
     try:
