@@ -1,0 +1,189 @@
+"""Live: two real vLLM CPU engines behind the kvroute router.
+
+Opt-in (``pytest -m vllm tests/vllm``).  Each engine is warmed with its own long prefix
+*directly* (not through the router), so the router can only know where a prefix lives
+from the engines' KV events.  Then a request that extends each prefix goes through the
+router, and must land on the engine holding it:
+
+* ``POST /v1/route`` names that engine and reports its cached blocks,
+* the response's ``x-kvroute-pod`` header names it,
+* that engine's own ``vllm:prefix_cache_hits_total`` rises by the shared prefix's
+  tokens, and the other engine's does not move.
+
+Uses ``router.app.create_app(Settings)`` with a static pod list (events dialled from
+each engine's PUB socket, replay from its ROUTER socket), the engine's HF tokenizer
+files for exact token ids, and block size 32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.vllm.conftest import EngineFactory
+from tools.capture_vllm_events import VLLM_ROOT, EngineProcess
+
+pytestmark = pytest.mark.vllm
+
+MODEL = "tiny-llama"
+BLOCK = 32
+
+
+def _prefix(topic: str) -> str:
+    """A long, distinctive prefix (20-30 blocks) for one engine."""
+    words = " ".join(f"{topic}{i}" for i in range(150))
+    return f"Shared context about {topic}: {words}."
+
+
+def _metric(text: str, name: str, pod: str | None = None) -> float:
+    """A sample of ``name`` in a Prometheus exposition (the one labelled ``pod``)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and (pod is None or f'pod="{pod}"' in line):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} (pod={pod}) missing from /metrics")
+
+
+async def _hits(engine: EngineProcess) -> float:
+    async with httpx.AsyncClient(timeout=10) as c:
+        text = (await c.get(engine.base_url + "/metrics")).text
+    return _metric(text, "vllm:prefix_cache_hits_total")
+
+
+@pytest.fixture(scope="module")
+def engines(engine: EngineFactory) -> list[EngineProcess]:
+    return engine.many(["route-0", "route-1"], hash_algo="sha256")
+
+
+@pytest.fixture
+async def router(engines: list[EngineProcess]) -> AsyncIterator[httpx.AsyncClient]:
+    from router.app import create_app
+    from router.config import Settings
+    from router.serve import RunningServer
+
+    settings = Settings.model_validate(
+        {
+            "discovery": {
+                "static": [
+                    {
+                        "name": f"vllm-{i}",
+                        "url": e.base_url,
+                        "events_endpoint": e.pub_endpoint,
+                        "replay_endpoint": e.replay_endpoint,
+                        "models": [MODEL],
+                    }
+                    for i, e in enumerate(engines)
+                ]
+            },
+            "events": {"enabled": True, "mode": "dial"},
+            "fleet": {"enabled": False},
+            "tokenizers": {MODEL: str(VLLM_ROOT / "tiny-llama")},
+            "block_size": BLOCK,
+            "policy": "cost",
+        }
+    )
+    server = await RunningServer(create_app(settings)).start()
+    client = httpx.AsyncClient(base_url=server.url, timeout=120)
+    try:
+        deadline = time.monotonic() + 60
+        while (await client.get("/ready")).status_code != 200:
+            assert time.monotonic() < deadline, "router never became ready"
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)  # let the SUB sockets finish connecting (slow joiner)
+        yield client
+    finally:
+        await client.aclose()
+        await server.stop()
+
+
+async def _route(router: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+    r = await router.post("/v1/route", json=body)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+async def _wait_indexed(
+    router: httpx.AsyncClient, body: dict[str, Any], pod: str, blocks: int
+) -> dict[str, Any]:
+    """Poll /v1/route until the router's index holds ``blocks`` leading blocks on ``pod``."""
+    deadline = time.monotonic() + 30
+    while True:
+        plan = await _route(router, body)
+        cand = {c["pod"]: c for c in plan["candidates"]}
+        if cand.get(pod, {}).get("cached_blocks", {}).get("GPU", 0) >= blocks:
+            return plan
+        assert time.monotonic() < deadline, f"events never reached the index: {plan}"
+        await asyncio.sleep(0.3)
+
+
+async def test_a_request_extending_a_prefix_goes_to_the_engine_holding_it(
+    engines: list[EngineProcess], router: httpx.AsyncClient
+) -> None:
+    prefixes = [_prefix("alpha"), _prefix("bravo")]
+    # warm each engine with its own prefix, bypassing the router
+    async with httpx.AsyncClient(timeout=120) as direct:
+        for e, p in zip(engines, prefixes, strict=True):
+            r = await direct.post(
+                e.base_url + "/v1/completions",
+                json={"model": MODEL, "prompt": p, "max_tokens": 1, "temperature": 0},
+            )
+            r.raise_for_status()
+        warm_blocks = [
+            len((await direct.post(e.base_url + "/tokenize", json={"prompt": p})).json()["tokens"])
+            // BLOCK
+            for e, p in zip(engines, prefixes, strict=True)
+        ]
+    for i, p in enumerate(prefixes):
+        body = {"model": MODEL, "prompt": p + " Now answer the question.", "max_tokens": 2}
+        holder, other = engines[i], engines[1 - i]
+        plan = await _wait_indexed(router, body, f"vllm-{i}", warm_blocks[i])
+        assert plan["pod"] == f"vllm-{i}", plan
+        assert plan["block_size"] == BLOCK and not plan["approximate"]
+
+        before = (await _hits(holder), await _hits(other))
+        r = await router.post("/v1/completions", json={**body, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvroute-pod"] == f"vllm-{i}"
+        after = (await _hits(holder), await _hits(other))
+        # the holder served the shared prefix from its cache (counters are in tokens)
+        assert after[0] - before[0] >= (warm_blocks[i] - 1) * BLOCK
+        assert after[1] == before[1]
+    # the router ingested both engines' events, and understood all of them
+    metrics = (await router.get("/metrics")).text
+    for i in range(2):
+        assert _metric(metrics, "kvroute_events_ingested_total", pod=f"vllm-{i}") > 0
+        assert _metric(metrics, "kvroute_event_decode_errors_total", pod=f"vllm-{i}") == 0
+
+
+async def test_chat_turns_through_the_router_stick_to_the_engine_that_served_the_first(
+    engines: list[EngineProcess], router: httpx.AsyncClient
+) -> None:
+    system = _prefix("charlie")
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "First question?"},
+    ]
+    r = await router.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0},
+    )
+    assert r.status_code == 200, r.text
+    first_pod = r.headers["x-kvroute-pod"]
+    holder = engines[int(first_pod.rsplit("-", 1)[1])]
+    answer = r.json()["choices"][0]["message"]["content"]
+    messages += [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "A follow-up question?"},
+    ]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0}
+    await _wait_indexed(router, body, first_pod, 10)
+    before = await _hits(holder)
+    r2 = await router.post("/v1/chat/completions", json=body)
+    assert r2.status_code == 200, r2.text
+    assert r2.headers["x-kvroute-pod"] == first_pod
+    assert await _hits(holder) - before >= 10 * BLOCK
