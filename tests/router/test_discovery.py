@@ -376,7 +376,7 @@ async def test_k8s_discovery_relists_when_the_watch_says_410_gone(tmp_path: Path
                 {"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "too old"}}
             )
             await wait_for(lambda: disc.relists_on_gone == 1)
-            await wait_for(lambda: len(api.watches()) == 2)
+            await wait_for(lambda: len(api.watches()) == 2)  # after the re-list
             assert [p.name for p in reg.all()] == ["c"]
             assert api.watches()[1]["query"]["resourceVersion"] == "200"
 
@@ -384,7 +384,7 @@ async def test_k8s_discovery_relists_when_the_watch_says_410_gone(tmp_path: Path
             api.gone_on_next_watch = True
             await api.watch_queue.put(None)
             await wait_for(lambda: disc.relists_on_gone == 2)
-            assert len(api.lists()) == 3
+            await wait_for(lambda: len(api.lists()) == 3)  # the re-list follows the 410
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
