@@ -81,6 +81,7 @@ class _Layout:
         self.pods = self.prefix + b"pods"
         self.ids = self.prefix + b"ids"
         self.next = self.prefix + b"next"
+        self.seen = self.prefix + b"seen"
         self.load_replicas = self.prefix + b"load:r"
         self.load_hash = self.prefix + b"load:h:"
 
@@ -120,6 +121,7 @@ class RedisIndex:
         self.tiers: tuple[str, ...] = tuple(tiers)
         self.namespace = namespace
         self.ttl_s = ttl_s or 0
+        self._ttl_arg = str(self.ttl_s).encode()
         self.batch_keys = batch_keys
         self._k = _Layout(namespace)
         self._r = client
@@ -206,8 +208,8 @@ class RedisIndex:
         k = self._k
         await self._run_batches(
             self._add,
-            [k.pods, k.ids, k.next],
-            [k.prefix, p, t, str(self.ttl_s).encode()],
+            [k.pods, k.ids, k.next, k.seen],
+            [k.prefix, p, t, self._ttl_arg],
             chunks,
         )
 
@@ -226,7 +228,7 @@ class RedisIndex:
         p = _check_name("pod", pod)
         tiers = [t.encode() for t in self.tiers] if tier is None else [self._tier(tier)]
         k = self._k
-        await self._clear(keys=[k.pods, k.ids], args=[k.prefix, p, *tiers])
+        await self._clear(keys=[k.pods, k.ids, k.seen], args=[k.prefix, p, *tiers])
 
     async def lookup(
         self, keys: Sequence[int], pods: Collection[str] | None = None
@@ -235,13 +237,14 @@ class RedisIndex:
         if not keys:
             return {}
         packed = pack_keys(keys)
-        args: list[Any] = [self._k.prefix, packed, *self._tier_args]
+        args: list[Any] = [self._k.prefix, packed, self._ttl_arg, *self._tier_args]
         if pods is not None:
             cands = sorted({_check_name("pod", p) for p in pods})
             if not cands:
                 return {}
             args.extend(cands)
-        flat = await self._lookup(keys=[self._k.pods, self._k.ids], args=args)
+        k = self._k
+        flat = await self._lookup(keys=[k.pods, k.ids, k.seen], args=args)
         nt = len(self.tiers)
         out: dict[str, PodHits] = {}
         for i in range(0, len(flat), nt + 1):
@@ -251,7 +254,8 @@ class RedisIndex:
 
     async def pod_entries(self) -> dict[str, int]:
         """Distinct (key, tier) entries per pod (HLEN of its live slots; exact)."""
-        flat = await self._entries(keys=[self._k.ids], args=[self._k.prefix])
+        k = self._k
+        flat = await self._entries(keys=[k.ids, k.seen], args=[k.prefix, self._ttl_arg])
         return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def close(self) -> None:
@@ -269,6 +273,7 @@ class RedisIndex:
         disabled, or to reclaim memory before the TTL does.
         """
         pattern = _glob_escape(self._k.block) + b"*"
+        k = self._k
         removed = 0
         cursor: int = 0
         while True:
@@ -276,7 +281,7 @@ class RedisIndex:
             if names:
                 removed += int(
                     await self._sweep(
-                        keys=[self._k.pods, self._k.ids], args=[self._k.prefix, *names]
+                        keys=[k.pods, k.ids, k.seen], args=[k.prefix, self._ttl_arg, *names]
                     )
                 )
             if cursor == 0:

@@ -5,32 +5,47 @@ one cluster slot and each script touches a single slot (``P`` = ``"{" + ns + "}:
 ``K`` = a block key as 8 raw big-endian bytes):
 
 * ``P s <id>`` -- HASH per *slot* (one generation of one (pod, tier)): field ``K`` ->
-  count of stored copies.  The source of truth: a pod's walk along a chain is one HMGET
-  per chunk of blocks.  TTL ``ttl_s``, refreshed by every ``add`` to the slot, so a pod
-  that stores nothing for ``ttl_s`` (vanished without a ``clear_pod``) is forgotten.
-* ``P b K`` -- HASH per block: field slot id -> 1 while that slot holds the block.  A
-  *holder hint*: finds who holds block 0 in one call.  No TTL (a hot block stored once
-  and then only hit must stay findable); written and deleted with the slot entry.
+  count of stored copies.  The source of truth for counts.
+* ``P b K`` -- HASH per block: field slot id -> 1 while that slot holds the block (a
+  *holder hint*, written and deleted together with the slot's entry).  No TTL: a hot
+  block stored once and then only hit must stay findable.
+* ``P seen`` -- HASH slot id -> server time (ms) of the slot's last ``add``.  A slot is
+  *live* while its id is registered and ``now - seen < ttl_s`` (always, with no TTL);
+  the slot hash itself expires ``ttl_s + 60`` s after its last ``add``, so a live slot's
+  hash always exists and a pod that stores nothing for ``ttl_s`` (vanished without a
+  ``clear_pod``) is ignored at once and freed soon after.
 * ``P pods`` -- HASH ``pod NUL tier`` -> current slot id; ``P ids`` -- HASH slot id ->
-  ``tier NUL pod`` (live slots only); ``P next`` -- slot id counter (ids never reused).
-  No TTL.
+  ``tier NUL pod``; ``P next`` -- slot id counter (ids are never reused).  No TTL.
 
-``clear_pod`` retires the slot: drops it from ``pods``/``ids`` and UNLINKs its hash
-(freed in the background; no scan).  Its hint fields become invisible at once (only
-slots with entries count) and are deleted by ``SWEEP`` (run periodically by whoever
-owns the index writes), which also retires slots whose hash expired.
+``clear_pod`` retires the slot: drops it from ``pods``/``ids``/``seen`` and UNLINKs its
+hash (freed in the background; no scan).  Its hint fields are invisible at once (only
+live ids count) and are deleted by ``SWEEP`` (run periodically by the writer), which
+also retires slots that went stale.
 
-Block and slot key names are built inside the scripts from prefixes in ``ARGV``; they
+Block and slot key names are built inside the scripts from the prefix in ``ARGV``; they
 share the declared keys' hash tag (same cluster slot), which Redis allows for scripts
 declared with a shebang.
 """
 
 from __future__ import annotations
 
-#: KEYS: pods, ids, next.  ARGV: key prefix P, pod, tier, ttl seconds (0 = none),
-#: packed keys (8 bytes each).  Returns the number of new entries.  The slot's TTL is
-#: refreshed; a new entry also writes its holder hint.
-ADD = """#!lua
+#: Seconds a slot hash outlives its ``ttl_s`` (so a slot live by ``seen`` always has one).
+SLOT_GRACE_S = 60
+
+_NOW_MS = """
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+"""
+
+#: KEYS: pods, ids, next, seen.  ARGV: prefix P, pod, tier, ttl seconds (0 = none),
+#: packed keys (8 bytes each).  Counts one more copy of each key, writes the holder
+#: hint of new entries, stamps ``seen`` and refreshes the slot's TTL.
+#: Returns the number of new entries.
+ADD = (
+    """#!lua
+"""
+    + _NOW_MS
+    + """
 local P = ARGV[1]
 local field = ARGV[2] .. '\\0' .. ARGV[3]
 local id = redis.call('HGET', KEYS[1], field)
@@ -51,12 +66,16 @@ for off = 1, #packed, 8 do
     new = new + 1
   end
 end
-if ttl > 0 then redis.call('EXPIRE', slot, ttl) end
+redis.call('HSET', KEYS[4], id, now_ms)
+if ttl > 0 then redis.call('EXPIRE', slot, ttl + """
+    + str(SLOT_GRACE_S)
+    + """) end
 return new
 """
+)
 
-#: KEYS: pods.  ARGV: key prefix P, pod, tier, packed keys.
-#: Returns the number of entries that reached count 0 and were deleted.
+#: KEYS: pods.  ARGV: prefix P, pod, tier, packed keys.  Counts one copy fewer; an
+#: entry reaching 0 is deleted with its hint.  Returns the number of entries deleted.
 REMOVE = """#!lua
 local P = ARGV[1]
 local id = redis.call('HGET', KEYS[1], ARGV[2] .. '\\0' .. ARGV[3])
@@ -81,8 +100,8 @@ end
 return gone
 """
 
-#: KEYS: pods, ids.  ARGV: key prefix P, pod, tier...  Retires the pod's slot in each
-#: tier.  Returns the number of slots retired.
+#: KEYS: pods, ids, seen.  ARGV: prefix P, pod, tier...  Retires the pod's slot in each
+#: tier (O(tiers); the slot hash is UNLINKed).  Returns the number of slots retired.
 CLEAR = """#!lua
 local retired = 0
 for i = 3, #ARGV do
@@ -91,6 +110,7 @@ for i = 3, #ARGV do
   if id then
     redis.call('HDEL', KEYS[1], f)
     redis.call('HDEL', KEYS[2], id)
+    redis.call('HDEL', KEYS[3], id)
     redis.call('UNLINK', ARGV[1] .. 's' .. id)
     retired = retired + 1
   end
@@ -98,21 +118,31 @@ end
 return retired
 """
 
-#: KEYS: pods, ids.  ARGV: key prefix P, packed keys, number of tiers T, tier names
-#: (fastest first), then candidate pods (none = every pod holding block 0).
+#: KEYS: pods, ids, seen.  ARGV: prefix P, packed keys, ttl seconds (0 = none),
+#: number of tiers T, T tier names (fastest first), then candidate pods (none = every
+#: pod holding block 0).
 #:
-#: 1. Holders: the pods whose slot ids appear in block 0's holder hint (HKEYS, or HMGET
-#:    of the candidates' ids).
-#: 2. Walk: each holder has per-tier counters c[1..T]; block i extends c[t] when
-#:    c[t] == i-1 and the pod holds block i in a tier <= t (cumulative over tiers).
-#:    A pod reads its own slot hashes, one HMGET per slot per chunk of blocks (32, 128,
-#:    512, ...), and stops at its first missing block.
+#: 1. Followed pods: the candidates, or the pods named by block 0's holder hint; their
+#:    live slot ids per tier (registered, and ``seen`` within ``ttl``).
+#: 2. Each followed pod has per-tier counters c[1..T]; block i extends c[t] when
+#:    c[t] == i-1 and the pod holds block i in a tier <= t (so c is cumulative over
+#:    tiers, c[T] the longest); a pod leaves at its first block held in no tier.
+#:    Phase A, while more than FAN pods are in: one HMGET per block on the block's
+#:    holder hint, asking only the ids of pods still in.  Phase B, once FAN or fewer
+#:    are left: each pod alone, one HMGET per slot per chunk of blocks (16, 32, 64, ...)
+#:    on its own slot hash.  Every pod is checked block by block: the answer is exact.
 #: Returns a flat array pod, c[1], ..., c[T], ... for pods with c[T] > 0.
-LOOKUP = """#!lua flags=no-writes
+LOOKUP = (
+    """#!lua flags=no-writes
+"""
+    + _NOW_MS
+    + """
+local FAN = 8
 local CHUNK_MAX = 4000
 local P = ARGV[1]
 local packed = ARGV[2]
-local nt = tonumber(ARGV[3])
+local ttl_ms = tonumber(ARGV[3]) * 1000
+local nt = tonumber(ARGV[4])
 local nblocks = math.floor(#packed / 8)
 if nblocks == 0 then return {} end
 local bprefix = P .. 'b'
@@ -136,14 +166,13 @@ local function hmget(key, fields)
   return out
 end
 
--- pods to follow
-local names = {}
-local first = 4 + nt
 keys_upto(1)
+local names = {}
+local first = 5 + nt
 if #ARGV >= first then
   for c = first, #ARGV do names[#names + 1] = ARGV[c] end
 else
-  local seen = {}
+  local seen_pod = {}
   local ids = redis.call('HKEYS', bprefix .. kb[1])
   if #ids == 0 then return {} end
   local infos = hmget(KEYS[2], ids)
@@ -152,8 +181,8 @@ else
     if info then
       local z = string.find(info, '\\0', 1, true)
       local pod = string.sub(info, z + 1)
-      if not seen[pod] then
-        seen[pod] = true
+      if not seen_pod[pod] then
+        seen_pod[pod] = true
         names[#names + 1] = pod
       end
     end
@@ -161,24 +190,34 @@ else
 end
 if #names == 0 then return {} end
 
--- their slot ids per tier
+-- live slot ids of the followed pods, per tier
 local fields, want_pod, want_tier = {}, {}, {}
 for c = 1, #names do
   for t = 1, nt do
-    fields[#fields + 1] = names[c] .. '\\0' .. ARGV[3 + t]
+    fields[#fields + 1] = names[c] .. '\\0' .. ARGV[4 + t]
     want_pod[#fields] = names[c]
     want_tier[#fields] = t
   end
 end
 local slot_ids = hmget(KEYS[1], fields)
+local got, got_j = {}, {}
+for j = 1, #fields do
+  if slot_ids[j] then
+    got[#got + 1] = slot_ids[j]
+    got_j[#got] = j
+  end
+end
+if #got == 0 then return {} end
+local stamps = hmget(KEYS[3], got)
 local pod_of, tier_of, ids_of, counts = {}, {}, {}, {}
 local active = {}
-for j = 1, #fields do
-  local id = slot_ids[j]
-  if id then
-    local pod = want_pod[j]
+for g = 1, #got do
+  local stamp = stamps[g]
+  if stamp and (ttl_ms <= 0 or now_ms - tonumber(stamp) < ttl_ms) then
+    local id = got[g]
+    local pod = want_pod[got_j[g]]
     pod_of[id] = pod
-    tier_of[id] = want_tier[j]
+    tier_of[id] = want_tier[got_j[g]]
     if not ids_of[pod] then
       ids_of[pod] = {}
       active[#active + 1] = pod
@@ -191,7 +230,7 @@ for j = 1, #fields do
   end
 end
 
--- extend counters of pod with block i held at fastest tier b (nil: not held)
+-- extend the counters of pod with block i held at fastest tier b (nil: not held)
 local function extend(pod, i, b)
   if not b then return false end
   local c = counts[pod]
@@ -201,30 +240,41 @@ local function extend(pod, i, b)
   return true
 end
 
--- holders of block 0 (hint); their ids stay followed, the others are dropped
-local ask = {}
-for a = 1, #active do
-  local l = ids_of[active[a]]
-  for j = 1, #l do ask[#ask + 1] = l[j] end
-end
-local hint = hmget(bprefix .. kb[1], ask)
-local holds = {}
-for j = 1, #ask do
-  if hint[j] then holds[pod_of[ask[j]]] = true end
-end
-local still = {}
-for a = 1, #active do
-  if holds[active[a]] then still[#still + 1] = active[a] end
-end
-active = still
+-- phase A: block by block on the holder hints (always for block 0)
 local i = 1
+while i <= nblocks and #active > 0 and (i == 1 or #active > FAN) do
+  keys_upto(i)
+  local ask = {}
+  for a = 1, #active do
+    local l = ids_of[active[a]]
+    for j = 1, #l do ask[#ask + 1] = l[j] end
+  end
+  local vals = hmget(bprefix .. kb[i], ask)
+  local best = {}
+  for j = 1, #ask do
+    if vals[j] then
+      local id = ask[j]
+      local pod = pod_of[id]
+      local t = tier_of[id]
+      local b = best[pod]
+      if b == nil or t < b then best[pod] = t end
+    end
+  end
+  local still = {}
+  for a = 1, #active do
+    local pod = active[a]
+    if extend(pod, i, best[pod]) then still[#still + 1] = pod end
+  end
+  active = still
+  i = i + 1
+end
 
--- walk: each holder alone, chunk by chunk over its slot hashes
+-- phase B: each remaining pod alone, chunk by chunk on its slot hashes
 for a = 1, #active do
   local pod = active[a]
   local l = ids_of[pod]
   local s = i
-  local size = 32
+  local size = 16
   local going = true
   while going and s <= nblocks do
     local e = math.min(s + size - 1, nblocks)
@@ -248,7 +298,7 @@ for a = 1, #active do
       end
     end
     s = e + 1
-    size = math.min(size * 4, CHUNK_MAX)
+    size = math.min(size * 2, CHUNK_MAX)
   end
 end
 
@@ -261,23 +311,33 @@ for pod, c in pairs(counts) do
 end
 return out
 """
+)
 
-#: KEYS: ids.  ARGV: key prefix P.  Returns a flat array pod, entries, ... (entries
-#: summed over the pod's tiers: HLEN of each live slot).
-POD_ENTRIES = """#!lua flags=no-writes
+#: KEYS: ids, seen.  ARGV: prefix P, ttl seconds.  Returns a flat array pod, entries,
+#: ... (entries: HLEN of each live slot, summed over the pod's tiers).
+POD_ENTRIES = (
+    """#!lua flags=no-writes
+"""
+    + _NOW_MS
+    + """
+local ttl_ms = tonumber(ARGV[2]) * 1000
 local flat = redis.call('HGETALL', KEYS[1])
 local total, order = {}, {}
 for j = 1, #flat, 2 do
-  local info = flat[j + 1]
-  local z = string.find(info, '\\0', 1, true)
-  local pod = string.sub(info, z + 1)
-  local n = redis.call('HLEN', ARGV[1] .. 's' .. flat[j])
-  if n > 0 then
-    if total[pod] == nil then
-      total[pod] = 0
-      order[#order + 1] = pod
+  local id = flat[j]
+  local stamp = redis.call('HGET', KEYS[2], id)
+  if stamp and (ttl_ms <= 0 or now_ms - tonumber(stamp) < ttl_ms) then
+    local info = flat[j + 1]
+    local z = string.find(info, '\\0', 1, true)
+    local pod = string.sub(info, z + 1)
+    local n = redis.call('HLEN', ARGV[1] .. 's' .. id)
+    if n > 0 then
+      if total[pod] == nil then
+        total[pod] = 0
+        order[#order + 1] = pod
+      end
+      total[pod] = total[pod] + n
     end
-    total[pod] = total[pod] + n
   end
 end
 local out = {}
@@ -287,13 +347,19 @@ for j = 1, #order do
 end
 return out
 """
+)
 
-#: KEYS: pods, ids.  ARGV: key prefix P, then block hint names to clean.  A slot id is
-#: dead when it is not in ``ids`` or its hash is gone (expired, or emptied by removes):
-#: its hint fields are deleted and an expired slot is retired from ``pods``/``ids``.
-#: Returns the number of hint fields deleted.
-SWEEP = """#!lua
+#: KEYS: pods, ids, seen.  ARGV: prefix P, ttl seconds, then holder-hint key names.
+#: A slot id is dead when unregistered, stale (``seen`` older than ttl) or its hash is
+#: gone: its hint fields are deleted, and a registered dead slot is retired (as by
+#: ``clear_pod``).  Returns the number of hint fields deleted.
+SWEEP = (
+    """#!lua
+"""
+    + _NOW_MS
+    + """
 local P = ARGV[1]
+local ttl_ms = tonumber(ARGV[2]) * 1000
 local alive = {}
 local function live(id)
   local v = alive[id]
@@ -301,20 +367,24 @@ local function live(id)
   local info = redis.call('HGET', KEYS[2], id)
   v = false
   if info then
-    if redis.call('EXISTS', P .. 's' .. id) == 1 then
+    local stamp = redis.call('HGET', KEYS[3], id)
+    local fresh = stamp and (ttl_ms <= 0 or now_ms - tonumber(stamp) < ttl_ms)
+    if fresh and redis.call('EXISTS', P .. 's' .. id) == 1 then
       v = true
     else
       local z = string.find(info, '\\0', 1, true)
       local field = string.sub(info, z + 1) .. '\\0' .. string.sub(info, 1, z - 1)
       if redis.call('HGET', KEYS[1], field) == id then redis.call('HDEL', KEYS[1], field) end
       redis.call('HDEL', KEYS[2], id)
+      redis.call('HDEL', KEYS[3], id)
+      redis.call('UNLINK', P .. 's' .. id)
     end
   end
   alive[id] = v
   return v
 end
 local gone = 0
-for a = 2, #ARGV do
+for a = 3, #ARGV do
   local ids = redis.call('HKEYS', ARGV[a])
   for j = 1, #ids do
     if not live(ids[j]) then
@@ -325,6 +395,7 @@ for a = 2, #ARGV do
 end
 return gone
 """
+)
 
 # -- shared load view -------------------------------------------------------------------
 # Keys: ``P load:r`` ZSET replica -> expiry (server ms); ``P load:h:<replica>`` HASH

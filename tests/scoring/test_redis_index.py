@@ -256,7 +256,6 @@ async def test_add_sets_and_refreshes_the_slot_ttl(
     try:
         await idx.add("pod-a", [9])
         slot = await slot_name(raw, redis_namespace, "pod-a")
-        assert 0 < await raw.pttl(slot) <= 600_000
         await raw.pexpire(slot, 5_000)
         await idx.add("pod-a", [10])  # any add to the slot refreshes it
         assert await raw.pttl(slot) > 5_000
@@ -280,27 +279,37 @@ async def test_ttl_zero_stores_slots_without_expiry(
         await idx.close()
 
 
-async def test_a_pod_whose_slot_expired_is_forgotten_and_swept(
+async def test_a_pod_that_stored_nothing_for_ttl_is_ignored_then_swept(
     index: RedisIndex, raw: aioredis.Redis, redis_namespace: str
 ) -> None:
     await index.add("pod-a", [1, 2, 3, 4])
     await index.add("pod-b", [1, 2])
     slot = await slot_name(raw, redis_namespace, "pod-a")
-    await raw.pexpire(slot, 1)  # as if pod-a stored nothing for ttl_s
-
-    async def gone() -> bool:
-        return await raw.exists(slot) == 0
-
-    await wait_until(gone, "pod-a's slot to expire")
-    # its hints still name it, but the walk reads the slot: pod-a holds nothing
-    assert await index.lookup([1, 2, 3, 4]) == {"pod-b": {"GPU": 2, "CPU": 2, "DISK": 2}}
-    assert await index.pod_entries() == {"pod-b": 2}
-    assert await index.sweep() == 4  # hint fields of the expired slot
-    assert await index.block_keys() == 2
     prefix = b"{" + redis_namespace.encode() + b"}:"
-    assert await raw.hget(prefix + b"pods", b"pod-a\0GPU") is None  # slot retired
+    # as if pod-a's last add was ttl_s ago (it vanished without a clear_pod)
+    await raw.hset(prefix + b"seen", slot.removeprefix(prefix + b"s"), 0)
+    assert await index.lookup([1, 2, 3, 4]) == {"pod-b": {"GPU": 2, "CPU": 2, "DISK": 2}}
+    assert await index.lookup([1, 2], pods=["pod-a"]) == {}
+    assert await index.pod_entries() == {"pod-b": 2}
+    assert await index.sweep() == 4  # the stale slot's hint fields
+    assert await raw.exists(slot) == 0  # its hash is unlinked
+    assert await raw.hget(prefix + b"pods", b"pod-a\0GPU") is None  # and it is retired
+    assert await index.block_keys() == 2
     await index.add("pod-a", [1])  # a fresh generation
     assert (await index.lookup([1]))["pod-a"] == {"GPU": 1, "CPU": 1, "DISK": 1}
+
+
+async def test_a_slot_hash_outlives_its_ttl_by_a_grace_period(
+    redis_url: str, redis_namespace: str, raw: aioredis.Redis
+) -> None:
+    """While a slot is live by its last-add stamp, its hash is guaranteed to exist."""
+    idx = RedisIndex.from_url(redis_url, namespace=redis_namespace, ttl_s=600)
+    try:
+        await idx.add("pod-a", [9])
+        slot = await slot_name(raw, redis_namespace, "pod-a")
+        assert 600_000 < await raw.pttl(slot) <= (600 + redis_lua.SLOT_GRACE_S) * 1000
+    finally:
+        await idx.close()
 
 
 # -- several replicas -----------------------------------------------------------------
@@ -351,11 +360,13 @@ async def test_the_lookup_script_is_read_only(
     ns = b"{" + redis_namespace.encode() + b"}:"
     reply = await raw.eval_ro(
         redis_lua.LOOKUP,
-        2,
+        3,
         ns + b"pods",
         ns + b"ids",
+        ns + b"seen",
         ns,
         struct.pack(">3Q", 1, 2, 3),
+        b"0",
         b"3",
         b"GPU",
         b"CPU",
@@ -365,10 +376,11 @@ async def test_the_lookup_script_is_read_only(
     with pytest.raises(aioredis.ResponseError, match=r"(?i)write"):
         await raw.eval_ro(
             redis_lua.ADD,
-            3,
+            4,
             ns + b"pods",
             ns + b"ids",
             ns + b"next",
+            ns + b"seen",
             ns,
             b"pod-x",
             b"GPU",
@@ -487,3 +499,78 @@ async def test_load_store_rejects_bad_deltas(redis_url: str, redis_namespace: st
             await store.incr("", 1, 0)
     finally:
         await store.close()
+
+
+# -- the walk against a reference model ---------------------------------------------------
+
+
+def reference_lookup(
+    held: dict[tuple[str, str], dict[int, int]],
+    tiers: tuple[str, ...],
+    keys: list[int],
+    pods: list[str] | None,
+) -> dict[str, dict[str, int]]:
+    """base.py's semantics, spelled out: leading blocks held in a tier <= t, per pod."""
+    names = {p for p, _ in held} if pods is None else set(pods)
+    out: dict[str, dict[str, int]] = {}
+    for pod in names:
+        hits = {}
+        for ti, tier in enumerate(tiers):
+            n = 0
+            for k in keys:
+                if not any(held.get((pod, t), {}).get(k, 0) > 0 for t in tiers[: ti + 1]):
+                    break
+                n += 1
+            hits[tier] = n
+        if hits[tiers[-1]] > 0:
+            out[pod] = hits
+    return out
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_lookup_matches_the_reference_model_through_both_walk_phases(
+    index: RedisIndex, seed: int
+) -> None:
+    """More than 8 pods share a prefix (block-hint phase), fewer go on (slot phase);
+    tiers mix, holes appear from removes, copies are counted."""
+    import random
+
+    rng = random.Random(seed)
+    tiers = index.tiers
+    chain = [rng.getrandbits(64) for _ in range(300)]
+    held: dict[tuple[str, str], dict[int, int]] = {}
+    pods = [f"pod-{i}" for i in range(20)]
+
+    async def add(pod: str, keys: list[int], tier: str) -> None:
+        await index.add(pod, keys, tier)
+        d = held.setdefault((pod, tier), {})
+        for k in keys:
+            d[k] = d.get(k, 0) + 1
+
+    async def remove(pod: str, keys: list[int], tier: str) -> None:
+        await index.remove(pod, keys, tier)
+        d = held.setdefault((pod, tier), {})
+        for k in keys:
+            if d.get(k, 0) > 0:
+                d[k] -= 1
+
+    for pod in pods:
+        await add(pod, chain[: rng.randrange(1, 40)], "GPU")
+    for pod in rng.sample(pods, 6):
+        await add(pod, chain[: rng.randrange(40, 300)], rng.choice(tiers))
+    for pod in rng.sample(pods, 5):
+        await add(pod, chain[rng.randrange(0, 60) : rng.randrange(60, 250)], "CPU")
+    for pod in rng.sample(pods, 4):  # duplicate copies: one remove leaves one
+        await add(pod, chain[:30], "GPU")
+    for _ in range(25):
+        pod, tier = rng.choice(pods), rng.choice(tiers)
+        i = rng.randrange(0, 250)
+        await remove(pod, chain[i : i + rng.randrange(1, 4)], tier)
+    for query in (chain, chain[:50], chain[:1]):
+        assert await index.lookup(query) == reference_lookup(held, tiers, query, None)
+        cands = [*rng.sample(pods, 7), "pod-unknown"]
+        assert await index.lookup(query, cands) == reference_lookup(held, tiers, query, cands)
+    await index.clear_pod(pods[0])
+    for tier in tiers:
+        held.pop((pods[0], tier), None)
+    assert await index.lookup(chain) == reference_lookup(held, tiers, chain, None)
