@@ -1,5 +1,5 @@
 """``cost`` (the default): send the request where its predicted time to first token is
-lowest, charging misses more when the fleet has a backlog.
+lowest, charging a miss more when the pod that would pay for it is backlogged.
 
 For each candidate pod, with ``P`` prompt tokens, block size ``B`` and ``hits[t]`` =
 leading blocks servable from tier ``t`` or faster (tiers fastest first)::
@@ -14,9 +14,10 @@ leading blocks servable from tier ``t`` or faster (tiers fastest first)::
     score(pod)  = (queued_tokens + w * uncached) / prefill_rate_tokens_per_s * slowdown
                   + transfer
 
-``queued_tokens`` is the pod's queued prefill work and ``w`` the miss weight, both
-below.  With ``w = 1`` the score is the predicted TTFT: queue wait + own prefill + load
-from slower tiers.
+``queued_tokens`` is the pod's queued prefill work and ``w`` the pod's miss weight,
+both below.  With ``w = 1`` the score is the predicted TTFT: queue wait + own prefill +
+load from slower tiers.
+
 The pod with the smallest score wins.  Pods within ``tie_epsilon_s`` of the minimum
 are tied; among them the winner is chosen by rendezvous hashing of the request id
 (highest ``xxh3(seed, request_id + pod)``): deterministic for a request, uniform across
@@ -41,17 +42,26 @@ FCFS) runs.  ``cached`` above becomes ``max(index hits, in-flight hits)`` (in-fl
 blocks count as GPU blocks).  The index only learns a block once the engine stores it,
 so without this a burst of requests sharing a new prefix scatters over the fleet.
 
-The uncached term is weighted by ``w`` (the same for every candidate of one request)::
+The uncached term is weighted per pod by ``w`` (``P`` = this request's prompt tokens)::
 
-    w = miss_weight + backlog_weight * mean_pods(queued_tokens) / P
+    B          = mean over candidate pods of queued_tokens          # the fleet's backlog
+    own(pod)   = max(queued_tokens, live_uncached)                  # the pod's own work
+    b(pod)     = min(B, own(pod))      (backlog_scope: pod, default)
+               = B                     (backlog_scope: fleet)
+    w(pod)     = miss_weight + backlog_weight * b(pod) / P
 
-With no backlog ``w = miss_weight = 1`` and the score is the predicted TTFT.  When the
-fleet has a backlog, tokens recomputed because of a miss also push back every request
-queued behind them, and duplicate a prefix in a second cache; ``w`` charges a miss in
-proportion to the backlog (in units of this request's size), so a loaded fleet keeps
-requests on the pods that hold their prefixes, while an idle one spreads them (a short
-shared system prompt does not pull all traffic onto one pod).  ``backlog_weight = 4``
-was chosen with ``kvroute replay`` on the Mooncake traces (docs/replay.md); 0 gives the
+``live_uncached`` is the predicted uncached tokens of the live requests this policy
+routed to the pod (the ledger above).  With no backlog ``w = miss_weight = 1`` and the
+score is the predicted TTFT.  With a backlog, tokens recomputed on a miss delay the
+requests queued behind them and duplicate a prefix in a second cache, so a miss is
+charged in proportion to the backlog (in units of this request's size): a loaded fleet
+keeps requests on the pods holding their prefixes.  But a miss only costs the time of
+the pod that pays it: a pod with no work of its own charges little even when others are
+backlogged.  Pricing every miss by the fleet mean (``backlog_scope: fleet``) lets one hot
+pod's queue make misses expensive everywhere, which keeps traffic on that pod — a
+feedback loop that piles conversations sharing a system prompt onto one pod of a small
+fleet (docs/replay.md has the numbers).  ``backlog_weight = 8`` was chosen with
+``kvroute replay`` on the Mooncake traces and small multi-turn chat fleets; 0 gives the
 pure TTFT prediction.
 """
 
@@ -59,6 +69,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Literal
 
 import xxhash
 from pydantic import Field, field_validator
@@ -93,7 +104,10 @@ class CostParams(PolicyParams):
         default=1.0, ge=0.0, description="weight of uncached prompt tokens with no backlog"
     )
     backlog_weight: float = Field(
-        default=4.0, ge=0.0, description="extra miss weight per prompt-size of mean backlog"
+        default=8.0, ge=0.0, description="extra miss weight per prompt-size of backlog"
+    )
+    backlog_scope: Literal["pod", "fleet"] = Field(
+        default="pod", description="backlog pricing a miss: min(fleet mean, pod's own) or mean"
     )
     count_inflight_prefixes: bool = Field(
         default=True, description="treat prefixes of in-flight requests as cached"
@@ -187,6 +201,11 @@ class CostPolicy(Policy):
             n += 1
         return n
 
+    def live_uncached(self, pod: str) -> int:
+        """Predicted uncached tokens of the live requests this policy routed to ``pod``."""
+        entry = self._ledger.get(pod)
+        return entry[1] if entry is not None else 0
+
     def queued_tokens(self, pod: PodView) -> float:
         """Outstanding prefill tokens, scaled by the predicted miss share (see module)."""
         entry = self._ledger.get(pod.pod)
@@ -199,10 +218,18 @@ class CostPolicy(Policy):
             raise NoCandidatesError("cost: no candidate pods")
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
+        p = self._p
         queued = [self.queued_tokens(pod) for pod in pods]
         backlog = sum(queued) / len(pods)
-        w = self._p.miss_weight + self._p.backlog_weight * backlog / max(1, request.prompt_tokens)
+        size = max(1, request.prompt_tokens)
+        weights: dict[str, float] = {}
         for pod, q in zip(pods, queued, strict=True):
+            b = (
+                backlog
+                if p.backlog_scope == "fleet"
+                else min(backlog, max(q, self.live_uncached(pod.pod)))
+            )
+            w = weights[pod.pod] = p.miss_weight + p.backlog_weight * b / size
             predicted[pod.pod], cached[pod.pod] = predict_ttft(
                 request,
                 pod,
@@ -227,7 +254,7 @@ class CostPolicy(Policy):
             pod=chosen,
             scores=predicted,
             lower_is_better=True,
-            detail={"cached_tokens": cached, "tied": len(tied), "miss_weight": w},
+            detail={"cached_tokens": cached, "tied": len(tied), "miss_weight": weights},
         )
 
     def on_routed(self, request: RouteRequest, pod: str) -> None:

@@ -252,12 +252,12 @@ def test_cost_counts_prefixes_of_in_flight_requests_before_the_index_sees_them()
     first = req("1", keys=list(range(40)))
     pod = policy.pick(first, pods(4)).pod
     policy.on_routed(first, pod)
-    # the index still knows nothing; the pod's queue holds the first request
-    views = [
-        PodView(f"p{i}", outstanding_prefill_tokens=640 if f"p{i}" == pod else 0) for i in range(4)
-    ]
+    # its first token is back but the pod's KV events are not: the index knows nothing
+    views = [PodView(f"p{i}", inflight=int(f"p{i}" == pod)) for i in range(4)]
     second = req("2", keys=list(range(40)))
-    assert policy.pick(second, views).pod == pod
+    decision = policy.pick(second, views)
+    assert decision.pod == pod
+    assert decision.detail["cached_tokens"][pod] == 640
     policy.on_complete(first, pod)
     assert policy.inflight_hits(pod, second.block_keys) == 0  # type: ignore[attr-defined]
 
@@ -272,7 +272,7 @@ def test_cost_discounts_queued_work_it_predicted_to_hit() -> None:
 
 
 def test_cost_keeps_a_loaded_fleet_on_the_cached_pod_by_charging_misses_for_the_backlog() -> None:
-    # same pods as above, but every pod has a backlog: a miss now also delays that backlog
+    # same pods as above, but both are backlogged: a miss on a now delays that backlog
     views = [
         PodView("a", outstanding_prefill_tokens=4000),
         PodView("b", hits={"GPU": 30}, outstanding_prefill_tokens=5000),
@@ -280,10 +280,25 @@ def test_cost_keeps_a_loaded_fleet_on_the_cached_pod_by_charging_misses_for_the_
     policy = build_policy("cost", {"prefill_rate_tokens_per_s": 1000.0})
     decision = policy.pick(req(keys=list(range(32))), views)
     assert decision.pod == "b"
-    assert decision.detail["miss_weight"] == pytest.approx(1.0 + 4.0 * 4500 / 512)
+    # b(a) = min(mean backlog 4500, a's own 4000) -> w = 1 + 8 * 4000 / 512
+    assert decision.detail["miss_weight"]["a"] == pytest.approx(1.0 + 8.0 * 4000 / 512)
 
 
 def test_cost_on_an_idle_fleet_weighs_a_miss_as_its_own_prefill_only() -> None:
     decision = build_policy("cost").pick(req(keys=list(range(8))), pods(3))
-    assert decision.detail["miss_weight"] == 1.0
+    assert decision.detail["miss_weight"] == {"p0": 1.0, "p1": 1.0, "p2": 1.0}
     assert decision.scores == {p: pytest.approx(128 / 5000.0) for p in ("p0", "p1", "p2")}
+
+
+def test_cost_does_not_let_one_hot_pods_queue_price_misses_on_idle_pods() -> None:
+    # the hot pod holds a shared prefix (20 of 32 blocks) and a queue of 3,000 tokens
+    views = [PodView("hot", hits={"GPU": 20}, outstanding_prefill_tokens=3000), *pods(3)]
+    r = req(keys=list(range(32)))
+    per_pod = build_policy("cost", {"prefill_rate_tokens_per_s": 1000.0}).pick(r, views)
+    assert per_pod.pod != "hot"  # an idle pod computes 320 more tokens instead of a 3 s wait
+    assert per_pod.detail["miss_weight"]["p0"] == 1.0
+    fleet = build_policy(
+        "cost", {"prefill_rate_tokens_per_s": 1000.0, "backlog_scope": "fleet"}
+    ).pick(r, views)
+    # the fleet mean (750 tokens) makes every miss cost w = 12.7: 3000 + 12.7*192 < 12.7*512
+    assert fleet.pod == "hot"

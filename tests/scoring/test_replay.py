@@ -339,3 +339,52 @@ def test_cli_with_no_valid_request_fails_clearly(
     path = write_jsonl(tmp_path / "t.jsonl", ["garbage"])
     assert main([str(path), "--capacity-tokens", "4096"]) == 1
     assert "no valid requests" in capsys.readouterr().err
+
+
+def chat_trace(path: Path, n_conv: int = 20, turns: int = 5) -> Path:
+    """Multi-turn chats that all start with one long system prompt (OpenAI bodies)."""
+    system = {"role": "system", "content": "You are a helpful assistant. " * 30}
+    convs: list[list[dict]] = [[system] for _ in range(n_conv)]
+    rows: list[object] = []
+    t = 0.0
+    for turn in range(turns):
+        for c in range(n_conv):
+            convs[c] = [
+                *convs[c],
+                {"role": "user", "content": f"conv {c} turn {turn}: " + "tell me more. " * 40},
+            ]
+            t += 500.0
+            rows.append(
+                {
+                    "timestamp": t,
+                    "session_id": f"c{c}",
+                    "body": {"messages": convs[c], "max_tokens": 64},
+                }
+            )
+            convs[c] = [*convs[c], {"role": "assistant", "content": f"answer {turn} " * 30}]
+    return write_jsonl(path, rows)
+
+
+def test_cost_spreads_chats_sharing_a_system_prompt_over_a_small_fleet(tmp_path: Path) -> None:
+    from router.tokenize import load_tokenizer
+
+    trace = load_trace(
+        chat_trace(tmp_path / "chats.jsonl"),
+        "openai",
+        block_size=16,
+        tokenizer=load_tokenizer("builtin"),
+    )
+    cfg = FleetConfig(pods=4, capacity_tokens=20_000, block_size=16, prefill_rate=2000.0)
+    pooled = pooled_ceiling(trace, 4 * 20_000)
+
+    def run(**params: object) -> dict:
+        policy = build_policy("cost", {**fleet_defaults("cost", cfg), **params})
+        return summarize(replay_policy(trace, policy, cfg))
+
+    default = run()
+    assert default["hit_rate"] >= 0.9 * pooled
+    assert default["imbalance"] <= 1.3
+    # pricing every miss by the fleet's mean backlog lets the hot pod's queue hold traffic
+    fleet = run(backlog_scope="fleet")
+    assert fleet["imbalance"] > 2.0
+    assert fleet["ttft_p90_s"] > 3 * default["ttft_p90_s"]
