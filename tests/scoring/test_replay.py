@@ -383,7 +383,7 @@ def test_cost_spreads_chats_sharing_a_system_prompt_over_a_small_fleet(tmp_path:
 
     default = run()
     assert default["hit_rate"] >= 0.9 * pooled
-    assert default["imbalance"] <= 1.3
+    assert default["imbalance"] <= 1.5
     # pricing every miss by the fleet's mean backlog lets the hot pod's queue hold traffic
     fleet = run(backlog_scope="fleet")
     assert fleet["imbalance"] > 2.0
