@@ -46,8 +46,7 @@ The uncached term is weighted per pod by ``w`` (``P`` = this request's prompt to
 
     B          = mean over candidate pods of queued_tokens          # the fleet's backlog
     own(pod)   = max(queued_tokens, live_uncached)                  # the pod's own work
-    b(pod)     = min(B, own(pod))      (backlog_scope: pod, default)
-               = B                     (backlog_scope: fleet)
+    b(pod)     = max(fleet_backlog_share * B, min(B, own(pod)))
     w(pod)     = miss_weight + backlog_weight * b(pod) / P
 
 ``live_uncached`` is the predicted uncached tokens of the live requests this policy
@@ -55,21 +54,22 @@ routed to the pod (the ledger above).  With no backlog ``w = miss_weight = 1`` a
 score is the predicted TTFT.  With a backlog, tokens recomputed on a miss delay the
 requests queued behind them and duplicate a prefix in a second cache, so a miss is
 charged in proportion to the backlog (in units of this request's size): a loaded fleet
-keeps requests on the pods holding their prefixes.  But a miss only costs the time of
-the pod that pays it: a pod with no work of its own charges little even when others are
-backlogged.  Pricing every miss by the fleet mean (``backlog_scope: fleet``) lets one hot
-pod's queue make misses expensive everywhere, which keeps traffic on that pod — a
-feedback loop that piles conversations sharing a system prompt onto one pod of a small
-fleet (docs/replay.md has the numbers).  ``backlog_weight = 8`` was chosen with
-``kvroute replay`` on the Mooncake traces and small multi-turn chat fleets; 0 gives the
-pure TTFT prediction.
+keeps requests on the pods holding their prefixes.  But a miss mostly costs the time of
+the pod that pays it: a pod with little work of its own charges only
+``fleet_backlog_share`` of the fleet's backlog.  Pricing every miss by the whole fleet
+mean (``fleet_backlog_share = 1``) lets one hot pod's queue make misses expensive
+everywhere, which keeps traffic on that pod — a feedback loop that piles conversations
+sharing a system prompt onto one pod of a small fleet; pricing by the pod's own work
+alone (``0``) gives up hits on bursty traces (docs/replay.md has the numbers).
+``backlog_weight = 12`` and ``fleet_backlog_share = 0.125`` were chosen with
+``kvroute replay`` on both Mooncake traces at several loads and on a small multi-turn
+chat fleet; ``backlog_weight = 0`` gives the pure TTFT prediction.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Literal
 
 import xxhash
 from pydantic import Field, field_validator
@@ -104,10 +104,13 @@ class CostParams(PolicyParams):
         default=1.0, ge=0.0, description="weight of uncached prompt tokens with no backlog"
     )
     backlog_weight: float = Field(
-        default=8.0, ge=0.0, description="extra miss weight per prompt-size of backlog"
+        default=12.0, ge=0.0, description="extra miss weight per prompt-size of backlog"
     )
-    backlog_scope: Literal["pod", "fleet"] = Field(
-        default="pod", description="backlog pricing a miss: min(fleet mean, pod's own) or mean"
+    fleet_backlog_share: float = Field(
+        default=0.125,
+        ge=0.0,
+        le=1.0,
+        description="share of the fleet's mean backlog every pod charges for a miss",
     )
     count_inflight_prefixes: bool = Field(
         default=True, description="treat prefixes of in-flight requests as cached"
@@ -224,11 +227,8 @@ class CostPolicy(Policy):
         size = max(1, request.prompt_tokens)
         weights: dict[str, float] = {}
         for pod, q in zip(pods, queued, strict=True):
-            b = (
-                backlog
-                if p.backlog_scope == "fleet"
-                else min(backlog, max(q, self.live_uncached(pod.pod)))
-            )
+            own = max(q, float(self.live_uncached(pod.pod)))
+            b = max(p.fleet_backlog_share * backlog, min(backlog, own))
             w = weights[pod.pod] = p.miss_weight + p.backlog_weight * b / size
             predicted[pod.pod], cached[pod.pod] = predict_ttft(
                 request,

@@ -280,8 +280,8 @@ def test_cost_keeps_a_loaded_fleet_on_the_cached_pod_by_charging_misses_for_the_
     policy = build_policy("cost", {"prefill_rate_tokens_per_s": 1000.0})
     decision = policy.pick(req(keys=list(range(32))), views)
     assert decision.pod == "b"
-    # b(a) = min(mean backlog 4500, a's own 4000) -> w = 1 + 8 * 4000 / 512
-    assert decision.detail["miss_weight"]["a"] == pytest.approx(1.0 + 8.0 * 4000 / 512)
+    # b(a) = max(0.125 * mean backlog 4500, min(4500, a's own 4000)) -> w = 1 + 12 * 4000 / 512
+    assert decision.detail["miss_weight"]["a"] == pytest.approx(1.0 + 12.0 * 4000 / 512)
 
 
 def test_cost_on_an_idle_fleet_weighs_a_miss_as_its_own_prefill_only() -> None:
@@ -296,9 +296,10 @@ def test_cost_does_not_let_one_hot_pods_queue_price_misses_on_idle_pods() -> Non
     r = req(keys=list(range(32)))
     per_pod = build_policy("cost", {"prefill_rate_tokens_per_s": 1000.0}).pick(r, views)
     assert per_pod.pod != "hot"  # an idle pod computes 320 more tokens instead of a 3 s wait
-    assert per_pod.detail["miss_weight"]["p0"] == 1.0
+    # an idle pod charges 1/8 of the fleet's mean backlog (750 tokens)
+    assert per_pod.detail["miss_weight"]["p0"] == pytest.approx(1.0 + 12.0 * 93.75 / 512)
     fleet = build_policy(
-        "cost", {"prefill_rate_tokens_per_s": 1000.0, "backlog_scope": "fleet"}
+        "cost", {"prefill_rate_tokens_per_s": 1000.0, "fleet_backlog_share": 1.0}
     ).pick(r, views)
-    # the fleet mean (750 tokens) makes every miss cost w = 12.7: 3000 + 12.7*192 < 12.7*512
+    # the whole fleet mean makes every miss cost w = 18.6: 3000 + 18.6*192 < 18.6*512
     assert fleet.pod == "hot"

@@ -385,6 +385,6 @@ def test_cost_spreads_chats_sharing_a_system_prompt_over_a_small_fleet(tmp_path:
     assert default["hit_rate"] >= 0.9 * pooled
     assert default["imbalance"] <= 1.5
     # pricing every miss by the fleet's mean backlog lets the hot pod's queue hold traffic
-    fleet = run(backlog_scope="fleet")
+    fleet = run(fleet_backlog_share=1.0)
     assert fleet["imbalance"] > 2.0
     assert fleet["ttft_p90_s"] > 3 * default["ttft_p90_s"]
