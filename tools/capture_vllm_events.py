@@ -474,6 +474,8 @@ class Scenario:
     name: str
     config: EngineConfig
     note: str
+    #: send distinct long prompts until the small cache evicts (False: hash-only scenarios)
+    evict: bool = True
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -493,6 +495,18 @@ SCENARIOS: dict[str, Scenario] = {
             "sha256_int_seed7",
             EngineConfig("sha256", int_hashes=True, python_hash_seed="7", num_blocks=96),
             "sha256 with PYTHONHASHSEED=7: NONE_HASH = sha256(pickle('7')), not the default",
+        ),
+        Scenario(
+            "sha256_cbor_int",
+            EngineConfig("sha256_cbor", int_hashes=True, num_blocks=96),
+            "sha256_cbor: sha256 over canonical CBOR, NONE_HASH from 'vllm-none-hash'",
+            evict=False,
+        ),
+        Scenario(
+            "xxhash_bytes_seed42",
+            EngineConfig("xxhash", int_hashes=False, python_hash_seed="42", num_blocks=96),
+            "xxhash with PYTHONHASHSEED=42 and raw digests: 16-byte xxh3_128 hashes",
+            evict=False,
         ),
         Scenario(
             "xxhash_int_seed42",
@@ -523,7 +537,7 @@ def capture_scenario(
             reqs = _requests()
             reqs += [
                 {"name": f"evict_{i}", "kind": "completion", "prompt": _long_prompt(i)}
-                for i in range(max_evict_prompts)
+                for i in range(max_evict_prompts if scenario.evict else 0)
             ]
             for req in reqs:
                 if req["name"].startswith("evict_") and _has_block_removed(recorder.messages):
