@@ -73,10 +73,13 @@ class SimPod:
             self.events_endpoint = self.publisher.endpoint
             self.replay_endpoint_url = self.publisher.replay_endpoint
         s = self.settings
-        sock = socket.socket(
-            socket.AF_INET6 if ":" in s.host else socket.AF_INET, socket.SOCK_STREAM
-        )
+        # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted sockets only
+        # when the listening socket says TCP; without it every response written in two
+        # parts (headers, body) waits ~40 ms for the client's delayed ACK (Nagle)
+        family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.bind((s.host, s.port))
         except OSError:

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -246,6 +247,20 @@ async def test_embeddings_are_deterministic_unit_vectors(
     assert len(vecs[0]) == 8 and vecs[0] == vecs[2] and vecs[0] != vecs[1]
     assert abs(sum(x * x for x in vecs[1]) - 1.0) < 1e-9
     assert r["usage"]["prompt_tokens"] == 3 * len(ByteTokenizer().encode_prompt("a"))
+
+
+async def test_served_connections_disable_nagle_so_two_part_responses_are_not_delayed(
+    make_pod: MakePod, http: httpx.AsyncClient
+) -> None:
+    """A response goes out as headers then body; with Nagle on, the body waits for the
+    client's delayed ACK (~40 ms per POST).  Every accepted socket has TCP_NODELAY."""
+    pod = await make_pod()
+    assert (await http.post(f"{pod.url}/tokenize", json={"prompt": "hi"})).status_code == 200
+    server = pod._server
+    assert server is not None
+    socks = [c.transport.get_extra_info("socket") for c in server.server_state.connections]
+    assert socks
+    assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in socks)
 
 
 # -- errors --------------------------------------------------------------------------
