@@ -174,7 +174,7 @@ def _text_parts(content: Any, index: int) -> list[dict[str, Any]]:
         if isinstance(part, str):
             parts.append({"type": "text", "text": part})
             continue
-        if not isinstance(part, Mapping):
+        if type(part) is not dict and not isinstance(part, Mapping):
             raise TokenizeError(f"messages[{index}].content[{j}] must be an object")
         kind = part.get("type")
         if kind in _TEXT_PART_KEYS:
@@ -268,19 +268,27 @@ def normalize_messages(
         raise TokenizeError("messages must not be empty")
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
-        if not isinstance(msg, Mapping):
+        if type(msg) is not dict and not isinstance(msg, Mapping):
             raise TokenizeError(f"messages[{i}] must be an object, got {type(msg).__name__}")
         role = msg.get("role")
         if not isinstance(role, str) or not role:
             raise TokenizeError(f"messages[{i}] must have a string 'role'")
-        parts = _text_parts(msg.get("content"), i)
-        if role == "system":
-            parts = _strip_billing_header(parts)
+        content = msg.get("content")
         new: dict[str, Any]
-        if content_format == "openai" and role != "tool":
-            new = {"role": role, "content": parts}
+        if (
+            type(content) is str
+            and content_format == "string"
+            and not (role == "system" and content.startswith(_BILLING_HEADER))
+        ):
+            new = {"role": role, "content": content}  # the common case, unchanged
         else:
-            new = {"role": role, "content": _join_text(parts)}
+            parts = _text_parts(content, i)
+            if role == "system":
+                parts = _strip_billing_header(parts)
+            if content_format == "openai" and role != "tool":
+                new = {"role": role, "content": parts}
+            else:
+                new = {"role": role, "content": _join_text(parts)}
         if role == "assistant":
             calls = _tool_calls(msg.get("tool_calls"), i)
             if calls:
@@ -331,10 +339,12 @@ def _developer_to_system(conversation: list[dict[str, Any]]) -> list[dict[str, A
 
 def _hf_normalize(msg: dict[str, Any]) -> dict[str, Any]:
     """transformers: drop ``None`` values, alias the reasoning fields."""
-    msg = {k: v for k, v in msg.items() if v is not None}
-    reasoning = next((msg[k] for k in _REASONING_FIELDS if msg.get(k) is not None), None)
-    if reasoning is not None:
-        msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
+    if None in msg.values():
+        msg = {k: v for k, v in msg.items() if v is not None}
+    if "reasoning" in msg or "reasoning_content" in msg or "thinking" in msg:
+        reasoning = next((msg[k] for k in _REASONING_FIELDS if msg.get(k) is not None), None)
+        if reasoning is not None:
+            msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
     return msg
 
 

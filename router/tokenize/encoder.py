@@ -135,6 +135,13 @@ def _digest(value: Any) -> bytes:
 
 
 def _message_digest(msg: Any) -> int:
+    """64-bit digest of one message: role + content fast path, canonical JSON otherwise."""
+    if type(msg) is dict and len(msg) == 2:
+        role, content = msg.get("role"), msg.get("content")
+        if type(role) is str and type(content) is str:
+            return _h64(
+                b"\x01" + role.encode() + b"\x00" + content.encode("utf-8", "surrogatepass")
+            )
     if isinstance(msg, Mapping):
         content = msg.get("content")
         rest = {k: v for k, v in msg.items() if k != "content"}
