@@ -294,8 +294,11 @@ class HFTokenizer:
         for bad in ("chat_template", "tokenize"):
             if bad in kwargs:
                 raise TokenizeError(f"chat_template_kwargs must not contain {bad!r}")
-        if kwargs.pop("continue_final_message", False):
-            raise TokenizeError("continue_final_message is not supported by the router tokenizer")
+        continue_final = bool(kwargs.pop("continue_final_message", False))
+        if continue_final and add_generation_prompt:
+            raise TokenizeError(
+                "continue_final_message and add_generation_prompt cannot both be true"
+            )
         kwargs.pop("add_generation_prompt", None)
         documents = kwargs.pop("documents", None)
         conversation = normalize_messages(
@@ -303,7 +306,8 @@ class HFTokenizer:
             detect_content_format(source),
             developer_role=supports_developer_role(source),
         )
-        return render_template(
+        final_text = _tag_final_message(conversation, source) if continue_final else ""
+        text = render_template(
             source,
             conversation,
             tools=tool_dicts,
@@ -312,6 +316,7 @@ class HFTokenizer:
             special_tokens=self.special_tokens,
             extra=kwargs,
         )
+        return _cut_at_tag(text, final_text) if continue_final else text
 
     def encode_chat(
         self,
@@ -448,6 +453,40 @@ class HFTokenizer:
             ):
                 out[tid] = CutToken(tid, content)
         return out
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(conversation: list[dict[str, Any]], source: str) -> str:
+    """Mark the end of the last message's text (transformers' continue_final_message)."""
+    final = conversation[-1].get("content")
+    if "content" not in source:
+        raise TokenizeError("continue_final_message: the chat template never reads 'content'")
+    if isinstance(final, list):
+        for part in reversed(final):
+            if "text" in part:
+                text = str(part["text"])
+                part["text"] = text + _CONTINUE_TAG
+                return text
+        raise TokenizeError("continue_final_message: the final message has no text to continue")
+    if not isinstance(final, str):
+        raise TokenizeError("continue_final_message: the final message has no content")
+    conversation[-1]["content"] = final + _CONTINUE_TAG
+    return final
+
+
+def _cut_at_tag(rendered: str, final_text: str) -> str:
+    """Drop everything from the tag on, as transformers does (rstrip if it was trimmed)."""
+    tag = _CONTINUE_TAG.strip()
+    if final_text.strip() not in rendered or tag not in rendered:
+        raise TokenizeError(
+            "continue_final_message: the final message does not appear in the rendered chat"
+        )
+    loc = rendered.rindex(tag)
+    if rendered[loc : loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:loc]
+    return rendered[:loc].rstrip()
 
 
 def _add_missing_tokens(

@@ -410,3 +410,29 @@ def test_model_specific_tokenizer_class_is_flagged_for_runtime_verification(
     assert flagged.tokenizer_class == "Qwen2Tokenizer"
     assert flagged.warnings and "check_against_engine" in flagged.warnings[0]
     assert HFTokenizer.from_dir(dirs["chatml"]).warnings == []  # PreTrainedTokenizerFast
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_continue_final_message_matches_transformers(
+    ours: dict[str, HFTokenizer], reference: dict[str, Any], template: str
+) -> None:
+    messages = [
+        {"role": "user", "content": "Finish my sentence."},
+        {"role": "assistant", "content": "The answer is "},
+    ]
+    kwargs = {"date_string": "1 Jan 2026"}
+    expected = hf_ids(
+        reference[template],
+        messages,
+        add_generation_prompt=False,
+        continue_final_message=True,
+        **kwargs,
+    )
+    got = ours[template].encode_chat(
+        messages,
+        add_generation_prompt=False,
+        chat_template_kwargs={"continue_final_message": True, **kwargs},
+    )
+    assert got == expected
+    with pytest.raises(TokenizeError, match="cannot both be true"):
+        ours[template].encode_chat(messages, chat_template_kwargs={"continue_final_message": True})

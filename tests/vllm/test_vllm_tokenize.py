@@ -77,6 +77,22 @@ def test_chat_ids_equal_the_engines_tokenize(
     assert tok.encode_chat(messages, add_generation_prompt=add_generation_prompt) == expected
 
 
+def test_continue_final_message_equals_the_engines_tokenize(
+    base_url: str, tok: HFTokenizer
+) -> None:
+    messages = [
+        {"role": "user", "content": "Finish my sentence."},
+        {"role": "assistant", "content": "The answer is "},
+    ]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        expected = vllm_tokenize(client, body)
+    got = tok.encode_chat(
+        messages, add_generation_prompt=False, chat_template_kwargs={"continue_final_message": True}
+    )
+    assert got == expected
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_completion_ids_equal_the_engines_tokenize(
     base_url: str, tok: HFTokenizer, prompt: str
