@@ -23,6 +23,7 @@ RESYNC_REASONS = (
     "lost_events",
     "apply_error",
     "restart",
+    "reconnect",
     "removed",
 )
 

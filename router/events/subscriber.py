@@ -21,6 +21,10 @@ Sequence semantics per pod (``expected`` = last applied seq + 1):
 * ``seq < expected``: the engine restarted (vLLM numbers batches from 0 per engine
   process): the pod is cleared, then the batch applied.
 * A pod removed from the registry is cleared.
+* Dial mode: when the connection to a pod's publisher drops (engine restart, network),
+  the pod is resynced at that point of the stream; the next batch re-learns it from the
+  replay buffer (join replay below).  Without this, a restarted engine whose first
+  batches we missed would look like a gap, not a restart, and stale blocks would stay.
 * The first batch of a pod with ``seq > 0`` (the router joined late, or restarted):
   with ``replay_on_join`` the pod's replay buffer is applied first, so the blocks its
   engine stored recently are known at once.
@@ -45,6 +49,7 @@ from typing import Any, Protocol
 import zmq
 import zmq.asyncio
 from prometheus_client.registry import CollectorRegistry
+from zmq.utils.monitor import parse_monitor_message
 
 from router.events.replay import ReplayError, fetch_replay
 from router.events.settings import EventsSettings
@@ -103,6 +108,14 @@ class _Clear:
     reason: str
 
 
+@dataclass(slots=True)
+class _Reconnect:
+    """Dial mode: the pod's PUB connection dropped (queued in order with its batches)."""
+
+    pod: str
+    gen: int
+
+
 @dataclass
 class _Feed:
     """Per-pod subscription state."""
@@ -121,6 +134,8 @@ class _Feed:
     joined: bool = False
     socket: zmq.asyncio.Socket | None = None
     reader: asyncio.Task[None] | None = None
+    monitor: zmq.asyncio.Socket | None = None
+    watcher: asyncio.Task[None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -150,7 +165,7 @@ class KVEventSubscriber:
         self.stats = EventStats()
         self._ctx = context or zmq.asyncio.Context()
         self._own_ctx = context is None
-        self._queue: asyncio.Queue[_Batch | _Clear] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Batch | _Clear | _Reconnect] = asyncio.Queue()
         self.stats.queue_depth = self._queue.qsize
         self.stats.sink_stats = self._sink_stats
         self._feeds: dict[str, _Feed] = {}
@@ -253,13 +268,38 @@ class KVEventSubscriber:
             feed.reader = asyncio.create_task(
                 self._dial_reader(feed, sock), name=f"kv-events-reader-{name}"
             )
+            feed.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            feed.watcher = asyncio.create_task(
+                self._watch_connection(feed, feed.monitor), name=f"kv-events-monitor-{name}"
+            )
             log.info("KV events: %s: SUB connected to %s", name, spec.events_endpoint)
+
+    async def _watch_connection(self, feed: _Feed, monitor: zmq.asyncio.Socket) -> None:
+        """A dropped connection may hide an engine restart whose first batches we miss
+        (seq would then look like a gap, not a restart): resync at the reconnection."""
+        while True:
+            frames = await monitor.recv_multipart()
+            try:
+                event = parse_monitor_message(frames)
+            except Exception:
+                continue
+            if event.get("event") == zmq.EVENT_DISCONNECTED:
+                log.warning("KV events: %s: publisher connection lost", feed.name)
+                self._queue.put_nowait(_Reconnect(feed.name, feed.gen))
 
     def _close_feed(self, feed: _Feed) -> None:
         if feed.reader is not None:
             feed.reader.cancel()
             feed.reader = None
+        if feed.watcher is not None:
+            feed.watcher.cancel()
+            feed.watcher = None
         if feed.socket is not None:
+            if feed.monitor is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    feed.socket.disable_monitor()
+                feed.monitor.close(linger=0)
+                feed.monitor = None
             feed.socket.close(linger=0)
             feed.socket = None
 
@@ -364,6 +404,11 @@ class KVEventSubscriber:
             try:
                 if isinstance(item, _Clear):
                     await self._clear(item.pod, item.reason, self._feeds.get(item.pod))
+                elif isinstance(item, _Reconnect):
+                    feed = self._feeds.get(item.pod)
+                    if feed is not None and feed.gen == item.gen:
+                        await self._resync(feed, "reconnect")
+                        feed.joined = False  # the next batch re-learns from the replay buffer
                 else:
                     await self._handle(item)
             except asyncio.CancelledError:
