@@ -13,8 +13,10 @@ prints the median and max wall time per policy (target: < 60 s for 12,031 reques
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,24 @@ def markdown(name: str, result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def chat_trace(path: Path, n_conv: int = 21, turns: int = 5) -> Path:
+    """21 five-turn chats that share one ~900-token system prompt, 2 req/s (OpenAI bodies)."""
+    system = {"role": "system", "content": "You are a helpful assistant. " * 30}
+    convs: list[list[dict[str, str]]] = [[system] for _ in range(n_conv)]
+    lines = []
+    t = 0.0
+    for turn in range(turns):
+        for c in range(n_conv):
+            ask = {"role": "user", "content": f"conv {c} turn {turn}: " + "tell me more. " * 40}
+            convs[c] = [*convs[c], ask]
+            t += 500.0
+            body = {"messages": convs[c], "max_tokens": 64}
+            lines.append(json.dumps({"timestamp": t, "session_id": f"c{c}", "body": body}))
+            convs[c] = [*convs[c], {"role": "assistant", "content": f"answer {turn} " * 30}]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", type=Path, default=TRACES.resolve())
@@ -63,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("mooncake_conversation", "mooncake_synthetic"):
         result = replay(a.traces / f"{name}.jsonl", fleet)
         print(markdown(name, result) + "\n", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        chats = chat_trace(Path(tmp) / "chats.jsonl")
+        small = ["--format", "openai", "--tokenizer", "builtin", "--pods", "4"]
+        small += ["--capacity-tokens", "20000", "--prefill-rate", "2000"]
+        print(f"small fleet, shared system prompt: {' '.join(small)}\n")
+        print(markdown("chats (21 conversations x 5 turns)", replay(chats, small)) + "\n")
     walls: dict[str, list[float]] = {}
     for _ in range(a.repeat):
         result = replay(a.traces / "mooncake_conversation.jsonl", fleet)

@@ -341,7 +341,7 @@ def test_cli_with_no_valid_request_fails_clearly(
     assert "no valid requests" in capsys.readouterr().err
 
 
-def chat_trace(path: Path, n_conv: int = 20, turns: int = 5) -> Path:
+def chat_trace(path: Path, n_conv: int = 21, turns: int = 5) -> Path:
     """Multi-turn chats that all start with one long system prompt (OpenAI bodies)."""
     system = {"role": "system", "content": "You are a helpful assistant. " * 30}
     convs: list[list[dict]] = [[system] for _ in range(n_conv)]
