@@ -11,6 +11,7 @@ import asyncio
 import json
 import signal
 import sys
+from collections.abc import Callable
 
 import zmq
 from pydantic import ValidationError
@@ -97,6 +98,15 @@ async def serve(settings: SimSettings) -> None:
             loop.remove_signal_handler(sig)
 
 
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when installed (faster HTTP), else asyncio's default loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
@@ -105,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvroute sim: invalid settings:\n{exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(settings))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(serve(settings))
     except (OSError, zmq.ZMQError) as exc:  # e.g. port in use
         print(f"kvroute sim: {exc}", file=sys.stderr)
         return 1
