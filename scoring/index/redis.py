@@ -69,6 +69,10 @@ def pack_keys(keys: Sequence[int]) -> bytes:
         raise
 
 
+#: one script call: (script, KEYS, ARGV)
+_Call = tuple[AsyncScript, list[bytes], list[Any]]
+
+
 class _Layout:
     """Key names of one namespace, all sharing the hash tag ``{namespace}``."""
 
@@ -167,68 +171,90 @@ class RedisIndex:
         n = self.batch_keys
         return [pack_keys(keys[i : i + n]) for i in range(0, len(keys), n)]
 
-    async def _run_batches(
-        self,
-        script: AsyncScript,
-        keys: list[bytes],
-        head: list[Any],
-        chunks: list[bytes],
-    ) -> None:
-        """Run ``script`` once per chunk: one call, or one pipeline (still one round trip).
+    async def _run_calls(self, calls: list[_Call]) -> None:
+        """Run script calls in order: one call, or one pipeline (still one round trip).
 
-        A chunk refused with NOSCRIPT (server restarted or flushed its script cache) is
-        retried after SCRIPT LOAD; chunks that ran are never re-run.
+        A call refused with NOSCRIPT (the server restarted or flushed its script cache)
+        is retried, in order, after SCRIPT LOAD; calls that ran are never re-run.
         """
-        if len(chunks) == 1:
-            await script(keys=keys, args=[*head, chunks[0]])
+        if len(calls) == 1:
+            script, keys, args = calls[0]
+            await script(keys=keys, args=args)
             return
-        todo = chunks
+        todo = calls
         for _attempt in range(2):
             async with self._r.pipeline(transaction=False) as pipe:
-                for c in todo:
-                    pipe.evalsha(script.sha, len(keys), *keys, *head, c)
+                for script, keys, args in todo:
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
                 results = await pipe.execute(raise_on_error=False)
-            failed = [c for c, r in zip(todo, results, strict=True) if isinstance(r, Exception)]
             errors = [r for r in results if isinstance(r, Exception)]
             if not errors:
                 return
-            if not all(isinstance(e, NoScriptError) for e in errors):
-                raise next(e for e in errors if not isinstance(e, NoScriptError))
-            await self._r.script_load(script.script)
+            other = [e for e in errors if not isinstance(e, NoScriptError)]
+            if other:
+                raise other[0]
+            failed = [c for c, r in zip(todo, results, strict=True) if isinstance(r, Exception)]
+            for script in {id(c[0]): c[0] for c in failed}.values():
+                await self._r.script_load(script.script)
             todo = failed
         raise RuntimeError("script missing on the server even after SCRIPT LOAD")
 
-    async def add(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
-        """Count one more copy of each key on ``pod`` in ``tier`` (refreshes the TTL)."""
+    def _add_calls(self, pod: str, keys: Sequence[int], tier: str) -> list[_Call]:
         p = _check_name("pod", pod)
         t = self._tier(tier)
-        if not keys:
-            return
-        chunks = self._chunks(keys)
         k = self._k
-        await self._run_batches(
-            self._add,
-            [k.pods, k.ids, k.next, k.seen],
-            [k.prefix, p, t, self._ttl_arg],
-            chunks,
-        )
+        skeys = [k.pods, k.ids, k.next, k.seen]
+        return [(self._add, skeys, [k.prefix, p, t, self._ttl_arg, c]) for c in self._chunks(keys)]
 
-    async def remove(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
-        """Count one copy fewer of each key; entries at 0 are deleted, unknown keys ignored."""
+    def _remove_calls(self, pod: str, keys: Sequence[int], tier: str) -> list[_Call]:
         p = _check_name("pod", pod)
         t = self._tier(tier)
-        if not keys:
-            return
-        chunks = self._chunks(keys)
         k = self._k
-        await self._run_batches(self._remove, [k.pods], [k.prefix, p, t], chunks)
+        return [(self._remove, [k.pods], [k.prefix, p, t, c]) for c in self._chunks(keys)]
 
-    async def clear_pod(self, pod: str, tier: str | None = None) -> None:
-        """Retire the pod's slot ids (all tiers, or ``tier``): O(tiers), no keyspace scan."""
+    def _clear_calls(self, pod: str, tier: str | None) -> list[_Call]:
         p = _check_name("pod", pod)
         tiers = [t.encode() for t in self.tiers] if tier is None else [self._tier(tier)]
         k = self._k
-        await self._clear(keys=[k.pods, k.ids, k.seen], args=[k.prefix, p, *tiers])
+        return [(self._clear, [k.pods, k.ids, k.seen], [k.prefix, p, *tiers])]
+
+    async def add(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
+        """Count one more copy of each key on ``pod`` in ``tier`` (refreshes the TTL)."""
+        calls = self._add_calls(pod, keys, tier)
+        if calls:
+            await self._run_calls(calls)
+
+    async def remove(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
+        """Count one copy fewer of each key; entries at 0 are deleted, unknown keys ignored."""
+        calls = self._remove_calls(pod, keys, tier)
+        if calls:
+            await self._run_calls(calls)
+
+    async def clear_pod(self, pod: str, tier: str | None = None) -> None:
+        """Retire the pod's slot ids (all tiers, or ``tier``): O(tiers), no keyspace scan."""
+        await self._run_calls(self._clear_calls(pod, tier))
+
+    async def apply_ops(self, ops: Iterable[tuple[str, str, str | None, Sequence[int]]]) -> None:
+        """Several writes, in order, in one round trip (an extension beyond BlockIndex).
+
+        ``ops`` are ``(kind, pod, tier, keys)`` with kind ``"add"`` / ``"remove"`` (tier
+        required) or ``"clear"`` (tier None = all tiers; keys ignored) -- the shape of
+        ``scoring.events.apply.IndexOps.ops``.  Every op is validated before anything
+        is sent, so a bad op (ValueError naming it) leaves the index untouched.
+        """
+        calls: list[_Call] = []
+        for n, (kind, pod, tier, keys) in enumerate(ops):
+            if kind == "clear":
+                calls.extend(self._clear_calls(pod, tier))
+            elif kind in ("add", "remove"):
+                if tier is None:
+                    raise ValueError(f"op #{n} ({kind} on {pod!r}) needs a tier")
+                make = self._add_calls if kind == "add" else self._remove_calls
+                calls.extend(make(pod, keys, tier))
+            else:
+                raise ValueError(f"op #{n} has unknown kind {kind!r}; use add, remove or clear")
+        if calls:
+            await self._run_calls(calls)
 
     async def lookup(
         self, keys: Sequence[int], pods: Collection[str] | None = None

@@ -279,22 +279,34 @@ for a = 1, #active do
   while going and s <= nblocks do
     local e = math.min(s + size - 1, nblocks)
     keys_upto(e)
-    local best = {}
-    for j = 1, #l do
-      local id = l[j]
-      local t = tier_of[id]
-      local vals = redis.call('HMGET', sprefix .. id, unpack(kb, s, e))
-      for k = 1, #vals do
-        if vals[k] then
-          local b = best[k]
-          if b == nil or t < b then best[k] = t end
+    if #l == 1 then
+      -- one slot: the run of present blocks extends every tier >= the slot's tier
+      local vals = redis.call('HMGET', sprefix .. l[1], unpack(kb, s, e))
+      local run = 0
+      while run < #vals and vals[run + 1] do run = run + 1 end
+      local c = counts[pod]
+      for t = tier_of[l[1]], nt do
+        if c[t] == s - 1 then c[t] = s - 1 + run end
+      end
+      going = run == e - s + 1
+    else
+      local best = {}
+      for j = 1, #l do
+        local id = l[j]
+        local t = tier_of[id]
+        local vals = redis.call('HMGET', sprefix .. id, unpack(kb, s, e))
+        for k = 1, #vals do
+          if vals[k] then
+            local b = best[k]
+            if b == nil or t < b then best[k] = t end
+          end
         end
       end
-    end
-    for k = 1, e - s + 1 do
-      if not extend(pod, s + k - 1, best[k]) then
-        going = false
-        break
+      for k = 1, e - s + 1 do
+        if not extend(pod, s + k - 1, best[k]) then
+          going = false
+          break
+        end
       end
     end
     s = e + 1

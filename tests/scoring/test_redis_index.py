@@ -172,6 +172,42 @@ async def test_batches_larger_than_batch_keys_go_in_one_pipeline(
         await idx.close()
 
 
+async def test_apply_ops_runs_mixed_writes_in_order_in_one_round_trip(
+    index: RedisIndex, raw: aioredis.Redis
+) -> None:
+    warm = [
+        ("add", "warm", "GPU", [1]),
+        ("remove", "warm", "GPU", [1]),
+        ("clear", "warm", None, []),
+    ]
+    await index.apply_ops(warm)  # the server now has the three scripts
+    ops = [
+        ("add", "pod-a", "GPU", [1, 2, 3]),
+        ("add", "pod-b", "CPU", [1, 2]),
+        ("clear", "pod-a", None, []),
+        ("add", "pod-a", "GPU", [1]),
+        ("remove", "pod-b", "CPU", [2]),
+    ]
+    assert await round_trips(index.apply_ops(ops)) == 1
+    assert await index.lookup([1, 2, 3]) == {
+        "pod-a": {"GPU": 1, "CPU": 1, "DISK": 1},
+        "pod-b": {"GPU": 0, "CPU": 1, "DISK": 1},
+    }
+    await raw.script_flush()  # reloaded, and still applied in order
+    await index.apply_ops([("clear", "pod-b", "CPU", []), ("add", "pod-b", "GPU", [1, 2])])
+    assert (await index.lookup([1, 2]))["pod-b"] == {"GPU": 2, "CPU": 2, "DISK": 2}
+
+
+async def test_apply_ops_rejects_a_bad_op_before_writing_anything(index: RedisIndex) -> None:
+    with pytest.raises(ValueError, match=r"op #1 has unknown kind 'store'"):
+        await index.apply_ops([("add", "pod-a", "GPU", [1]), ("store", "pod-a", "GPU", [2])])
+    with pytest.raises(ValueError, match=r"op #0 \(add on 'pod-a'\) needs a tier"):
+        await index.apply_ops([("add", "pod-a", None, [1])])
+    with pytest.raises(ValueError, match="block key #0"):
+        await index.apply_ops([("add", "pod-a", "GPU", [1]), ("add", "pod-b", "GPU", [-5])])
+    assert await index.lookup([1]) == {}
+
+
 async def test_scripts_reload_after_the_server_forgets_them(
     index: RedisIndex, raw: aioredis.Redis
 ) -> None:
