@@ -88,6 +88,10 @@ _h64 = xxhash.xxh3_64_intdigest
 _MAX_SCORED = 65_536
 
 
+def _key(request: RouteRequest) -> tuple[str, int]:
+    return (request.request_id, id(request))
+
+
 class CostParams(PolicyParams):
     prefill_rate_tokens_per_s: float = Field(
         default=5000.0, gt=0.0, description="prompt tokens one pod prefills per second"
@@ -183,10 +187,12 @@ class CostPolicy(Policy):
         super().__init__(params)
         assert isinstance(self.params, CostParams)
         self._p: CostParams = self.params
-        # request id -> (prompt tokens, {pod: predicted uncached tokens}), until routed
-        self._scored: OrderedDict[str, tuple[int, dict[str, int]]] = OrderedDict()
-        # request id -> (pod, prompt tokens, predicted uncached tokens), until complete
-        self._live: dict[str, tuple[str, int, int]] = {}
+        # Requests are keyed by (request_id, id(request)): a client may reuse an id, and
+        # the router hands the same RouteRequest object to pick / on_routed / on_complete.
+        # key -> (prompt tokens, {pod: predicted uncached tokens}), until routed
+        self._scored: OrderedDict[tuple[str, int], tuple[int, dict[str, int]]] = OrderedDict()
+        # key -> (pod, prompt tokens, predicted uncached tokens), until complete
+        self._live: dict[tuple[str, int], tuple[str, int, int]] = {}
         # pod -> block key -> number of live requests routed there that carry it
         self._live_keys: dict[str, dict[int, int]] = {}
         # pod -> [sum of prompt tokens, sum of predicted uncached tokens] of live requests
@@ -247,7 +253,7 @@ class CostPolicy(Policy):
             seed = self._p.seed
             chosen = max(tied, key=lambda name: _h64(f"{rid}\x00{name}".encode(), seed))
         prompt = request.prompt_tokens
-        self._scored[request.request_id] = (prompt, {k: prompt - v for k, v in cached.items()})
+        self._scored[_key(request)] = (prompt, {k: prompt - v for k, v in cached.items()})
         while len(self._scored) > _MAX_SCORED:  # picks never routed must not pile up
             self._scored.popitem(last=False)
         return Decision(
@@ -258,12 +264,13 @@ class CostPolicy(Policy):
         )
 
     def on_routed(self, request: RouteRequest, pod: str) -> None:
-        prompt, uncached = self._scored.pop(request.request_id, (request.prompt_tokens, {}))
+        key = _key(request)
+        prompt, uncached = self._scored.pop(key, (request.prompt_tokens, {}))
         miss = uncached.get(pod, prompt)
-        old = self._live.pop(request.request_id, None)
+        old = self._live.pop(key, None)
         if old is not None:  # routed again (retry): forget the first attempt
             self._unledger(old[0], old[1], old[2], request.block_keys)
-        self._live[request.request_id] = (pod, prompt, miss)
+        self._live[key] = (pod, prompt, miss)
         if self._p.count_inflight_prefixes:
             live = self._live_keys.setdefault(pod, {})
             for k in request.block_keys:
@@ -273,7 +280,7 @@ class CostPolicy(Policy):
         entry[1] += miss
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
-        old = self._live.pop(request.request_id, None)
+        old = self._live.pop(_key(request), None)
         if old is not None:
             self._unledger(old[0], old[1], old[2], request.block_keys)
 

@@ -303,3 +303,14 @@ def test_cost_does_not_let_one_hot_pods_queue_price_misses_on_idle_pods() -> Non
     ).pick(r, views)
     # the whole fleet mean makes every miss cost w = 18.6: 3000 + 18.6*192 < 18.6*512
     assert fleet.pod == "hot"
+
+
+def test_cost_keeps_two_live_requests_apart_even_when_a_client_reuses_their_id() -> None:
+    policy = build_policy("cost")
+    a = req("same-id", keys=[1, 2, 3])
+    b = req("same-id", keys=[7, 8, 9])
+    policy.on_routed(a, "p0")
+    policy.on_routed(b, "p1")
+    policy.on_complete(a, "p0")
+    assert policy.inflight_hits("p0", [1, 2, 3]) == 0  # type: ignore[attr-defined]
+    assert policy.inflight_hits("p1", [7, 8, 9]) == 3  # type: ignore[attr-defined]
