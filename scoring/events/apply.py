@@ -144,7 +144,15 @@ class IndexOps:
                 index.clear_pod_sync(pod)
 
     async def apply(self, index: BlockIndex) -> None:
-        """Run the writes on any index (one awaited call per merged write)."""
+        """Run the writes on any index: in one call when it offers
+        ``apply_ops(ops)`` (the Redis index: one round trip), else one awaited call per
+        merged write."""
+        if not self.ops:
+            return
+        apply_ops = getattr(index, "apply_ops", None)
+        if apply_ops is not None:
+            await apply_ops(self.ops)
+            return
         for kind, pod, tier, keys in self.ops:
             if kind == "add":
                 if keys:

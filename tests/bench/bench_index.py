@@ -181,7 +181,7 @@ def bench_memory() -> None:
     print("| what | pods | pods per key | entries | bytes/entry |")
     print("|---|---:|---:|---:|---:|")
     n = 200_000
-    for pods, share in ((16, 1), (16, 8), (256, 1), (256, 8)):
+    for pods, share in ((16, 1), (16, 8), (256, 1), (256, 8), (1000, 1), (1000, 8)):
         rng = random.Random(5)
         gc.collect()
         tracemalloc.start()
