@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from router.sim.engine import SimEngine, SimRequest, output_text
+from router.sim.hashing import lora_path
 from router.sim.settings import SimSettings
 from router.tokenize import PromptTokenizer, TokenizeError
 
@@ -478,7 +479,7 @@ class SimAPI:
                 "object": "model",
                 "created": self.created,
                 "owned_by": "vllm",
-                "root": name,
+                "root": name if parent is None else lora_path(name),
                 "parent": parent,
                 "max_model_len": s.max_model_len,
             }

@@ -82,7 +82,7 @@ class SimEngine:
         self._sleeper: Sleeper = sleep or asyncio.sleep
         self.block_size = settings.block_size
         self.cache = PrefixCache(settings.capacity_blocks)
-        self.hasher = EngineHasher(settings.block_size, settings.hash_seed)
+        self.hasher = EngineHasher(settings.block_size, settings.hash_seed, settings.hash_algo)
         self.events = EventFactory(settings.encoding)
         #: where event batches go (set by the pod once its publisher runs)
         self.sink: EventSink | None = None

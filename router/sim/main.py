@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--encoding", choices=["map", "array"], default=d.encoding, help="event encoding")
     a("--bytes-hashes", action="store_true", help="publish 32-byte digests, not 64-bit ints")
     a("--hash-seed", default=d.hash_seed, help="seed of the engine's NONE_HASH")
+    a("--hash-algo", choices=["sim", "sha256"], default=d.hash_algo,
+      help="'sim' (engine-private) or 'sha256' (exactly vLLM's)")  # fmt: skip
     return p
 
 
@@ -73,6 +75,7 @@ def settings_from_args(ns: argparse.Namespace) -> SimSettings:
         encoding=ns.encoding,
         int_hashes=not ns.bytes_hashes,
         hash_seed=ns.hash_seed,
+        hash_algo=ns.hash_algo,
     )
 
 

@@ -54,6 +54,10 @@ class SimSettings(BaseModel):
     #: 64-bit int hashes (vLLM's default) or raw 32-byte digests
     #: (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)
     int_hashes: bool = True
+    #: "sim": an engine-private sha256 chain nobody else reproduces (the default: the
+    #: router must learn blocks from the events' token ids); "sha256": exactly vLLM's
+    #: sha256 (pickle) prefix-caching hash, to test an engine-hash mode
+    hash_algo: Literal["sim", "sha256"] = "sim"
     #: seeds the engine's NONE_HASH (vLLM: $PYTHONHASHSEED or "vllm-none-hash")
     hash_seed: str = "vllm-none-hash"
     #: batches kept for replay

@@ -606,10 +606,33 @@ async def test_engine_hashes_are_not_the_router_block_keys(
     assert not set(ours) & set(ev["block_hashes"])
 
 
+async def test_sha256_mode_reproduces_vllm_hash_and_sim_mode_does_not(
+    make_pod: MakePod, http: httpx.AsyncClient, subscribe: Callable[[SimPod], Awaitable[Sub]]
+) -> None:
+    from scoring.events.engine_hash import EngineHasher as VllmHash
+
+    vllm = VllmHash("sha256", "vllm-none-hash", lora_paths={"l": "/sim/lora/l"})
+    body = {"model": "l", "prompt": "h" * 47, "cache_salt": "s", "max_tokens": 1}
+    prompt = ByteTokenizer().encode_prompt("h" * 47)
+    expected = [vllm.published(d) for d in vllm.chain(prompt, 16, lora="l", cache_salt="s")]
+    for algo in ("sha256", "sim"):
+        pod = await make_pod(block_size=16, hash_algo=algo, lora_adapters=["l"])
+        sub = await subscribe(pod)
+        await http.post(f"{pod.url}/v1/completions", json=body)
+        (ev,) = await sub.events()
+        if algo == "sha256":
+            assert ev["block_hashes"] == expected
+        else:
+            assert not set(ev["block_hashes"]) & set(expected)
+    models = (await http.get(f"{pod.url}/v1/models")).json()["data"]
+    assert models[1]["root"] == "/sim/lora/l"  # where an engine-hash mode finds the path
+
+
 async def test_scoring_decoder_reads_the_sim_events_in_both_encodings(
     make_pod: MakePod, http: httpx.AsyncClient
 ) -> None:
-    decode = pytest.importorskip("scoring.events.decode")
+    from scoring.events import decode
+
     for encoding in ("map", "array"):
         pod = await make_pod(
             encoding=encoding, block_size=16, capacity_tokens=64, lora_adapters=["l"]
