@@ -59,6 +59,9 @@ from router.pods import PodRegistry, PodSpec
 
 log = logging.getLogger(__name__)
 
+#: repeated warnings of one kind about one pod are logged at most this often
+WARN_EVERY_S = 10.0
+
 
 class DecodedBatch(Protocol):
     """What the sink's decoder returns: the engine timestamp and the events."""
@@ -175,8 +178,17 @@ class KVEventSubscriber:
         self.bound_endpoint: str | None = None
         self._running = False
         self._busy = False
+        self._warned: dict[str, float] = {}
         if metrics_registry is not None:
             register_event_stats(self.stats, metrics_registry)
+
+    def _warn(self, key: str, msg: str, *args: Any) -> None:
+        """``log.warning`` at most once per ``WARN_EVERY_S`` per ``key`` (a pod sending
+        garbage at a high rate must not flood the log); the counters count every one."""
+        now = time.monotonic()
+        if now - self._warned.get(key, -1e9) >= WARN_EVERY_S:
+            self._warned[key] = now
+            log.warning(msg, *args)
 
     def _sink_stats(self) -> dict[str, Any]:
         raw = getattr(self.sink, "stats", None)
@@ -284,7 +296,9 @@ class KVEventSubscriber:
             except Exception:
                 continue
             if event.get("event") == zmq.EVENT_DISCONNECTED:
-                log.warning("KV events: %s: publisher connection lost", feed.name)
+                self._warn(
+                    f"conn:{feed.name}", "KV events: %s: publisher connection lost", feed.name
+                )
                 self._queue.put_nowait(_Reconnect(feed.name, feed.gen))
 
     def _close_feed(self, feed: _Feed) -> None:
@@ -320,7 +334,7 @@ class KVEventSubscriber:
                 if len(frames) != 3
                 else f"seq frame of {len(frames[1])} bytes, expected 8"
             )
-            log.warning("KV events: %s: malformed message skipped: %s", who, detail)
+            self._warn(f"frame:{who}", "KV events: %s: malformed message skipped: %s", who, detail)
             return None
         return frames[0], int.from_bytes(frames[1], "big"), frames[2]
 
@@ -330,7 +344,8 @@ class KVEventSubscriber:
             st.dropped += 1
             if feed.drop_seq is None:
                 feed.drop_seq = seq
-                log.warning(
+                self._warn(
+                    f"queue:{feed.name}",
                     "KV events: %s: queue full (%d), batch %d dropped, pod marked for resync",
                     feed.name,
                     self.settings.queue_size,
@@ -350,11 +365,24 @@ class KVEventSubscriber:
         await asyncio.sleep(0)
         return time.perf_counter() + self.settings.time_slice_s
 
+    async def _recv(self, sock: zmq.asyncio.Socket, who: str) -> list[bytes] | None:
+        """One message; None after a socket error (logged; the reader goes on)."""
+        try:
+            return await sock.recv_multipart()
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.ETERM:
+                raise asyncio.CancelledError() from exc
+            self._warn(f"recv:{who}", "KV events: %s: receive failed: %s", who, exc)
+            await asyncio.sleep(0.1)
+            return None
+
     async def _dial_reader(self, feed: _Feed, sock: zmq.asyncio.Socket) -> None:
         slice_end = 0.0
         while True:
             slice_end = await self._pause(slice_end)
-            frames = await sock.recv_multipart()
+            frames = await self._recv(sock, feed.name)
+            if frames is None:
+                continue
             parts = self._split(frames, feed.name)
             if parts is None:
                 self.stats.pod(feed.name).malformed_frames += 1
@@ -373,18 +401,24 @@ class KVEventSubscriber:
         slice_end = 0.0
         while True:
             slice_end = await self._pause(slice_end)
-            frames = await sock.recv_multipart()
+            frames = await self._recv(sock, "bind")
+            if frames is None:
+                continue
             topic_raw = frames[0] if frames else b""
             try:
                 topic = parse_topic(topic_raw)
             except TopicError as exc:
                 self.stats.bad_topics += 1
-                log.warning("KV events: batch skipped: %s", exc)
+                self._warn("topic", "KV events: batch skipped: %s", exc)
                 continue
             feed = self._feeds.get(topic.pod)
             if feed is None:
                 self.stats.unknown_pod_batches += 1
-                log.warning("KV events: batch from unknown pod %r skipped", topic.pod)
+                self._warn(
+                    f"unknown:{topic.pod[:64]}",
+                    "KV events: batch from unknown pod %r skipped",
+                    topic.pod[:64],
+                )
                 continue
             parts = self._split(frames, topic.pod)
             if parts is None:
@@ -427,7 +461,9 @@ class KVEventSubscriber:
             else:
                 await self.sink.clear_pod(pod)
         except Exception as exc:
-            log.warning("KV events: %s: clearing the pod failed (%s); will retry", pod, exc)
+            self._warn(
+                f"clear:{pod}", "KV events: %s: clearing the pod failed (%s); will retry", pod, exc
+            )
             if feed is not None:
                 feed.dirty = True
             return False
@@ -458,13 +494,19 @@ class KVEventSubscriber:
         if exp is not None and b.seq > exp:
             st.gaps += 1
             st.missed_batches += b.seq - exp
-            log.warning("KV events: %s: gap, expected seq %d, got %d", b.pod, exp, b.seq)
+            self._warn(
+                f"gap:{b.pod}", "KV events: %s: gap, expected seq %d, got %d", b.pod, exp, b.seq
+            )
             if not await self._replay(feed, exp, b.seq):
                 await self._resync(feed, "gap")
         elif exp is not None and b.seq < exp:
             st.restarts += 1
-            log.warning(
-                "KV events: %s: seq went back from %d to %d: engine restart", b.pod, exp, b.seq
+            self._warn(
+                f"restart:{b.pod}",
+                "KV events: %s: seq went back from %d to %d: engine restart",
+                b.pod,
+                exp,
+                b.seq,
             )
             await self._resync(feed, "restart")
         await self._apply(feed, b.model, b.seq, b.payload)
@@ -483,7 +525,9 @@ class KVEventSubscriber:
             )
         except ReplayError as exc:
             st.replay_failures += 1
-            log.warning("KV events: %s: join replay failed: %s", feed.name, exc)
+            self._warn(
+                f"replay:{feed.name}", "KV events: %s: join replay failed: %s", feed.name, exc
+            )
             return
         st.replays += 1
         for rb in batches:
@@ -508,12 +552,13 @@ class KVEventSubscriber:
             )
         except ReplayError as exc:
             st.replay_failures += 1
-            log.warning("KV events: %s: replay failed: %s", feed.name, exc)
+            self._warn(f"replay:{feed.name}", "KV events: %s: replay failed: %s", feed.name, exc)
             return False
         if [rb.seq for rb in batches] != list(range(start, stop)):
             st.replay_failures += 1
             first = batches[0].seq if batches else None
-            log.warning(
+            self._warn(
+                f"replay:{feed.name}",
                 "KV events: %s: replay buffer does not cover seq %d..%d (first held: %s); "
                 "resync from what it holds",
                 feed.name,
@@ -543,19 +588,36 @@ class KVEventSubscriber:
             batch = self.sink.decode(payload)
         except Exception as exc:
             st.decode_errors += 1
-            log.warning("KV events: %s: batch %d does not decode (%s); resync", feed.name, seq, exc)
+            self._warn(
+                f"decode:{feed.name}",
+                "KV events: %s: batch %d does not decode (%s); resync",
+                feed.name,
+                seq,
+                exc,
+            )
             await self._clear(feed.name, "decode_error", feed)
             return
         try:
             n = await self.sink.apply(feed.name, model, batch)
         except Exception as exc:
             st.apply_errors += 1
-            log.warning("KV events: %s: applying batch %d failed (%s); resync", feed.name, seq, exc)
+            self._warn(
+                f"apply:{feed.name}",
+                "KV events: %s: applying batch %d failed (%s); resync",
+                feed.name,
+                seq,
+                exc,
+            )
             feed.dirty = True
             return
         st.batches += 1
         st.events += n
         st.lag_s = max(0.0, time.time() - float(batch.ts))
         if self._lost_events(feed.name):
-            log.warning("KV events: %s: events were skipped in batch %d; resync", feed.name, seq)
+            self._warn(
+                f"lost:{feed.name}",
+                "KV events: %s: events were skipped in batch %d; resync",
+                feed.name,
+                seq,
+            )
             await self._clear(feed.name, "lost_events", feed)
