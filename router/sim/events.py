@@ -124,6 +124,7 @@ class EventFactory:
             lora_name=lora_name,
             extra_keys=extra_keys or None,
             group_idx=0,
+            kv_cache_spec_kind="full_attention",  # as a real vLLM 0.32 engine sends
         )
 
     def removed(self, block_hash: Hash) -> KVCacheEvent:

@@ -341,7 +341,8 @@ async def test_block_stored_in_map_encoding_has_vllm_fields_and_omits_defaults(
         "lora_name": None,
         "extra_keys": [None] * n,
         "group_idx": 0,
-    }
+        "kv_cache_spec_kind": "full_attention",
+    }  # the exact key set a vLLM 0.32 CPU engine publishes
     assert len(ev["block_hashes"]) == n
     assert all(isinstance(h, int) and 0 <= h < 2**64 for h in ev["block_hashes"])
     assert len(set(ev["block_hashes"])) == n
@@ -357,9 +358,12 @@ async def test_array_encoding_is_positional_tag_first_in_vllm_field_order(
     await http.post(f"{pod.url}/v1/chat/completions", json=body)
     (ev,) = await sub.events()
     n = len(prompt) // 16
-    tag, hashes, parent, token_ids, block_size, lora_id, medium, lora_name, extra, group = ev[:10]
-    assert (tag, parent, token_ids, block_size, lora_id, medium, lora_name, extra, group) == (
+    tag, hashes, parent, token_ids, block_size, lora_id, medium, lora_name, extra, group, kind = ev[
+        :11
+    ]
+    assert (tag, parent, token_ids, block_size, lora_id, medium, lora_name, extra, group, kind) == (
         "BlockStored", None, prompt[: n * 16], 16, None, "GPU", None, [None] * n, 0,
+        "full_attention",
     )  # fmt: skip
     assert len(hashes) == n
     # a different prompt evicts (cache holds 20 blocks): BlockRemoved is positional too
