@@ -85,6 +85,8 @@ class InMemoryIndex:
         self._names: list[str | None] = []
         self._free: list[int] = []
         self._pod_n: list[int] = []  # distinct (key, tier) entries per pid
+        self._pid_gen = 0  # bumped whenever a name <-> pid binding changes
+        self._cand_cache: dict[tuple[str, ...] | frozenset[str], tuple[int, int]] = {}
         self._entries = 0  # distinct (key, pod) pairs
         self.evicted = 0  # (key, pod) pairs evicted by the size cap, ever
 
@@ -113,15 +115,25 @@ class InMemoryIndex:
                 self._names.append(pod)
                 self._pod_n.append(0)
             self._pid[pod] = pid
+            self._pid_gen += 1
         return pid
 
     def _mask_of(self, pods: Collection[str]) -> int:
+        """The mask of the known pods among ``pods`` (memoized per candidate list: the
+        router asks with the same fleet over and over)."""
+        key = frozenset(pods) if isinstance(pods, (set, frozenset)) else tuple(pods)
+        hit = self._cand_cache.get(key)
+        if hit is not None and hit[0] == self._pid_gen:
+            return hit[1]
         mask = 0
         pid = self._pid
-        for p in pods:
+        for p in key:
             i = pid.get(p)
             if i is not None:
                 mask |= 1 << i
+        if len(self._cand_cache) >= 1024:
+            self._cand_cache.clear()
+        self._cand_cache[key] = (self._pid_gen, mask)
         return mask
 
     def _held_slow(self, key: int, bit: int) -> bool:
@@ -310,6 +322,7 @@ class InMemoryIndex:
         del self._pid[pod]
         self._names[pid] = None
         self._free.append(pid)
+        self._pid_gen += 1
 
     def _evict(self) -> None:
         """Drop least recently stored keys until entries <= 99% of ``max_entries``."""
@@ -379,9 +392,8 @@ class InMemoryIndex:
         tiers = self.tiers
         out: dict[str, PodHits] = {}
         for mask, n in drops:
-            hits = dict.fromkeys(tiers, n)
-            for pid in _bits(mask):
-                out[names[pid]] = hits.copy()  # type: ignore[index]
+            copy = dict.fromkeys(tiers, n).copy
+            out.update({names[pid]: copy() for pid in _bits(mask)})  # type: ignore[misc]
         return out
 
     def _extra_tiers_used(self) -> bool:

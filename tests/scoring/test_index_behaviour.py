@@ -333,3 +333,16 @@ def test_memory_index_matches_a_reference_model_under_random_operations() -> Non
                 entries[p] = entries.get(p, 0) + 1
         assert idx.pod_entries_sync() == entries, step
         assert len(idx) == len({(p, k) for (p, k, _t), c in counts.items() if c > 0}), step
+
+
+def test_memory_index_candidate_lists_see_pods_that_arrive_or_leave_later() -> None:
+    idx = InMemoryIndex()
+    cands = ["a", "late"]
+    idx.add_sync("a", [1])
+    assert set(idx.lookup_sync([1], cands)) == {"a"}
+    idx.add_sync("late", [1])  # a pod unknown when the candidate list was first seen
+    assert set(idx.lookup_sync([1], cands)) == {"a", "late"}
+    idx.clear_pod_sync("a")
+    idx.add_sync("other", [1])  # takes over a's freed slot: must not count as "a"
+    assert set(idx.lookup_sync([1], cands)) == {"late"}
+    assert set(idx.lookup_sync([1], {"other"})) == {"other"}
