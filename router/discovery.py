@@ -322,9 +322,17 @@ class K8sDiscovery:
         )
         r.raise_for_status()
         body = r.json()
-        self._pods = {
-            p["metadata"]["name"]: p for p in body.get("items") or [] if p.get("metadata")
-        }
+        if not isinstance(body, dict):
+            raise ValueError(f"pod list is not a JSON object: {str(body)[:200]}")
+        pods: dict[str, dict[str, Any]] = {}
+        for item in body.get("items") or []:
+            name = (item.get("metadata") or {}).get("name") if isinstance(item, dict) else None
+            if not isinstance(name, str) or not name:
+                self.errors += 1
+                log.warning("k8s discovery: list item without metadata.name skipped")
+                continue
+            pods[name] = item
+        self._pods = pods
         self.lists += 1
         return str((body.get("metadata") or {}).get("resourceVersion") or "")
 
@@ -390,9 +398,14 @@ class K8sDiscovery:
                 except _Gone:
                     self.relists_on_gone += 1
                     log.info("k8s discovery: resourceVersion expired (410 Gone): re-listing")
-                except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+                except Exception as exc:  # never let discovery die: log, count, retry
                     self.errors += 1
-                    log.warning("k8s discovery: %s; retrying in %gs", exc, self.settings.retry_s)
+                    log.warning(
+                        "k8s discovery: %s: %s; retrying in %gs",
+                        type(exc).__name__,
+                        exc,
+                        self.settings.retry_s,
+                    )
                     await asyncio.sleep(self.settings.retry_s)
         finally:
             if self._client is None:

@@ -60,6 +60,8 @@ class HealthChecker:
         self.failures: dict[str, int] = defaultdict(int)
         self.ejections: dict[str, int] = defaultdict(int)
         self.readmissions: dict[str, int] = defaultdict(int)
+        #: why the last failed check of each pod failed
+        self.last_problem: dict[str, str] = {}
         if metrics_registry is not None:
             metrics_registry.register(_HealthCollector(self))
 
@@ -82,7 +84,7 @@ class HealthChecker:
         url = state.spec.url + self.settings.path
         try:
             r = await self.client.get(url, timeout=self.settings.timeout_s)
-        except httpx.HTTPError as exc:
+        except Exception as exc:  # refused, timeout, bad URL...: all mean "not healthy"
             return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if not r.is_success:
             return f"HTTP {r.status_code}"
@@ -95,7 +97,7 @@ class HealthChecker:
             r.raise_for_status()
             data = r.json().get("data")
             return {str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")}
-        except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:
+        except Exception as exc:  # unreachable, not JSON, not {"data": [...]}
             log.warning("health: %s: cannot read %s: %s", state.name, url, exc)
             return None
 
@@ -106,6 +108,7 @@ class HealthChecker:
         problem = await self._probe(state)
         if problem is not None:
             self.failures[name] += 1
+            self.last_problem[name] = problem
             state.consecutive_failures += 1
             if state.healthy and state.consecutive_failures >= self.settings.failure_threshold:
                 state.healthy = False

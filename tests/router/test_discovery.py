@@ -415,6 +415,23 @@ async def test_k8s_discovery_counts_and_skips_garbage_watch_lines(tmp_path: Path
                 await task
 
 
+async def test_k8s_discovery_skips_list_items_without_a_name(tmp_path: Path) -> None:
+    api = FakeApiServer()
+    api.items = [{"metadata": {}}, "garbage", k8s_pod("a")]  # type: ignore[list-item]
+    async with serve_app(api.app) as url:
+        disc = K8sDiscovery(k8s_settings(url, tmp_path))
+        reg = PodRegistry()
+        task = asyncio.create_task(disc.run(reg))
+        try:
+            await wait_for(lambda: len(api.watches()) == 1)
+            assert [p.name for p in reg.all()] == ["a"]
+            assert disc.errors == 2
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
 async def test_k8s_discovery_retries_after_the_api_server_is_unreachable(tmp_path: Path) -> None:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

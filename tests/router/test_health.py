@@ -191,3 +191,40 @@ async def test_health_metrics_are_exposed_in_the_given_registry() -> None:
     assert 'kvroute_health_failures_total{pod="p"} 1.0' in text
     assert 'kvroute_health_ejections_total{pod="p"} 1.0' in text
     await checker.aclose()
+
+
+async def test_a_pod_with_an_unusable_url_fails_its_checks_without_stopping_the_round() -> None:
+    pod = FakePod()
+    async with serve_app(pod.app) as url:
+        reg = PodRegistry()
+        reg.set_pods([PodSpec(name="bad", url="http://[::1"), PodSpec(name="good", url=url)])
+        checker = HealthChecker(reg, HealthSettings(failure_threshold=1))
+        await checker.check_all()
+        bad, good = reg.get("bad"), reg.get("good")
+        assert bad is not None and not bad.healthy
+        assert checker.last_problem["bad"].startswith("InvalidURL")  # not an httpx.HTTPError
+        assert good is not None and good.healthy and good.models == {"base-model"}
+        await checker.aclose()
+
+
+async def test_a_v1_models_answer_that_is_not_a_model_list_keeps_the_known_models() -> None:
+    pod = FakePod()
+    app = pod.app
+
+    @app.get("/v1/models-garbage")
+    async def garbage() -> Response:
+        return Response("<html>not json</html>", media_type="text/html")
+
+    @app.get("/v1/models-wrong-shape")
+    async def wrong_shape() -> Any:
+        return {"data": "nope"}
+
+    async with serve_app(app) as url:
+        reg = one_pod(url, models=("declared",))
+        for path in ("/v1/models-garbage", "/v1/models-wrong-shape"):
+            checker = HealthChecker(reg, HealthSettings(models_path=path))
+            await checker.check_all()
+            state = reg.get("p")
+            assert state is not None and state.healthy
+            assert state.models == {"declared"}
+            await checker.aclose()
