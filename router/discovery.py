@@ -180,7 +180,7 @@ class DnsDiscovery:
         while True:
             try:
                 specs = await self.resolve()
-            except OSError as exc:  # socket.gaierror included: keep the last fleet
+            except Exception as exc:  # gaierror, a bad name (UnicodeError): keep the fleet
                 self.failures += 1
                 log.warning("DNS discovery: resolving %r failed: %s", self.settings.hostname, exc)
             else:

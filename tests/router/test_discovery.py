@@ -146,13 +146,16 @@ async def test_dns_discovery_re_resolves_and_fills_the_registry() -> None:
             await task
 
 
-async def test_dns_discovery_keeps_the_last_fleet_when_resolution_fails() -> None:
+@pytest.mark.parametrize(
+    "bad_name", ["kvroute-no-such-host.invalid", "x" * 70 + ".example"], ids=["nxdomain", "bad"]
+)
+async def test_dns_discovery_keeps_the_last_fleet_when_resolution_fails(bad_name: str) -> None:
     settings = DnsDiscoverySettings(hostname="localhost", port=8123, interval_s=0.01)
     disc = DnsDiscovery(settings)
     reg = PodRegistry()
     reg.set_pods(await disc.resolve())
     before = sorted(p.name for p in reg.all())
-    settings.hostname = "kvroute-no-such-host.invalid"
+    settings.hostname = bad_name
     task = asyncio.create_task(disc.run(reg))
     try:
         await wait_for(lambda: disc.failures >= 1, timeout=30)
