@@ -185,6 +185,7 @@ class KVEventPublisher:
         self.dropped = 0
         self.replays_served = 0
         self.bad_replay_requests = 0
+        self.replay_errors = 0
 
     @property
     def binds(self) -> bool:
@@ -250,14 +251,22 @@ class KVEventPublisher:
             if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
                 # [identity, b"", start_seq(8)] expected; answer nothing, like vLLM
                 self.bad_replay_requests += 1
-                log.warning("invalid replay request (%d frames)", len(frames))
+                log.warning(
+                    "invalid replay request: %d frames %r (expected [b'', 8-byte start seq])",
+                    len(frames) - 1,
+                    [len(f) for f in frames[1:]],
+                )
                 continue
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
-            for seq, payload in list(self._buffer):
-                if seq >= start_seq:
-                    await sock.send_multipart(
-                        (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
-                    )
-            await sock.send_multipart((client, b"", b"", END_SEQ, b""))
-            self.replays_served += 1
+            try:
+                for seq, payload in list(self._buffer):
+                    if seq >= start_seq:
+                        await sock.send_multipart(
+                            (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
+                        )
+                await sock.send_multipart((client, b"", b"", END_SEQ, b""))
+                self.replays_served += 1
+            except zmq.ZMQError as exc:  # one failed replay must not stop the socket
+                self.replay_errors += 1
+                log.warning("replay to a subscriber failed: %s", exc)
