@@ -35,7 +35,7 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from router.config import Settings
-from router.discovery import build_discovery
+from router.discovery import DiscoveryError, build_discovery
 from router.events import IndexSink, KVEventSubscriber
 from router.pods import PodRegistry
 
@@ -175,5 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         await run(indexer, stop)
 
-    asyncio.run(_main())
+    try:
+        asyncio.run(_main())
+    except (DiscoveryError, OSError) as exc:  # cannot discover pods, port taken...
+        print(f"kvroute index: {exc}", flush=True)
+        return 2
     return 0

@@ -103,6 +103,22 @@ def test_main_with_a_missing_config_file_exits_2(
     assert "nope.yaml" in capsys.readouterr().out
 
 
+def test_main_exits_2_when_discovery_cannot_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    cfg = tmp_path / "k8s.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {"discovery": {"kind": "k8s", "k8s": {"namespace": "x", "label_selector": "a=b"}}}
+        )
+    )
+    assert (
+        main(["--redis", "redis://127.0.0.1:1", "--config", str(cfg), "--metrics-port", "0"]) == 2
+    )
+    assert "KUBERNETES_SERVICE_HOST" in capsys.readouterr().out
+
+
 async def test_indexer_writes_a_sim_pods_events_into_redis_for_router_replicas(
     sim_pod: SimPod, redis_url: str, redis_namespace: str, tmp_path: Path
 ) -> None:
