@@ -388,3 +388,15 @@ def test_cost_spreads_chats_sharing_a_system_prompt_over_a_small_fleet(tmp_path:
     fleet = run(fleet_backlog_share=1.0)
     assert fleet["imbalance"] > 2.0
     assert fleet["ttft_p90_s"] > 3 * default["ttft_p90_s"]
+
+
+def test_cli_replays_an_openai_trace_with_the_builtin_tokenizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = chat_trace(tmp_path / "chats.jsonl", n_conv=3, turns=3)
+    args = [str(path), "--format", "openai", "--tokenizer", "builtin", "--pods", "2"]
+    assert main([*args, "--capacity-tokens", "50000", "--policy", "session", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["trace"]["approximate"] is False and out["trace"]["block_size"] == 16
+    assert out["workload"]["turns_per_conversation"] == {"mean": 2.0, "p50": 2.0, "max": 3}
+    assert out["policies"]["session"]["hit_rate"] > 0.5  # each chat stays on its pod
