@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import time
@@ -29,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from router.config import Settings
 from router.discovery import build_discovery
@@ -267,7 +269,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await gateway.stop()
 
-    app = FastAPI(
+    app = _GatewayApp(
         title="kvroute",
         lifespan=lifespan,
         docs_url=None,
@@ -311,6 +313,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return await g.proxy.forward(
             routed, path, raw, request.headers.raw, request.receive, started
         )
+
+    async def _fast(scope: Scope, receive: Receive, send: Send, kind: Kind, path: str) -> None:
+        request = Request(scope, receive)
+        try:
+            response = await _generate(request, kind, path)
+        except RouterError as err:
+            response = err.response()
+        except Exception:
+            log.exception("request failed")
+            response = RouterError(500, "internal router error", reason="internal").response()
+        await response(scope, receive, send)
+
+    app.fast_routes = {
+        path: functools.partial(_fast, kind=kind, path=path) for path, kind in _FAST_KINDS
+    }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -372,6 +389,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
+_FAST_KINDS: tuple[tuple[str, Kind], ...] = (
+    ("/v1/chat/completions", "chat"),
+    ("/v1/completions", "completion"),
+    ("/v1/embeddings", "embedding"),
+)
+
+
+class _GatewayApp(FastAPI):
+    """FastAPI with a fast path: ``POST`` to the generation endpoints skips the
+    middleware stack and dependency solving (a proxy's per-request CPU is its latency
+    and its throughput); errors are still OpenAI JSON.  Everything else is FastAPI."""
+
+    fast_routes: dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = getattr(self, "fast_routes", {}).get(scope["path"])
+            if handler is not None:
+                scope["app"] = self
+                await handler(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
 def app_from_env() -> FastAPI:
     """Factory for uvicorn workers: settings passed by `kvroute serve` as JSON in
     ``KVROUTE_SERVE_SETTINGS_JSON`` (workers are separate processes)."""
@@ -380,6 +421,3 @@ def app_from_env() -> FastAPI:
     raw = os.environ.get("KVROUTE_SERVE_SETTINGS_JSON")
     settings = Settings.model_validate_json(raw) if raw else Settings.load([])
     return create_app(settings)
-
-
-Handler = Callable[[Request], Awaitable[Response]]

@@ -69,6 +69,16 @@ def static_pods(pods: Sequence[SimPod]) -> list[StaticPod]:
     ]
 
 
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed: it sets TCP_NODELAY on every TCP socket, where asyncio
+    skips sockets created without ``IPPROTO_TCP`` (as SimPod's listening socket is)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 class EmbeddedFleet:
     """A simulated fleet on a background thread's event loop."""
 
@@ -79,7 +89,7 @@ class EmbeddedFleet:
         self._thread: threading.Thread | None = None
 
     def start(self, timeout_s: float = 30.0) -> None:
-        loop = asyncio.new_event_loop()
+        loop = _new_loop()
         self._loop = loop
         self._thread = threading.Thread(target=loop.run_forever, name="kvroute-fleet", daemon=True)
         self._thread.start()

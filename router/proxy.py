@@ -69,8 +69,9 @@ _DROP_RESPONSE = frozenset(
 )
 
 
-def make_client(settings: ProxySettings) -> httpx.AsyncClient:
-    """The one pooled client: keep-alive, HTTP/1.1, configurable timeouts."""
+def make_client(settings: ProxySettings, *, fast_transport: bool = True) -> httpx.AsyncClient:
+    """The one pooled client: keep-alive, HTTP/1.1, configurable timeouts; requests go
+    through :class:`PodTransport` (``fast_transport``) or httpx's default pool."""
     return httpx.AsyncClient(
         timeout=httpx.Timeout(
             connect=settings.connect_timeout_s,
@@ -87,6 +88,7 @@ def make_client(settings: ProxySettings) -> httpx.AsyncClient:
         http2=False,
         follow_redirects=False,
         trust_env=False,
+        transport=PodTransport(settings.max_keepalive) if fast_transport else None,
     )
 
 
@@ -139,22 +141,32 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 async def _race_disconnect(work: Awaitable[Any], receive: Receive) -> Any:
-    """Await ``work``; if the client disconnects first, cancel it and raise _Disconnected."""
-    task = asyncio.ensure_future(work)
+    """Await ``work`` in this task; if the client disconnects first, cancel it (closing
+    the upstream connection) and raise _Disconnected.  One watcher task per call."""
+    current = asyncio.current_task()
+    assert current is not None
+    finished = False
+    gone = False
+
+    def on_disconnect(t: asyncio.Task[None]) -> None:
+        nonlocal gone
+        if finished or t.cancelled() or t.exception() is not None:
+            return
+        gone = True
+        current.cancel()
+
     watch = asyncio.ensure_future(_wait_disconnect(receive))
+    watch.add_done_callback(on_disconnect)
     try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        return await work
     except asyncio.CancelledError:
-        task.cancel()
-        watch.cancel()
+        if gone:
+            current.uncancel()
+            raise _Disconnected() from None
         raise
-    if task.done():
+    finally:
+        finished = True
         watch.cancel()
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    raise _Disconnected()
 
 
 class Proxy:
@@ -350,3 +362,267 @@ class Proxy:
         gauge.dec()
         await load.end()
         self.policy.on_complete(routed.route, pod)
+
+
+# -- the transport ---------------------------------------------------------------------------
+
+
+class _Conn:
+    """One keep-alive HTTP/1.1 connection to a pod."""
+
+    __slots__ = ("reader", "reused", "writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.reused = False
+
+    def usable(self) -> bool:
+        return not self.writer.is_closing() and not self.reader.at_eof()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+class _Origin:
+    """Idle connections to one (host, port), most recently used first."""
+
+    __slots__ = ("host", "idle", "port")
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        self.idle: list[_Conn] = []
+
+
+class _BodyStream(httpx.AsyncByteStream):
+    """A response body read straight off the connection (Content-Length, chunked, or
+    until close).  Fully read + keep-alive -> the connection goes back to the pool."""
+
+    def __init__(
+        self,
+        transport: PodTransport,
+        origin: _Origin,
+        conn: _Conn,
+        length: int | None,
+        chunked: bool,
+        keep_alive: bool,
+        read_timeout: float | None,
+    ) -> None:
+        self._t = transport
+        self._origin = origin
+        self._conn = conn
+        self._length = length
+        self._chunked = chunked
+        self._keep_alive = keep_alive and (chunked or length is not None)
+        self._timeout = read_timeout
+        self._done = length == 0 and not chunked
+        self._closed = False
+
+    async def _read(self, coro: Awaitable[bytes]) -> bytes:
+        try:
+            async with asyncio.timeout(self._timeout):
+                return await coro
+        except TimeoutError:
+            raise httpx.ReadTimeout("timed out reading the response body") from None
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            raise httpx.RemoteProtocolError(
+                f"peer closed connection without sending complete message body: {exc!r}"
+            ) from None
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        reader = self._conn.reader
+        try:
+            if self._chunked:
+                while True:
+                    line = await self._read(reader.readuntil(b"\r\n"))
+                    try:
+                        size = int(line.split(b";", 1)[0].strip(), 16)
+                    except ValueError:
+                        raise httpx.RemoteProtocolError(f"bad chunk size {line!r}") from None
+                    if size == 0:
+                        # trailers (normally none) end with an empty line
+                        while (await self._read(reader.readuntil(b"\r\n"))) != b"\r\n":
+                            pass
+                        break
+                    data = await self._read(reader.readexactly(size + 2))
+                    yield data[:-2]
+            elif self._length is not None:
+                left = self._length
+                while left > 0:
+                    data = await self._read(reader.read(min(left, 65536)))
+                    if not data:
+                        raise httpx.RemoteProtocolError("peer closed connection mid-body")
+                    left -= len(data)
+                    yield data
+            else:  # until the server closes
+                while True:
+                    data = await self._read(reader.read(65536))
+                    if not data:
+                        break
+                    yield data
+            self._done = True
+        finally:
+            if not self._done:
+                await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._done and self._keep_alive and self._conn.usable():
+            self._t._release(self._origin, self._conn)
+        else:  # unread body or broken: the connection cannot be reused (this also
+            self._conn.close()  # cancels the request on the pod, which sees EOF)
+
+
+class PodTransport(httpx.AsyncBaseTransport):
+    """A minimal HTTP/1.1 keep-alive transport for httpx, O(1) per request.
+
+    httpcore's pool checks every pooled connection (a ``poll`` syscall each) for every
+    request, which made the proxy's cost grow with concurrency (c128: ~30x slower than
+    c1 per request).  Here each pod has a LIFO list of idle connections; a request takes
+    the most recent usable one or dials a new one (TCP_NODELAY is set by asyncio).  A
+    request that fails on a *reused* connection before any response byte arrived is
+    retried once on a fresh connection (the pod closed the idle connection meanwhile).
+    Plain ``http`` only; the request body must be bytes.  Timeouts come from the
+    request's ``timeout`` extension (httpx fills it from the client's settings).
+    """
+
+    def __init__(self, max_keepalive_per_pod: int = 200) -> None:
+        self.max_keepalive = max_keepalive_per_pod
+        self._origins: dict[tuple[str, int], _Origin] = {}
+        self._closed = False
+
+    def _origin(self, url: httpx.URL) -> _Origin:
+        key = (url.host, url.port or 80)
+        o = self._origins.get(key)
+        if o is None:
+            o = self._origins[key] = _Origin(*key)
+        return o
+
+    def _release(self, origin: _Origin, conn: _Conn) -> None:
+        if self._closed or len(origin.idle) >= self.max_keepalive:
+            conn.close()
+            return
+        conn.reused = True
+        origin.idle.append(conn)
+
+    async def _connect(self, origin: _Origin, timeout: float | None) -> _Conn:
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(
+                    origin.host, origin.port, limit=1 << 20
+                )
+        except TimeoutError:
+            raise httpx.ConnectTimeout(f"connecting to {origin.host}:{origin.port}") from None
+        except OSError as exc:
+            raise httpx.ConnectError(f"{origin.host}:{origin.port}: {exc}") from None
+        return _Conn(reader, writer)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.scheme != "http":
+            raise httpx.UnsupportedProtocol("the pod transport speaks plain http only")
+        timeouts = request.extensions.get("timeout", {})
+        origin = self._origin(request.url)
+        head = self._head(request)
+        body = request.content
+        while True:
+            conn: _Conn | None = None
+            while origin.idle:
+                candidate = origin.idle.pop()
+                if candidate.usable():
+                    conn = candidate
+                    break
+                candidate.close()
+            if conn is None:
+                conn = await self._connect(origin, timeouts.get("connect"))
+            try:
+                return await self._exchange(origin, conn, head, body, timeouts.get("read"))
+            except _StaleConnection:
+                conn.close()
+                continue  # the pod had closed the idle connection: dial a fresh one
+            except BaseException:
+                conn.close()
+                raise
+
+    @staticmethod
+    def _head(request: httpx.Request) -> bytes:
+        target = request.url.raw_path
+        lines = [request.method.encode() + b" " + target + b" HTTP/1.1"]
+        lines += [k + b": " + v for k, v in request.headers.raw]
+        return b"\r\n".join(lines) + b"\r\n\r\n"
+
+    async def _exchange(
+        self, origin: _Origin, conn: _Conn, head: bytes, body: bytes, read_timeout: float | None
+    ) -> httpx.Response:
+        try:
+            conn.writer.write(head + body if len(body) < 65536 else head)
+            if len(body) >= 65536:
+                conn.writer.write(body)
+            async with asyncio.timeout(read_timeout):
+                await conn.writer.drain()
+                raw = await conn.reader.readuntil(b"\r\n\r\n")
+        except TimeoutError:
+            raise httpx.ReadTimeout("timed out waiting for the response headers") from None
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            nothing = not isinstance(exc, asyncio.IncompleteReadError) or not exc.partial
+            if conn.reused and nothing:
+                raise _StaleConnection() from None
+            raise httpx.RemoteProtocolError(
+                f"server disconnected without sending a response: {exc!r}"
+            ) from None
+        except asyncio.LimitOverrunError:
+            raise httpx.RemoteProtocolError("response headers too large") from None
+        first, _, raw_headers = raw[:-4].partition(b"\r\n")
+        try:
+            version, status_s, *reason = first.split(b" ", 2)
+            status = int(status_s)
+        except ValueError:
+            raise httpx.RemoteProtocolError(f"bad status line {first!r}") from None
+        headers: list[tuple[bytes, bytes]] = []
+        length: int | None = None
+        chunked = False
+        keep_alive = version == b"HTTP/1.1"
+        for line in raw_headers.split(b"\r\n"):
+            if not line:
+                continue
+            k, sep, v = line.partition(b":")
+            if not sep:
+                raise httpx.RemoteProtocolError(f"bad header line {line!r}")
+            v = v.strip()
+            headers.append((k, v))
+            lk = k.lower()
+            if lk == b"content-length":
+                try:
+                    length = int(v)
+                except ValueError:
+                    raise httpx.RemoteProtocolError(f"bad content-length {v!r}") from None
+            elif lk == b"transfer-encoding":
+                chunked = b"chunked" in v.lower()
+            elif lk == b"connection":
+                lv = v.lower()
+                keep_alive = b"close" not in lv and (keep_alive or b"keep-alive" in lv)
+        if chunked:
+            length = None
+        if status in (204, 304) or 100 <= status < 200:
+            length, chunked = 0, False
+        stream = _BodyStream(self, origin, conn, length, chunked, keep_alive, read_timeout)
+        return httpx.Response(
+            status,
+            headers=headers,
+            stream=stream,
+            extensions={"http_version": version, "reason_phrase": b" ".join(reason)},
+        )
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for origin in self._origins.values():
+            for conn in origin.idle:
+                conn.close()
+            origin.idle.clear()
+
+
+class _StaleConnection(Exception):
+    """A reused keep-alive connection was closed by the pod before answering."""

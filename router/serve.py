@@ -62,7 +62,10 @@ class RunningServer:
     """
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets
+        # whose listening socket says IPPROTO_TCP (a plain socket.socket() says 0, and
+        # then every small response write waits ~40 ms for a delayed ACK)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self._sock.listen(2048)

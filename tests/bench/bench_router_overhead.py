@@ -1,0 +1,391 @@
+"""Router overhead: tiny non-streaming completions, direct vs through a router.
+
+    python tests/bench/bench_router_overhead.py [--pods 4] [--seconds 5] [--rounds 2]
+
+Starts ``--pods`` simulated vLLM pods (``kvroute sim --time-scale 0``: they answer at
+once, so the pod's own time is a small constant), then, on free loopback ports:
+
+* ``direct``          — the client talks to pod 0 (no router);
+* ``kvroute w1/w2``   — ``kvroute serve`` with 1 and 2 uvicorn worker processes, default
+                        policy (cost), KV events on, in front of all pods;
+* ``sglang rr/ca``    — ``sglang-router`` round_robin / cache_aware (if installed);
+* ``vllm-router rr``  — ``vllm-router`` round_robin (if installed).
+
+The load generator is a small raw-socket HTTP/1.1 keep-alive client on its own event
+loop (one process), so it costs the same for every target.  For each target:
+
+* c1:  sequential requests -> latency p50 / p99 and *added* latency = target - direct;
+* c32, c128: that many connections for ``--seconds`` -> req/s and latency p50 / p99.
+
+Targets are measured in rounds, alternating, and the table shows the median over
+rounds: on a 2-core machine the pods, the router and the client share the CPUs, so only
+numbers from the same run are comparable.  Everything listens on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+BODY = json.dumps({"model": "sim-model", "prompt": "hi", "max_tokens": 1}).encode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def request_bytes(port: int) -> bytes:
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n\r\n"
+    ).encode() + BODY
+
+
+# -- load generator ------------------------------------------------------------------------
+
+
+class Conn:
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.req = request_bytes(port)
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def open(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        sock = self.writer.get_extra_info("socket")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    async def call(self) -> int:
+        assert self.reader is not None and self.writer is not None
+        self.writer.write(self.req)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        length = 0
+        chunked = False
+        for line in head.split(b"\r\n")[1:]:
+            k, _, v = line.partition(b":")
+            k = k.strip().lower()
+            if k == b"content-length":
+                length = int(v)
+            elif k == b"transfer-encoding" and b"chunked" in v.lower():
+                chunked = True
+        if chunked:
+            while True:
+                size = int((await self.reader.readuntil(b"\r\n")).strip(), 16)
+                await self.reader.readexactly(size + 2)
+                if size == 0:
+                    break
+        else:
+            await self.reader.readexactly(length)
+        return status
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def run_c1(port: int, n: int) -> list[float]:
+    c = Conn(port)
+    await c.open()
+    for _ in range(20):  # warm up
+        await c.call()
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        status = await c.call()
+        lat.append(time.perf_counter() - t0)
+        if status != 200:
+            raise RuntimeError(f"status {status} from port {port}")
+    c.close()
+    return lat
+
+
+async def run_concurrent(port: int, conns: int, seconds: float) -> tuple[float, list[float]]:
+    cs = [Conn(port) for _ in range(conns)]
+    await asyncio.gather(*(c.open() for c in cs))
+    lat: list[float] = []
+    errors = 0
+
+    async def warm(c: Conn) -> None:
+        for _ in range(5):
+            await c.call()
+
+    await asyncio.gather(*(warm(c) for c in cs))
+    stop_at = time.perf_counter() + seconds
+
+    async def worker(c: Conn) -> None:
+        nonlocal errors
+        while time.perf_counter() < stop_at:
+            t0 = time.perf_counter()
+            status = await c.call()
+            lat.append(time.perf_counter() - t0)
+            if status != 200:
+                errors += 1
+
+    t_start = time.perf_counter()
+    await asyncio.gather(*(worker(c) for c in cs))
+    elapsed = time.perf_counter() - t_start
+    for c in cs:
+        c.close()
+    if errors:
+        raise RuntimeError(f"{errors} non-200 answers from port {port}")
+    return len(lat) / elapsed, lat
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+
+# -- processes ------------------------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def start_sim(i: int) -> tuple[Proc, str]:
+    # under uvloop: it sets TCP_NODELAY on accepted sockets, which plain asyncio skips
+    # for SimPod's listening socket (created without IPPROTO_TCP) -> 40 ms Nagle stalls
+    code = "import sys, uvloop; uvloop.install(); from router.cli import main; sys.exit(main())"
+    p = subprocess.Popen(
+        [
+            sys.executable, "-c", code, "sim", "--port", "0", "--pod-name", f"sim-{i}",
+            "--time-scale", "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert p.stdout is not None
+    info = json.loads(p.stdout.readline())
+    return Proc(f"sim-{i}", p), str(info["url"])
+
+
+def wait_http(port: int, path: str = "/health", timeout: float = 60.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"nothing answered on port {port}{path}")
+
+
+def wait_completion(port: int, timeout: float = 60.0) -> None:
+    """Until the target routes a completion successfully (routers add workers lazily)."""
+
+    async def probe() -> bool:
+        try:
+            c = Conn(port)
+            await c.open()
+            ok = await c.call() == 200
+            c.close()
+            return ok
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if asyncio.run(probe()):
+            return
+        time.sleep(0.3)
+    raise RuntimeError(f"port {port} never answered a completion")
+
+
+def start_kvroute(urls: list[str], workers: int) -> tuple[Proc, int]:
+    port = free_port()
+    static = [{"name": f"sim-{i}", "url": u, "models": ["sim-model"]} for i, u in enumerate(urls)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    p = subprocess.Popen(
+        [
+            sys.executable, "-m", "router.cli", "serve", "--port", str(port),
+            "--workers", str(workers), "--log-level", "warning",
+            "--discovery.static", json.dumps(static),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_http(port, "/ready")
+    return Proc(f"kvroute w{workers}", p), port
+
+
+PEER_ENV = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+
+
+def start_sglang(urls: list[str], policy: str) -> tuple[Proc, int] | None:
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        return None
+    port, mport = free_port(), free_port()
+    p = subprocess.Popen(
+        [
+            sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+            "--port", str(port), "--worker-urls", *urls, "--policy", policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport),
+        ],
+        env={**os.environ, **PEER_ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_completion(port)
+    return Proc(f"sglang {policy}", p), port
+
+
+def start_vllm_router(urls: list[str], policy: str) -> tuple[Proc, int] | None:
+    exe = shutil.which("vllm-router")
+    if exe is None:
+        return None
+    port, mport = free_port(), free_port()
+    p = subprocess.Popen(
+        [
+            exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+            "--policy", policy, "--prometheus-port", str(mport),
+        ],
+        env={**os.environ, **PEER_ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_completion(port)
+    return Proc(f"vllm-router {policy}", p), port
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    c1: list[list[float]] = field(default_factory=list)
+    conc: dict[int, list[tuple[float, list[float]]]] = field(default_factory=dict)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--pods", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=5.0, help="per concurrent measurement")
+    ap.add_argument("--c1-requests", type=int, default=500)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--no-peers", action="store_true", help="skip sglang-router / vllm-router")
+    args = ap.parse_args()
+
+    try:
+        import uvloop
+
+        new_loop: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    except ImportError:
+        new_loop = asyncio.new_event_loop
+
+    procs: list[Proc] = []
+    try:
+        urls = []
+        for i in range(args.pods):
+            proc, url = start_sim(i)
+            procs.append(proc)
+            urls.append(url)
+        targets: list[tuple[str, int]] = [("direct", int(urls[0].rsplit(":", 1)[1]))]
+        for w in (1, 2):
+            proc, port = start_kvroute(urls, w)
+            procs.append(proc)
+            targets.append((proc.name, port))
+        if not args.no_peers:
+            for starter, policy in (
+                (start_sglang, "round_robin"),
+                (start_sglang, "cache_aware"),
+                (start_vllm_router, "round_robin"),
+            ):
+                try:
+                    started = starter(urls, policy)
+                except RuntimeError as exc:
+                    print(f"# skipped {starter.__name__} {policy}: {exc}", file=sys.stderr)
+                    continue
+                if started is None:
+                    print(f"# skipped {starter.__name__}: not installed", file=sys.stderr)
+                    continue
+                procs.append(started[0])
+                targets.append((started[0].name, started[1]))
+
+        results = {name: Result() for name, _ in targets}
+        for r in range(args.rounds):
+            order = targets if r % 2 == 0 else list(reversed(targets))
+            for name, port in order:
+                loop = new_loop()
+                try:
+                    res = results[name]
+                    res.c1.append(loop.run_until_complete(run_c1(port, args.c1_requests)))
+                    for c in args.concurrency:
+                        out = loop.run_until_complete(run_concurrent(port, c, args.seconds))
+                        res.conc.setdefault(c, []).append(out)
+                finally:
+                    loop.close()
+                print(f"# round {r + 1}: {name} done", file=sys.stderr)
+        print_table(results, args.concurrency)
+    finally:
+        for p in reversed(procs):
+            with contextlib.suppress(Exception):
+                p.stop()
+    return 0
+
+
+def print_table(results: dict[str, Result], concurrency: list[int]) -> None:
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs)
+
+    direct_p50 = med([pct(x, 0.5) for x in results["direct"].c1])
+    direct_p99 = med([pct(x, 0.99) for x in results["direct"].c1])
+    head = "| target | c1 p50 ms | c1 p99 ms | added p50 ms | added p99 ms |"
+    sep = "|---|---:|---:|---:|---:|"
+    for c in concurrency:
+        head += f" c{c} req/s | c{c} p50 ms | c{c} p99 ms |"
+        sep += "---:|---:|---:|"
+    print(head)
+    print(sep)
+    for name, res in results.items():
+        p50 = med([pct(x, 0.5) for x in res.c1])
+        p99 = med([pct(x, 0.99) for x in res.c1])
+        added50 = "" if name == "direct" else f"{(p50 - direct_p50) * 1e3:+.3f}"
+        added99 = "" if name == "direct" else f"{(p99 - direct_p99) * 1e3:+.3f}"
+        row = f"| {name} | {p50 * 1e3:.3f} | {p99 * 1e3:.3f} | {added50} | {added99} |"
+        for c in concurrency:
+            runs = res.conc.get(c, [])
+            rps = med([r for r, _ in runs])
+            lp50 = med([pct(lat, 0.5) for _, lat in runs])
+            lp99 = med([pct(lat, 0.99) for _, lat in runs])
+            row += f" {rps:,.0f} | {lp50 * 1e3:.2f} | {lp99 * 1e3:.2f} |"
+        print(row)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
