@@ -106,6 +106,15 @@ async def subscribe() -> AsyncIterator[Callable[[SimPod], Awaitable[Sub]]]:
         s.close(linger=0)
 
 
+async def until(cond: Callable[[], bool]) -> None:
+    """Poll for a state (not a speed): fail only if it never comes within GUARD."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + GUARD
+    while not cond():
+        assert loop.time() < deadline, "state not reached"
+        await asyncio.sleep(0.01)
+
+
 def chat_body(text: str, **kw: Any) -> dict[str, Any]:
     return {"model": "sim-model", "messages": [{"role": "user", "content": text}], **kw}
 
@@ -728,16 +737,35 @@ async def test_waiting_and_running_and_kv_usage_follow_requests_in_flight(
         )
 
     try:
-        while (g := await gauges())[:2] != (1, 2):
-            await asyncio.sleep(0.02)  # polling for a state, with the GUARD below
-        assert g[2] == pytest.approx(4 / 40)  # 64 tokens of the running prompt = 4 of 40 blocks
+        await until(lambda: (pod.engine.running, pod.engine.waiting) == (1, 2))
+        # the scraped gauges say the same; 64 tokens of the running prompt = 4 of 40 blocks
+        assert await gauges() == (1, 2, pytest.approx(4 / 40))
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    while (await gauges()) != (0, 0, 0):  # client aborts free slots and queue places
-        await asyncio.sleep(0.02)
-    assert pod.engine.running == 0 and pod.engine.waiting == 0
+    # client aborts free the slot and the queue places
+    await until(lambda: (pod.engine.running, pod.engine.waiting) == (0, 0))
+    assert await gauges() == (0, 0, 0)
+
+
+async def test_a_stream_closed_by_the_client_aborts_and_frees_its_slot(
+    make_pod: MakePod, http: httpx.AsyncClient, subscribe: Callable[[SimPod], Awaitable[Sub]]
+) -> None:
+    # decode at 1 token/s: the stream would last ~100 s unless the abort works
+    pod = await make_pod(time_scale=1.0, decode_rate=1.0, block_size=16)
+    sub = await subscribe(pod)
+    body = {"prompt": "v" * 40, "max_tokens": 100, "stream": True}
+    async with http.stream("POST", f"{pod.url}/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                break  # the first token arrived; hang up
+    (at_prefill,) = await sub.events()
+    assert len(at_prefill["block_hashes"]) == 2
+    await until(lambda: pod.engine.running == 0)
+    text = (await http.get(f"{pod.url}/metrics")).text
+    assert metric(text, "vllm:request_success_total", finished_reason="abort") == 1
+    assert metric(text, "vllm:num_requests_running") == 0
 
 
 async def test_ttft_is_queue_wait_plus_uncached_tokens_over_prefill_rate() -> None:
@@ -783,8 +811,7 @@ async def test_a_queue_forms_behind_max_batch_and_drains_in_order() -> None:
         order.append(i)
 
     tasks = [asyncio.create_task(run(i)) for i in range(3)]
-    while engine.waiting != 2:
-        await asyncio.sleep(0)
+    await until(lambda: engine.waiting == 2)
     assert engine.running == 1
     gate.set()
     await asyncio.gather(*tasks)
