@@ -45,11 +45,15 @@ class DiscoveryError(RuntimeError):
 class StaticPod(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, description="unique pod name (metrics label, header)")
     url: str = Field(min_length=1, description="HTTP base URL, e.g. http://10.0.0.7:8000")
-    events_endpoint: str | None = Field(None, description="ZMQ PUB to dial, tcp://host:5557")
-    replay_endpoint: str | None = Field(None, description="ZMQ ROUTER for replays")
-    models: list[str] = Field(default_factory=list)
+    events_endpoint: str | None = Field(
+        default=None, description="ZMQ PUB to dial, tcp://host:5557"
+    )
+    replay_endpoint: str | None = Field(default=None, description="ZMQ ROUTER for replays")
+    models: list[str] = Field(
+        default_factory=list, description="models served (else learned from /v1/models)"
+    )
 
     def spec(self) -> PodSpec:
         return PodSpec(
@@ -65,40 +69,52 @@ class DnsDiscoverySettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     hostname: str = Field(min_length=1, description="headless service name")
-    port: int = Field(8000, ge=1, le=65535, description="pods' HTTP port")
-    scheme: Literal["http", "https"] = "http"
-    events_port: int | None = Field(None, ge=1, le=65535, description="pods' KV-event PUB port")
-    replay_port: int | None = Field(None, ge=1, le=65535, description="pods' replay port")
+    port: int = Field(default=8000, ge=1, le=65535, description="pods' HTTP port")
+    scheme: Literal["http", "https"] = Field(default="http", description="pods' URL scheme")
+    events_port: int | None = Field(
+        default=None, ge=1, le=65535, description="pods' KV-event PUB port"
+    )
+    replay_port: int | None = Field(default=None, ge=1, le=65535, description="pods' replay port")
     models: list[str] = Field(default_factory=list, description="models every pod serves")
-    interval_s: float = Field(10.0, gt=0, description="seconds between resolutions")
+    interval_s: float = Field(default=10.0, gt=0, description="seconds between resolutions")
 
 
 class K8sDiscoverySettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     namespace: str | None = Field(
-        None, description="namespace (default: the service account's own namespace)"
+        default=None, description="namespace (default: the service account's own namespace)"
     )
     label_selector: str = Field(min_length=1, description="e.g. app=vllm")
-    port: int = Field(8000, ge=1, le=65535, description="HTTP port unless annotated")
-    scheme: Literal["http", "https"] = "http"
-    events_port: int | None = Field(None, ge=1, le=65535, description="unless annotated")
-    replay_port: int | None = Field(None, ge=1, le=65535, description="unless annotated")
+    port: int = Field(default=8000, ge=1, le=65535, description="HTTP port unless annotated")
+    scheme: Literal["http", "https"] = Field(default="http", description="pods' URL scheme")
+    events_port: int | None = Field(default=None, ge=1, le=65535, description="unless annotated")
+    replay_port: int | None = Field(default=None, ge=1, le=65535, description="unless annotated")
     models: list[str] = Field(default_factory=list, description="unless annotated")
-    port_annotation: str = "kvroute.io/port"
-    events_port_annotation: str = "kvroute.io/events-port"
-    replay_port_annotation: str = "kvroute.io/replay-port"
-    models_annotation: str = "kvroute.io/models"
+    port_annotation: str = Field(default="kvroute.io/port", description="annotation: HTTP port")
+    events_port_annotation: str = Field(
+        default="kvroute.io/events-port", description="annotation: KV-event PUB port"
+    )
+    replay_port_annotation: str = Field(
+        default="kvroute.io/replay-port", description="annotation: replay ROUTER port"
+    )
+    models_annotation: str = Field(
+        default="kvroute.io/models", description="annotation: comma-separated served models"
+    )
     api_server: str | None = Field(
-        None,
+        default=None,
         description="API server base URL (default https://$KUBERNETES_SERVICE_HOST:"
         "$KUBERNETES_SERVICE_PORT)",
     )
-    token_file: str = f"{SA_DIR}/token"
-    ca_file: str = f"{SA_DIR}/ca.crt"
-    namespace_file: str = f"{SA_DIR}/namespace"
-    watch_timeout_s: int = Field(300, ge=1, description="server-side timeout of one watch")
-    retry_s: float = Field(2.0, gt=0, description="pause after a failed list/watch")
+    token_file: str = Field(
+        default=f"{SA_DIR}/token", description="service-account token (re-read)"
+    )
+    ca_file: str = Field(default=f"{SA_DIR}/ca.crt", description="API server CA bundle")
+    namespace_file: str = Field(
+        default=f"{SA_DIR}/namespace", description="default namespace source"
+    )
+    watch_timeout_s: int = Field(default=300, ge=1, description="server-side timeout of one watch")
+    retry_s: float = Field(default=2.0, gt=0, description="pause after a failed list/watch")
 
 
 class DiscoverySettings(BaseModel):
@@ -106,10 +122,12 @@ class DiscoverySettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["static", "dns", "k8s"] = "static"
-    static: list[StaticPod] = Field(default_factory=list)
-    dns: DnsDiscoverySettings | None = None
-    k8s: K8sDiscoverySettings | None = None
+    kind: Literal["static", "dns", "k8s"] = Field(
+        default="static", description="where pods come from"
+    )
+    static: list[StaticPod] = Field(default_factory=list, description="kind static: the pods")
+    dns: DnsDiscoverySettings | None = Field(default=None, description="kind dns: its settings")
+    k8s: K8sDiscoverySettings | None = Field(default=None, description="kind k8s: its settings")
 
     @model_validator(mode="after")
     def _section_present(self) -> DiscoverySettings:

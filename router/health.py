@@ -32,13 +32,13 @@ class HealthSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="run periodic health checks")
     interval_s: float = Field(5.0, gt=0, description="seconds between checks of all pods")
     timeout_s: float = Field(2.0, gt=0, description="deadline of one check")
     failure_threshold: int = Field(3, ge=1, description="consecutive failures that eject")
     path: str = Field("/health", description="health endpoint of a pod")
     refresh_models: bool = Field(True, description="learn served models from /v1/models")
-    models_path: str = "/v1/models"
+    models_path: str = Field("/v1/models", description="served models endpoint of a pod")
 
 
 class HealthChecker:

@@ -20,27 +20,50 @@ class EventsSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = True
-    mode: Literal["dial", "bind"] = "dial"
-    #: bind mode: where our SUB socket binds ("tcp://*:5557"; "tcp://127.0.0.1:*" = any port)
-    bind_endpoint: str = "tcp://*:5557"
-    #: ZMQ subscription prefix ("" = every topic; vLLM's default topic is "")
-    topic_filter: str = ""
-    #: batches buffered between the socket readers and the index writer; beyond this a
-    #: batch is dropped and its pod marked for resync
-    queue_size: int = Field(default=10_000, ge=1)
-    #: on a seq gap, ask the pod's replay endpoint for the missed batches (else resync)
-    replay_on_gap: bool = True
-    #: on a pod's first batch with seq > 0, apply what its replay buffer holds first
-    replay_on_join: bool = True
-    #: seconds to wait for each replay frame before giving up (then resync)
-    replay_timeout_s: float = Field(default=2.0, gt=0)
-    #: the socket readers and the index writer give the event loop back at least this
-    #: often while busy, so requests served by the same loop wait at most about this long
-    time_slice_s: float = Field(default=0.002, gt=0)
-    #: ZMQ receive high-water mark of each SUB socket (vLLM's PUB uses 100,000)
-    rcvhwm: int = Field(default=100_000, ge=0)
-    #: block size used when an event omits it
-    block_size_fallback: int = Field(default=16, ge=1)
-    #: model name used when neither the topic nor the pod spec names one
-    model_fallback: str = ""
+    enabled: bool = Field(default=True, description="subscribe to the pods' KV events")
+    mode: Literal["dial", "bind"] = Field(
+        default="dial",
+        description="dial: one SUB per pod connecting to its events_endpoint; bind: one SUB "
+        "bound to bind_endpoint that the pods' PUBs connect to (topic kv@<pod>@<model>)",
+    )
+    bind_endpoint: str = Field(
+        default="tcp://*:5557",
+        description="bind mode: where the SUB binds (tcp://127.0.0.1:* = any port)",
+    )
+    topic_filter: str = Field(
+        default="",
+        description="ZMQ subscription prefix ('' = every topic; vLLM's default topic is '')",
+    )
+    queue_size: int = Field(
+        default=10_000,
+        ge=1,
+        description="batches buffered between socket readers and index writer; beyond, a "
+        "batch is dropped and its pod resynced",
+    )
+    replay_on_gap: bool = Field(
+        default=True,
+        description="on a seq gap, fetch the missed batches from the pod's replay_endpoint",
+    )
+    replay_on_join: bool = Field(
+        default=True,
+        description="on a pod's first batch with seq > 0, apply its replay buffer first",
+    )
+    replay_timeout_s: float = Field(
+        default=2.0, gt=0, description="max wait for each replay frame (then resync)"
+    )
+    time_slice_s: float = Field(
+        default=0.002,
+        gt=0,
+        description="readers and writer yield the event loop at least this often while busy",
+    )
+    rcvhwm: int = Field(
+        default=100_000,
+        ge=0,
+        description="ZMQ receive high-water mark per SUB (vLLM's PUB: 100,000)",
+    )
+    block_size_fallback: int = Field(
+        default=16, ge=1, description="block size used when an event omits it (kvroute index)"
+    )
+    model_fallback: str = Field(
+        default="", description="model of a pod named neither by its topic nor its discovery entry"
+    )
