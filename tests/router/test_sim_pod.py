@@ -569,6 +569,38 @@ async def test_connect_mode_pub_dials_a_subscriber_bound_socket(
         sock.close(linger=0)
 
 
+async def test_a_wildcard_endpoint_binds_and_reports_a_loopback_address_to_dial(
+    make_pod: MakePod, http: httpx.AsyncClient, subscribe: Callable[[SimPod], Awaitable[Sub]]
+) -> None:
+    pod = await make_pod(kv_endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
+    assert pod.events_endpoint is not None and pod.replay_endpoint_url is not None
+    assert pod.events_endpoint.startswith("tcp://127.0.0.1:")
+    assert pod.replay_endpoint_url.startswith("tcp://127.0.0.1:")
+    sub = await subscribe(pod)
+    await http.post(f"{pod.url}/v1/completions", json={"prompt": "u" * 40, "max_tokens": 1})
+    assert (await sub.events())[0]["type"] == "BlockStored"
+
+
+async def test_a_taken_http_port_fails_start_and_closes_the_event_sockets(
+    make_pod: MakePod,
+) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        pod = SimPod(SimSettings(port=taken.getsockname()[1], time_scale=0))
+        with pytest.raises(OSError):
+            await pod.start()
+        assert pod.publisher is not None and pod.publisher._pub is None
+        # the event port is free again: a second pod can take the same endpoint
+        assert pod.publisher.endpoint is not None
+        port = pod.publisher.endpoint.rsplit(":", 1)[1]
+        again = await make_pod(kv_endpoint=f"tcp://*:{port}")  # '*': bind, as vLLM does
+        assert again.events_endpoint == pod.publisher.endpoint
+    finally:
+        taken.close()
+
+
 async def test_bytes_hashes_are_32_byte_digests(
     make_pod: MakePod, http: httpx.AsyncClient, subscribe: Callable[[SimPod], Awaitable[Sub]]
 ) -> None:
