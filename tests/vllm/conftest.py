@@ -41,15 +41,21 @@ class EngineFactory:
 
     def many(self, names: list[str], **config: Any) -> list[EngineProcess]:
         """Several engines with one configuration, started side by side."""
-        cfg = EngineConfig(**config)
-        reason = missing_engine_reason(cfg.model)
-        if reason:
-            pytest.skip(reason)
+        return self.group([(name, config) for name in names])
+
+    def group(self, specs: list[tuple[str, dict[str, Any]]]) -> list[EngineProcess]:
+        """Engines given as (name, config) pairs, started side by side."""
+        keys = [(name, EngineConfig(**config)) for name, config in specs]
+        for _, cfg in keys:
+            reason = missing_engine_reason(cfg.model)
+            if reason:
+                pytest.skip(reason)
         new = []
-        for name in names:
-            if (name, cfg) not in self.started:
+        for key in keys:
+            if key not in self.started:
+                name, cfg = key
                 log = self.log_dir / f"{name}-{cfg.hash_algo}.log"
-                proc = self.started[(name, cfg)] = EngineProcess(cfg, log_path=log)
+                proc = self.started[key] = EngineProcess(cfg, log_path=log)
                 proc.start()
                 new.append(proc)
         for proc in new:
@@ -57,7 +63,7 @@ class EngineFactory:
                 proc.wait_ready()
             except EngineStartError as exc:
                 pytest.fail(f"vLLM engine did not start: {exc}")
-        return [self.started[(name, cfg)] for name in names]
+        return [self.started[key] for key in keys]
 
     def stop_all(self) -> None:
         for proc in self.started.values():

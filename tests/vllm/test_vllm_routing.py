@@ -18,6 +18,8 @@ files for exact token ids, and block size 32.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,7 +28,7 @@ import httpx
 import pytest
 
 from tests.vllm.conftest import EngineFactory
-from tools.capture_vllm_events import VLLM_ROOT, EngineProcess
+from tools.capture_vllm_events import VLLM_ROOT, EngineProcess, free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -43,7 +45,7 @@ def _prefix(topic: str) -> str:
 def _metric(text: str, name: str, pod: str | None = None) -> float:
     """A sample of ``name`` in a Prometheus exposition (the one labelled ``pod``)."""
     for line in text.splitlines():
-        if line.startswith(name + "{") and (pod is None or f'pod="{pod}"' in line):
+        if line.startswith((name + "{", name + " ")) and (pod is None or f'pod="{pod}"' in line):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} (pod={pod}) missing from /metrics")
 
@@ -59,27 +61,34 @@ def engines(engine: EngineFactory) -> list[EngineProcess]:
     return engine.many(["route-0", "route-1"], hash_algo="sha256")
 
 
-@pytest.fixture
-async def router(engines: list[EngineProcess]) -> AsyncIterator[httpx.AsyncClient]:
+def _pods(engines: list[EngineProcess], *, dial: bool = True) -> list[dict[str, Any]]:
+    """Static pod entries ``vllm-<i>``; in bind mode the engines connect to us instead."""
+    return [
+        {
+            "name": f"vllm-{i}",
+            "url": e.base_url,
+            "events_endpoint": e.pub_endpoint if dial else None,
+            "replay_endpoint": e.replay_endpoint,
+            "models": [MODEL],
+        }
+        for i, e in enumerate(engines)
+    ]
+
+
+@contextlib.asynccontextmanager
+async def running_router(
+    pods: list[dict[str, Any]], events: dict[str, Any] | None = None
+) -> AsyncIterator[httpx.AsyncClient]:
+    """``kvroute`` (create_app + uvicorn on a free port) in front of ``pods``; yields a
+    client once /ready answers 200."""
     from router.app import create_app
     from router.config import Settings
     from router.serve import RunningServer
 
     settings = Settings.model_validate(
         {
-            "discovery": {
-                "static": [
-                    {
-                        "name": f"vllm-{i}",
-                        "url": e.base_url,
-                        "events_endpoint": e.pub_endpoint,
-                        "replay_endpoint": e.replay_endpoint,
-                        "models": [MODEL],
-                    }
-                    for i, e in enumerate(engines)
-                ]
-            },
-            "events": {"enabled": True, "mode": "dial"},
+            "discovery": {"static": pods},
+            "events": {"enabled": True, "mode": "dial", **(events or {})},
             "fleet": {"enabled": False},
             "tokenizers": {MODEL: str(VLLM_ROOT / "tiny-llama")},
             "block_size": BLOCK,
@@ -98,6 +107,12 @@ async def router(engines: list[EngineProcess]) -> AsyncIterator[httpx.AsyncClien
     finally:
         await client.aclose()
         await server.stop()
+
+
+@pytest.fixture
+async def router(engines: list[EngineProcess]) -> AsyncIterator[httpx.AsyncClient]:
+    async with running_router(_pods(engines)) as client:
+        yield client
 
 
 async def _route(router: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
@@ -187,3 +202,66 @@ async def test_chat_turns_through_the_router_stick_to_the_engine_that_served_the
     assert r2.status_code == 200, r2.text
     assert r2.headers["x-kvroute-pod"] == first_pod
     assert await _hits(holder) - before >= 10 * BLOCK
+
+
+async def _complete_direct(engine: EngineProcess, prompt: str) -> int:
+    """Send a completion straight to ``engine``; return its prompt's full blocks."""
+    async with httpx.AsyncClient(base_url=engine.base_url, timeout=120) as direct:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        (await direct.post("/v1/completions", json=body)).raise_for_status()
+        ids = (await direct.post("/tokenize", json={"prompt": prompt})).json()["tokens"]
+    return len(ids) // BLOCK
+
+
+async def test_a_router_joining_late_learns_earlier_blocks_from_the_engine_replay_buffer(
+    engines: list[EngineProcess],
+) -> None:
+    """Blocks stored before the router existed are published at seq > 0 only once the
+    engine's next batch arrives; the router then replays the engine's buffer (a real
+    ROUTER socket) and indexes what it missed."""
+    before = _prefix("delta")
+    n = await _complete_direct(engines[1], before)  # published before the router listens
+    async with running_router(_pods(engines)) as router:
+        await _complete_direct(engines[1], _prefix("echo"))  # the first batch it sees
+        body = {"model": MODEL, "prompt": before + " Question?", "max_tokens": 2}
+        plan = await _wait_indexed(router, body, "vllm-1", n)
+        assert plan["pod"] == "vllm-1"
+        metrics = (await router.get("/metrics")).text
+        assert _metric(metrics, "kvroute_event_replayed_batches_total", pod="vllm-1") >= 1
+
+
+async def test_bind_mode_engines_connect_to_the_router_and_are_named_by_their_topic(
+    engine: EngineFactory,
+) -> None:
+    """Engines given a non-wildcard endpoint *connect* their PUB socket to the router's
+    bound SUB and publish under the topic ``kv@<pod>@<model>``."""
+    port = free_port()
+    replay_ports = [free_port(), free_port()]
+    engines: list[tuple[str, dict[str, Any]]] = []
+    for i, rport in enumerate(replay_ports):
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{port}",  # no '*': the engine connects
+            "replay_endpoint": f"tcp://*:{rport}",  # the replay ROUTER always binds
+            "topic": f"kv@vllm-{i}@{MODEL}",
+        }
+        # vLLM warns "Found duplicate keys --kv-events-config" and keeps the last one,
+        # so this replaces serve.sh's own config entirely
+        extra = ("--kv-events-config", json.dumps(config))
+        engines.append((f"bind-{i}", {"hash_algo": "sha256", "extra_args": extra}))
+    procs = engine.group(engines)
+    events = {"mode": "bind", "bind_endpoint": f"tcp://127.0.0.1:{port}"}
+    pods = _pods(procs, dial=False)
+    for pod, rport in zip(pods, replay_ports, strict=True):
+        pod["replay_endpoint"] = f"tcp://127.0.0.1:{rport}"
+    async with running_router(pods, events) as router:
+        n = await _complete_direct(procs[0], _prefix("foxtrot"))
+        body = {"model": MODEL, "prompt": _prefix("foxtrot") + " Why?", "max_tokens": 2}
+        plan = await _wait_indexed(router, body, "vllm-0", n)
+        assert plan["pod"] == "vllm-0"
+        r = await router.post("/v1/completions", json={**body, "temperature": 0})
+        assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "vllm-0"
+        metrics = (await router.get("/metrics")).text
+        assert _metric(metrics, "kvroute_events_ingested_total", pod="vllm-0") > 0
+        assert _metric(metrics, "kvroute_event_bad_topics_total") == 0
