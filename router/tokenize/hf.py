@@ -216,6 +216,7 @@ class HFTokenizer:
         lengths = [len(t.content) for t in tokenizer.get_added_tokens_decoder().values()]
         #: the longest added token, in characters (bounds look-ahead of token matching)
         self.max_added_token_chars = max(lengths, default=0)
+        self._batch_fast = getattr(tokenizer, "encode_batch_fast", None)  # tokenizers >= 0.21
         split = self._find_split_tokens()
         self._split_pattern = (
             re.compile("|".join(re.escape(c) for c in sorted(split, key=len, reverse=True)))
@@ -354,31 +355,60 @@ class HFTokenizer:
 
         Texts longer than ``parallel_chars`` are split before *split tokens* (cut tokens
         that no other added token can overlap) into about ``parallel_chunks`` pieces,
-        encoded with ``encode_batch`` (Rust threads), and each piece is checked to start
-        with its split token; any surprise falls back to one sequential encode.
+        encoded with ``encode_batch_fast`` (Rust threads, no offsets), and each piece is
+        checked to start with its split token.  Cut points come from pairing the cut
+        tokens' occurrences in the text with their ids; any surprise falls back to one
+        sequential encode with offsets.
         """
         starts = self._split_points(text)
-        if len(starts) > 1:
-            pieces = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
-            encodings = self.tokenizer.encode_batch(pieces, add_special_tokens=False)
-            ids: list[int] = []
-            cuts: list[tuple[int, int]] = []
-            for start, piece, enc in zip(starts, pieces, encodings, strict=True):
-                piece_ids = enc.ids
-                if start:
-                    expected = self._cut_ids.get(self._split_content(piece))
-                    span = enc.token_to_chars(0) if piece_ids else None
-                    if span is None or piece_ids[0] != expected or span[0] != 0:
-                        break  # the split token was not matched as expected
-                    cuts.append((start, len(ids)))
-                base = len(ids)
-                cuts.extend((start + c, base + k) for c, k in self._cuts_in(piece, enc, piece_ids))
-                ids.extend(piece_ids)
-            else:
-                return ids, cuts
+        pieces = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+        ids: list[int] = []
+        cuts: list[tuple[int, int]] = []
+        for start, piece, piece_ids in zip(starts, pieces, self._encode_fast(pieces), strict=True):
+            if start:
+                expected = self._cut_ids.get(self._split_content(piece))
+                if not piece_ids or piece_ids[0] != expected:
+                    break  # the split token was not matched as expected
+                cuts.append((start, len(ids)))
+            piece_cuts = self._cuts_from_ids(piece, piece_ids)
+            if piece_cuts is None:
+                break
+            base = len(ids)
+            cuts.extend((start + c, base + k) for c, k in piece_cuts)
+            ids.extend(piece_ids)
+        else:
+            return ids, cuts
+        # a surprise (a token another added token overlapped): one encode with offsets
         enc = self.tokenizer.encode(text, add_special_tokens=False)
         ids = enc.ids
         return ids, self._cuts_in(text, enc, ids)
+
+    def _encode_fast(self, pieces: list[str]) -> list[list[int]]:
+        """Ids of each piece, without offsets (``encode_batch_fast``, Rust threads)."""
+        if self._batch_fast is not None:
+            return [e.ids for e in self._batch_fast(pieces, add_special_tokens=False)]
+        return [e.ids for e in self.tokenizer.encode_batch(pieces, add_special_tokens=False)]
+
+    def _cuts_from_ids(self, text: str, ids: list[int]) -> list[tuple[int, int]] | None:
+        """Cut points found by pairing the cut tokens' textual occurrences, in order, with
+        their ids in ``ids``; ``None`` when the counts disagree (an occurrence that was not
+        matched as a token), so offsets must be used instead."""
+        if self._cut_pattern is None:
+            return []
+        by_content = self._cut_ids
+        matches = [(m.start(), by_content[m.group()]) for m in self._cut_pattern.finditer(text)]
+        wanted: dict[int, int] = {}
+        for _, tid in matches:
+            wanted[tid] = wanted.get(tid, 0) + 1
+        if any(ids.count(tid) != n for tid, n in wanted.items()):
+            return None
+        cuts = []
+        k = -1
+        for start, tid in matches:
+            k = ids.index(tid, k + 1)
+            if k:
+                cuts.append((start, k))
+        return cuts
 
     def _cuts_in(self, text: str, enc: Any, ids: list[int]) -> list[tuple[int, int]]:
         cuts = []

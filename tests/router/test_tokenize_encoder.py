@@ -291,11 +291,11 @@ def test_parallel_chunked_encoding_equals_one_sequential_encode(
         parallel_chunks=5,
     )
     assert len(chunked._split_points(text)) >= 4  # really split
-    assert chunked.encode_with_cuts(text) == sequential.encode_with_cuts(text)
-    assert (
-        chunked.encode_with_cuts(text)[0]
-        == base.tokenizer.encode(text, add_special_tokens=False).ids
-    )
+    with_offsets = base.tokenizer.encode(text, add_special_tokens=False)
+    exact = (with_offsets.ids, base._cuts_in(text, with_offsets, with_offsets.ids))
+    assert exact[1], "the fixture text has cut points"
+    assert chunked.encode_with_cuts(text) == exact
+    assert sequential.encode_with_cuts(text) == exact
 
 
 def test_tokens_another_added_token_can_overlap_are_never_split_points() -> None:
@@ -315,7 +315,29 @@ def test_tokens_another_added_token_can_overlap_are_never_split_points() -> None
     assert tok._find_split_tokens() == {"<|b|>", "x<|a"}
     text = "a x<|a|> a <|b|> a " * 50
     tok.parallel_chars, tok.parallel_chunks = 10, 8
-    assert tok.encode_with_cuts(text)[0] == raw.encode(text, add_special_tokens=False).ids
+    enc = raw.encode(text, add_special_tokens=False)
+    by_offsets = tok._cuts_in(text, enc, enc.ids)
+    assert (2, 1) in by_offsets  # "x<|a" matched at char 2, token 1 (not "<|a|>" at 3)
+    assert tok._cuts_from_ids(text, enc.ids) == by_offsets
+    assert tok.encode_with_cuts(text) == (enc.ids, by_offsets)
+
+
+def test_an_occurrence_swallowed_by_a_non_cut_token_falls_back_to_offsets() -> None:
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    raw = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.add_special_tokens(
+        [AddedToken("<|b|>", special=True), AddedToken("y<|b", special=True, lstrip=True)]
+    )
+    tok = HFTokenizer(raw)
+    text = "a y<|b|> a <|b|> a " * 50
+    enc = raw.encode(text, add_special_tokens=False)
+    # the regex sees "<|b|>" inside "y<|b|>", where the tokenizer matched "y<|b"
+    assert tok._cuts_from_ids(text, enc.ids) is None
+    tok.parallel_chars, tok.parallel_chunks = 10, 8
+    assert tok._find_split_tokens() == set()  # "y<|b" overlaps "<|b|>": nothing to split at
+    assert tok.encode_with_cuts(text) == (enc.ids, tok._cuts_in(text, enc, enc.ids))
 
 
 @pytest.mark.parametrize("template", TEMPLATES)
