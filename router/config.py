@@ -43,8 +43,9 @@ class ProxySettings(_Section):
     read_timeout_s: float = Field(
         default=600.0, gt=0, description="max wait for the next byte from a pod (long generations)"
     )
-    max_connections: int = Field(default=1000, ge=1, description="pooled connections, all pods")
-    max_keepalive: int = Field(default=200, ge=0, description="idle keep-alive connections kept")
+    max_keepalive: int = Field(
+        default=200, ge=0, description="idle keep-alive connections kept per pod"
+    )
     max_body_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024, description="largest request body accepted (413 above)"
     )
@@ -258,3 +259,78 @@ def _with_sources(
 
     _Loaded.__name__ = base.__name__
     return _Loaded
+
+
+# -- the documentation table ---------------------------------------------------------------
+
+
+def _type_name(annotation: Any) -> str:
+    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
+    return (text or str(annotation).replace("typing.", "")).replace("|", "or")
+
+
+def _bound(meta: Any) -> str:
+    for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+        if getattr(meta, attr, None) is not None:
+            return f"{op} {getattr(meta, attr)}"
+    if getattr(meta, "min_length", None) is not None:
+        return f"min length {meta.min_length}"
+    return str(meta)
+
+
+def config_rows(
+    model: type[BaseModel] = Settings, prefix: tuple[str, ...] = ()
+) -> list[tuple[str, str, str, str, str]]:
+    """(setting, env var, CLI flag, default, meaning) for every leaf setting."""
+    rows: list[tuple[str, str, str, str, str]] = []
+    for name, info in model.model_fields.items():
+        path = (*prefix, name)
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows += config_rows(ann, path)
+            continue
+        sub = [a for a in getattr(ann, "__args__", ()) if isinstance(a, type)]
+        models = [a for a in sub if issubclass(a, BaseModel)]
+        if len(models) == 1 and type(None) in sub:  # an optional section: its fields
+            rows.append(
+                (
+                    ".".join(path),
+                    "KVROUTE_" + "__".join(p.upper() for p in path),
+                    "--" + ".".join(p.replace("_", "-") for p in path),
+                    "`None`",
+                    f"optional section; {info.description or ''}".rstrip("; "),
+                )
+            )
+            rows += config_rows(models[0], path)
+            continue
+        default = info.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):
+            default = default.model_dump()
+        meaning = (info.description or "").replace("|", "\\|")
+        if info.metadata:
+            bounds = ", ".join(_bound(m) for m in info.metadata)
+            meaning = f"{meaning} ({bounds})" if meaning else bounds
+        rows.append(
+            (
+                ".".join(path),
+                "KVROUTE_" + "__".join(p.upper() for p in path),
+                "--" + ".".join(p.replace("_", "-") for p in path),
+                "`" + repr(default).replace("|", "\\|") + "`",
+                f"{_type_name(ann)}; {meaning}".rstrip("; ").replace("\n", " "),
+            )
+        )
+    return rows
+
+
+def config_table() -> str:
+    """The Markdown table of docs/config.md."""
+    lines = [
+        "| setting | env var | CLI flag | default | type; meaning |",
+        "|---|---|---|---|---|",
+    ]
+    lines += ["| " + " | ".join(r) + " |" for r in config_rows()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(config_table(), end="")

@@ -79,11 +79,7 @@ def make_client(settings: ProxySettings, *, fast_transport: bool = True) -> http
             write=settings.read_timeout_s,
             pool=settings.connect_timeout_s,
         ),
-        limits=httpx.Limits(
-            max_connections=settings.max_connections,
-            max_keepalive_connections=settings.max_keepalive,
-            keepalive_expiry=30.0,
-        ),
+        limits=httpx.Limits(max_keepalive_connections=settings.max_keepalive, keepalive_expiry=30),
         http1=True,
         http2=False,
         follow_redirects=False,

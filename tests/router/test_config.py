@@ -119,3 +119,12 @@ def test_settings_round_trip_through_json_for_worker_processes() -> None:
     s = Settings.load(["--port", "9300", "--policy-params", '{"seed": 3}'])
     again = Settings.model_validate_json(s.model_dump_json())
     assert again == s
+
+
+def test_docs_config_table_lists_every_setting_as_the_model_does() -> None:
+    from router.config import config_rows, config_table
+
+    doc = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
+    assert config_table() in doc, "docs/config.md is stale: run `python -m router.config`"
+    names = [r[0] for r in config_rows()]
+    assert {"port", "proxy.read_timeout_s", "events.mode", "discovery.static"} <= set(names)
