@@ -694,14 +694,16 @@ async def test_scoring_decoder_reads_the_sim_events_in_both_encodings(
         dealer.connect(pod.replay_endpoint_url)  # type: ignore[arg-type]
         try:
             await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-            decoded = []
+            decoded, seqs = [], []
             while True:
                 f = await asyncio.wait_for(dealer.recv_multipart(), GUARD)
                 if f[2] == END_SEQ:
                     break
+                seqs.append(int.from_bytes(f[2], "big"))
                 decoded.append(decode.decode_batch(f[3]))
         finally:
             dealer.close(linger=0)
+        assert seqs == list(range(len(seqs)))  # seq counts from 0 per engine process
         events = [e for b in decoded for e in b.events]
         assert all(not b.errors and b.unknown == 0 for b in decoded), encoding
         first, last = events[0], events[-1]
@@ -854,7 +856,8 @@ async def test_a_queue_forms_behind_max_batch_and_drains_in_order() -> None:
 # -- the command ---------------------------------------------------------------------
 
 
-def test_kvroute_sim_serves_until_sigterm_and_exits_cleanly() -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_kvroute_sim_serves_until_a_signal_and_exits_cleanly(sig: signal.Signals) -> None:
     cmd = [
         sys.executable, "-m", "router.cli", "sim", "--port", "0", "--model", "cli-m",
         "--pod-name", "cli-p", "--block-size", "32", "--capacity-tokens", "4096",
@@ -873,7 +876,7 @@ def test_kvroute_sim_serves_until_sigterm_and_exits_cleanly() -> None:
             assert models["data"][0]["id"] == "cli-m"
             text = c.get(f"{info['url']}/metrics").text
             assert 'block_size="32"' in text
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         assert proc.wait(timeout=GUARD) == 0
     finally:
         if proc.poll() is None:
