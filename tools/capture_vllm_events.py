@@ -9,9 +9,10 @@ For each scenario (see :data:`SCENARIOS`) it starts one engine with
 ``/work/shared/vllm-cpu/serve.sh`` on free loopback ports, subscribes with a raw ZMQ SUB
 socket *before* the engine binds (so nothing from seq 0 on is missed), sends the
 workload of :func:`_requests` (completions and chats sharing a prefix, a repeated
-prompt, a ``cache_salt``, ``POST /reset_prefix_cache``, then distinct long prompts until
-the small KV cache evicts), asks the replay ROUTER socket for its buffered batches from
-a DEALER, stops the engine by PID and writes:
+prompt, a ``cache_salt``, a second chat turn, generation that fills blocks, a
+block-aligned prompt sent twice, ``POST /reset_prefix_cache``, then distinct long prompts
+until the small KV cache evicts), asks the replay ROUTER socket for its buffered
+batches from a DEALER, stops the engine by PID and writes:
 
 * ``<scenario>.frames.jsonl`` — one line per multipart ZMQ message, every frame base64
   encoded exactly as received: ``{"source": "pub" | "replay:<start_seq>", "frames": [...]}``
@@ -19,7 +20,8 @@ a DEALER, stops the engine by PID and writes:
   ``[b"", topic, seq, payload]``, ending with ``[b"", b"", seq=-1, b""]``).
 * ``manifest.json`` — per scenario: engine version, hash algorithm, int or bytes hashes,
   PYTHONHASHSEED, KV blocks, every request sent (endpoint, body, the ``/tokenize`` ids
-  of its prompt, the seqs that arrived after it) and the engines' prefix-cache counters.
+  of its prompt, the engine's ``usage``, the seqs that arrived after it) and the
+  engine's prefix-cache counters at the end.
 
 The :class:`EngineProcess` launcher is shared with ``tests/vllm/conftest.py``.
 """
@@ -32,7 +34,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -643,7 +644,6 @@ def main(argv: list[str] | None = None) -> int:
         manifest_path.write_text(_dump_manifest(manifest))
         n_pub = sum(1 for x in lines if x["source"] == "pub")
         print(f"{name}: {n_pub} batches, {time.monotonic() - t0:.0f} s", file=sys.stderr)
-    shutil.rmtree(args.out / "__pycache__", ignore_errors=True)
     return 0
 
 
