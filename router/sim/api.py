@@ -376,12 +376,13 @@ class SimAPI:
                             "logprobs": None,
                             "finish_reason": reason,
                         }
-                    else:
+                    else:  # vLLM sends stop_reason on every completion chunk
                         choice = {
                             "index": 0,
                             "text": text,
                             "logprobs": None,
                             "finish_reason": reason,
+                            "stop_reason": None,
                         }
                     if last:
                         choice["stop_reason"] = None
