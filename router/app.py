@@ -37,7 +37,7 @@ from router.discovery import build_discovery
 from router.errors import RouterError, json_response
 from router.events import KVEventSubscriber
 from router.health import HealthChecker
-from router.load import LoadStore, MemoryLoadStore, MetricsScraper
+from router.load import LoadStore, MemoryLoadStore, MetricsScraper, PendingLoad
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.pods import PodRegistry, PodSpec
 from router.proxy import Proxy, make_client
@@ -73,6 +73,7 @@ class Gateway:
         self.health = HealthChecker(
             self.registry, settings.health, metrics_registry=self.metrics.registry
         )
+        self.pending = PendingLoad()
         self.subscriber: KVEventSubscriber | None = None
         if settings.events.enabled and (settings.redis_url is None or settings.index_writer):
             self.subscriber = KVEventSubscriber(
@@ -90,6 +91,7 @@ class Gateway:
             self.scraper,
             self.tokenizer_for,
             self.metrics,
+            self.pending,
         )
         self.proxy = Proxy(
             self.client,
@@ -101,6 +103,7 @@ class Gateway:
             policy_name=settings.policy,
             pod_header=settings.pod_header,
             forward_authorization=not settings.api_keys,
+            pending=self.pending,
         )
         self._api_keys = [k.encode() for k in settings.api_keys]
         self._tasks: list[asyncio.Task[Any]] = []

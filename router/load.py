@@ -86,6 +86,38 @@ class MemoryLoadStore:
         return None
 
 
+class PendingLoad:
+    """Requests this replica routed whose ``begin`` has not reached the load store yet.
+
+    With a shared (Redis) store, ``begin`` is a network round trip; requests decided
+    meanwhile would not see each other and pile onto the same pod.  The proxy adds a
+    request here synchronously with the decision and removes it once ``begin`` landed;
+    the request path adds these counts to the store's snapshot.
+    """
+
+    __slots__ = ("_n", "_tokens")
+
+    def __init__(self) -> None:
+        self._n: dict[str, int] = {}
+        self._tokens: dict[str, int] = {}
+
+    def add(self, pod: str, tokens: int) -> None:
+        self._n[pod] = self._n.get(pod, 0) + 1
+        self._tokens[pod] = self._tokens.get(pod, 0) + tokens
+
+    def remove(self, pod: str, tokens: int) -> None:
+        n = self._n.get(pod, 0) - 1
+        if n <= 0:
+            self._n.pop(pod, None)
+            self._tokens.pop(pod, None)
+        else:
+            self._n[pod] = n
+            self._tokens[pod] = max(0, self._tokens.get(pod, 0) - tokens)
+
+    def get(self, pod: str) -> tuple[int, int]:
+        return self._n.get(pod, 0), self._tokens.get(pod, 0)
+
+
 class RequestLoad:
     """The load one request puts on its pod; guarantees each counter is undone once."""
 

@@ -17,7 +17,9 @@ Semantics:
   soon as the server reports the disconnect.
 * **Load** — the chosen pod's router-tracked load is held from just before the attempt
   to the end of the response: prefill tokens until the first body chunk (or the whole
-  non-streaming body), in-flight until the last.
+  non-streaming body), in-flight until the last.  The policy's ``on_routed`` is called
+  as the attempt starts and ``on_complete`` when it ends (a failed attempt ends at once,
+  before the retry's ``on_routed``).
 * **Errors** — connect failures after the last retry -> 502, read timeout -> 504,
   other transport errors -> 502; all as OpenAI error JSON.
 """
@@ -37,7 +39,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.config import ProxySettings
 from router.errors import RouterError
-from router.load import LoadStore, RequestLoad
+from router.load import LoadStore, PendingLoad, RequestLoad
 from router.metrics import RouterMetrics
 from router.pods import PodRegistry
 from router.routing import Routed
@@ -178,6 +180,7 @@ class Proxy:
         policy_name: str,
         pod_header: str,
         forward_authorization: bool,
+        pending: PendingLoad | None = None,
     ) -> None:
         self.client = client
         self.settings = settings
@@ -188,6 +191,7 @@ class Proxy:
         self.policy_name = policy_name
         self.pod_header = pod_header
         self.forward_authorization = forward_authorization
+        self.pending = pending if pending is not None else PendingLoad()
 
     def _headers(self, incoming: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         out = [
@@ -222,8 +226,16 @@ class Proxy:
             last = i == len(attempts) - 1
             if i > 0:
                 self.metrics.retries.labels(last_error.reason if last_error else "unknown").inc()
-            load = RequestLoad(self.load, pod, routed.route.prompt_tokens)
-            await load.begin()
+            tokens = routed.route.prompt_tokens
+            load = RequestLoad(self.load, pod, tokens)
+            # the policy hears of the request now (its in-flight bookkeeping must see it
+            # while it runs); the pending overlay covers the shared store's round trip
+            self.policy.on_routed(routed.route, pod)
+            self.pending.add(pod, tokens)
+            try:
+                await load.begin()
+            finally:
+                self.pending.remove(pod, tokens)
             gauge = self.metrics.inflight.labels(pod)
             gauge.inc()
             req = self.client.build_request(
@@ -268,7 +280,6 @@ class Proxy:
                     reason=f"status_{resp.status_code}",
                 )
                 continue
-            self.policy.on_routed(routed.route, pod)
             return await self._relay(resp, routed, pod, load, gauge, receive, started)
 
         self._count(routed, attempts[-1] if attempts else "none", 502)
@@ -276,7 +287,9 @@ class Proxy:
         return err.response()
 
     async def _finish(self, load: RequestLoad, gauge: Any, routed: Routed, pod: str) -> None:
+        """An attempt that failed before relaying: undo its load and bookkeeping."""
         gauge.dec()
+        self.policy.on_complete(routed.route, pod)
         await load.end()
 
     async def _relay(

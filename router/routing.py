@@ -32,7 +32,7 @@ import msgspec
 
 from router.config import Settings
 from router.errors import RouterError, bad_request
-from router.load import LoadStore, MetricsScraper
+from router.load import LoadStore, MetricsScraper, PendingLoad
 from router.metrics import RouterMetrics
 from router.pods import PodRegistry, PodState
 from router.tokenize import ChatEncoder, EncodedPrompt, PromptTokenizer, TokenizeError
@@ -135,6 +135,7 @@ class RequestRouter:
         scraper: MetricsScraper | None,
         tokenizer_for: Callable[[str], PromptTokenizer],
         metrics: RouterMetrics,
+        pending: PendingLoad | None = None,
     ) -> None:
         self.settings = settings
         self.registry = registry
@@ -144,6 +145,7 @@ class RequestRouter:
         self.scraper = scraper
         self.tokenizer_for = tokenizer_for
         self.metrics = metrics
+        self.pending = pending if pending is not None else PendingLoad()
         self._encoders: dict[tuple[int, str, int], ChatEncoder] = {}
         self._rr = 0
 
@@ -334,6 +336,9 @@ class RequestRouter:
         views: dict[str, PodView] = {}
         for name in names:
             inflight, prefill = load.get(name, (0, 0))
+            p_n, p_tokens = self.pending.get(name)  # after the awaits (PendingLoad)
+            inflight += p_n
+            prefill += p_tokens
             scraped = self.scraper.get(name, now) if self.scraper is not None else None
             views[name] = PodView(
                 pod=name,
