@@ -40,7 +40,7 @@ from router.health import HealthChecker
 from router.load import LoadStore, MemoryLoadStore, MetricsScraper, PendingLoad
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.pods import PodRegistry, PodSpec
-from router.proxy import Proxy, make_client
+from router.proxy import PodTransport, Proxy, make_client
 from router.routing import Kind, RequestRouter, explain, parse_body
 from router.tokenize import PromptTokenizer, load_tokenizer
 from scoring.index.base import BlockIndex
@@ -59,7 +59,8 @@ class Gateway:
         self.registry = PodRegistry()
         self.policy: Policy = build_policy(settings.policy, settings.policy_params)
         self._tokenizers: dict[str, PromptTokenizer] = {}
-        self.client: httpx.AsyncClient = make_client(settings.proxy)
+        self.transport = PodTransport(settings.proxy.max_keepalive)
+        self.client: httpx.AsyncClient = make_client(settings.proxy, self.transport)
         self.index: BlockIndex = _make_index(settings)
         self.load: LoadStore = _make_load_store(settings)
         self.scraper = MetricsScraper(
@@ -104,6 +105,7 @@ class Gateway:
             pod_header=settings.pod_header,
             forward_authorization=not settings.api_keys,
             pending=self.pending,
+            transport=self.transport,
         )
         self._api_keys = [k.encode() for k in settings.api_keys]
         self._tasks: list[asyncio.Task[Any]] = []
