@@ -169,6 +169,11 @@ async def _race_disconnect(work: Awaitable[Any], receive: Receive) -> Any:
         watch.cancel()
 
 
+async def _read_all(resp: httpx.Response) -> bytes:
+    """The raw body (no content decoding: the pod was asked for identity encoding)."""
+    return b"".join([chunk async for chunk in resp.aiter_raw()])
+
+
 class Proxy:
     def __init__(
         self,
@@ -198,6 +203,7 @@ class Proxy:
         #: the client's own transport: the hot path hands it requests directly (the
         #: client's auth / redirect / cookie layers cost ~50 us a request, unused here)
         self.transport = transport
+        self._urls: dict[str, httpx.URL] = {}
         self._timeouts = {
             "connect": settings.connect_timeout_s,
             "read": settings.read_timeout_s,
@@ -221,8 +227,13 @@ class Proxy:
         if self.transport is None:
             req = self.client.build_request("POST", url, content=body, headers=headers)
             return await self.client.send(req, stream=True)
+        parsed = self._urls.get(url)
+        if parsed is None:  # parsing a URL costs more than the rest of the request object
+            if len(self._urls) > 4096:
+                self._urls.clear()
+            parsed = self._urls[url] = httpx.URL(url)
         req = httpx.Request(
-            "POST", url, content=body, headers=headers, extensions={"timeout": self._timeouts}
+            "POST", parsed, content=body, headers=headers, extensions={"timeout": self._timeouts}
         )
         return await self.transport.handle_async_request(req)
 
@@ -330,7 +341,7 @@ class Proxy:
         )
         if not is_stream:
             try:
-                content: bytes = await _race_disconnect(resp.aread(), receive)
+                content: bytes = await _race_disconnect(_read_all(resp), receive)
             except _Disconnected:
                 self._count(routed, pod, 499)
                 return Response(status_code=499)

@@ -22,6 +22,7 @@ are chained from the base model's root with the adapter name folded into every b
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -148,6 +149,13 @@ class RequestRouter:
         self.pending = pending if pending is not None else PendingLoad()
         self._encoders: dict[tuple[int, str, int], ChatEncoder] = {}
         self._rr = 0
+        self._ids = itertools.count()
+        self._id_prefix = uuid.uuid4().hex[:12]
+
+    def _next_id(self) -> str:
+        """A request id unique across replicas (random prefix + counter; cheaper than
+        a uuid4 per request)."""
+        return f"{self._id_prefix}-{next(self._ids)}"
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -280,7 +288,7 @@ class RequestRouter:
             _first_prompt(body.get("prompt"))
         pods = self._candidates(model)
         names = [p.name for p in pods]
-        request_id = str(headers.get("x-request-id") or uuid.uuid4().hex)
+        request_id = headers.get("x-request-id") or self._next_id()
         session = headers.get(self.settings.session_header) or body.get("user")
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
 
