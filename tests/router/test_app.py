@@ -278,3 +278,32 @@ async def test_scraped_pod_metrics_feed_the_load_view_and_block_size(rig: Rig) -
     assert scraped is not None
     assert scraped.block_size == 16
     assert scraped.running == 0 and scraped.waiting == 0
+
+
+async def test_route_sees_the_blocks_a_pod_reported_through_kv_events() -> None:
+    import asyncio
+
+    r, pods = await _start([sim(0, kv_events=True), sim(1, kv_events=True)], events=True)
+    try:
+        body = chat("a long shared prefix " * 40)
+        first = await r.client.post("/v1/chat/completions", json=body)
+        pod = first.headers["x-kvroute-pod"]
+        explained: dict[str, Any] = {}
+        for _ in range(500):  # the pod's BlockStored events reach the index
+            explained = (await r.client.post("/v1/route", json=body)).json()
+            cand = {c["pod"]: c for c in explained["candidates"]}
+            if cand[pod]["cached_blocks"].get("GPU", 0) > 0:
+                break
+            await asyncio.sleep(0.02)
+        cand = {c["pod"]: c for c in explained["candidates"]}
+        assert cand[pod]["cached_blocks"]["GPU"] == explained["blocks"]
+        assert cand[pod]["cached_tokens"] == explained["blocks"] * 16
+        other = "sim-1" if pod == "sim-0" else "sim-0"
+        assert cand[other]["cached_blocks"] == {}
+        assert explained["pod"] == pod  # the prefix holder wins
+        m = await r.metrics()
+        assert "kvroute_event_lag_seconds" in m
+    finally:
+        await r.client.aclose()
+        await r.router.stop()
+        await stop_pods(pods)
