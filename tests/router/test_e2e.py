@@ -269,7 +269,8 @@ async def test_with_redis_a_separate_indexer_feeds_the_router_and_the_hit_rate_h
             async with httpx.AsyncClient(base_url=router.url, timeout=60) as client:
                 rounds = await run_live(client, indexer.subscriber, pods)
                 live = await fleet_hit_rate(client, pods)
-                assert "kvroute_index_entries" in (await client.get("/metrics")).text
+                metrics = (await client.get("/metrics")).text
+                assert 'kvroute_index_entries{pod="sim-' in metrics  # read from Redis
     finally:
         if indexer is not None:
             await indexer.stop()
