@@ -531,3 +531,37 @@ async def test_engine_hash_mode_recovers_an_orphan_from_a_routed_requests_tokens
     b = _keys("sha256_int", "completion_b_shared_prefix")
     assert await _held(index, b) == len(b)
     assert applier.stats.engine_hash_linked > 0
+
+
+# --- the simulated pod speaks the same bytes -------------------------------------------
+
+
+def _sim_event(factory: Any, ev: dict[str, Any]) -> Any:
+    if ev["type"] == "BlockStored":
+        return factory.stored(
+            ev["block_hashes"],
+            ev["parent_block_hash"],
+            ev["token_ids"],
+            ev["block_size"],
+            lora_id=ev["lora_id"],
+            lora_name=ev["lora_name"],
+            extra_keys=[tuple(k) if k is not None else None for k in ev["extra_keys"]],
+        )
+    if ev["type"] == "BlockRemoved":
+        (h,) = ev["block_hashes"]
+        return factory.removed(h)
+    return factory.cleared()
+
+
+@pytest.mark.parametrize("scenario", ["sha256_int", "sha256_bytes", "xxhash_bytes_seed42"])
+def test_the_simulated_pod_encodes_the_real_engines_batches_byte_for_byte(scenario: str) -> None:
+    from router.sim.events import EventBatch as SimBatch
+    from router.sim.events import EventFactory
+
+    factory = EventFactory("map")
+    encoder = msgspec.msgpack.Encoder()
+    for m in pub_messages(scenario):
+        ts, events, rank = msgspec.msgpack.decode(m.payload)
+        sim = SimBatch(ts=ts, events=[_sim_event(factory, e) for e in events])
+        sim.data_parallel_rank = rank
+        assert encoder.encode(sim) == m.payload, f"seq {m.seq}"
