@@ -175,10 +175,7 @@ def start_sim(i: int) -> tuple[Proc, str]:
     # for SimPod's listening socket (created without IPPROTO_TCP) -> 40 ms Nagle stalls
     code = "import sys, uvloop; uvloop.install(); from router.cli import main; sys.exit(main())"
     p = subprocess.Popen(
-        [
-            sys.executable, "-c", code, "sim", "--port", "0", "--pod-name", f"sim-{i}",
-            "--time-scale", "0",
-        ],
+        [sys.executable, "-c", code, *f"sim --port 0 --pod-name sim-{i} --time-scale 0".split()],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )
@@ -229,9 +226,8 @@ def start_kvroute(urls: list[str], workers: int) -> tuple[Proc, int]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
     p = subprocess.Popen(
         [
-            sys.executable, "-m", "router.cli", "serve", "--port", str(port),
-            "--workers", str(workers), "--log-level", "warning",
-            "--discovery.static", json.dumps(static),
+            *f"{sys.executable} -m router.cli serve --port {port} --workers {workers}".split(),
+            *["--log-level", "warning", "--discovery.static", json.dumps(static)],
         ],
         env=env,
         stdout=subprocess.DEVNULL,
@@ -252,9 +248,9 @@ def start_sglang(urls: list[str], policy: str) -> tuple[Proc, int] | None:
     port, mport = free_port(), free_port()
     p = subprocess.Popen(
         [
-            sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-            "--port", str(port), "--worker-urls", *urls, "--policy", policy,
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport),
+            *f"{sys.executable} -m sglang_router.launch_router --host 127.0.0.1".split(),
+            *f"--port {port} --policy {policy} --prometheus-host 127.0.0.1".split(),
+            *["--prometheus-port", str(mport), "--worker-urls", *urls],
         ],
         env={**os.environ, **PEER_ENV},
         stdout=subprocess.DEVNULL,
@@ -271,8 +267,8 @@ def start_vllm_router(urls: list[str], policy: str) -> tuple[Proc, int] | None:
     port, mport = free_port(), free_port()
     p = subprocess.Popen(
         [
-            exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
-            "--policy", policy, "--prometheus-port", str(mport),
+            *[exe, *f"--host 127.0.0.1 --port {port} --policy {policy}".split()],
+            *["--prometheus-port", str(mport), "--worker-urls", *urls],
         ],
         env={**os.environ, **PEER_ENV},
         stdout=subprocess.DEVNULL,
