@@ -226,7 +226,8 @@ def start_kvroute(urls: list[str], workers: int) -> tuple[Proc, int]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
     p = subprocess.Popen(
         [
-            *f"{sys.executable} -m router.cli serve --port {port} --workers {workers}".split(),
+            sys.executable,
+            *f"-m router.cli serve --port {port} --workers {workers}".split(),
             *["--log-level", "warning", "--discovery.static", json.dumps(static)],
         ],
         env=env,
@@ -248,7 +249,8 @@ def start_sglang(urls: list[str], policy: str) -> tuple[Proc, int] | None:
     port, mport = free_port(), free_port()
     p = subprocess.Popen(
         [
-            *f"{sys.executable} -m sglang_router.launch_router --host 127.0.0.1".split(),
+            sys.executable,
+            *"-m sglang_router.launch_router --host 127.0.0.1".split(),
             *f"--port {port} --policy {policy} --prometheus-host 127.0.0.1".split(),
             *["--prometheus-port", str(mport), "--worker-urls", *urls],
         ],
