@@ -250,7 +250,7 @@ def start_sglang(urls: list[str], policy: str) -> tuple[Proc, int] | None:
     p = subprocess.Popen(
         [
             sys.executable,
-            *"-m sglang_router.launch_router --host 127.0.0.1".split(),
+            *["-m", "sglang_router.launch_router", "--host", "127.0.0.1"],
             *f"--port {port} --policy {policy} --prometheus-host 127.0.0.1".split(),
             *["--prometheus-port", str(mport), "--worker-urls", *urls],
         ],
