@@ -96,9 +96,10 @@ class RedisIndex:
     Parameters: ``client`` -- a ``redis.asyncio.Redis`` with ``decode_responses=False``;
     ``namespace`` -- isolates indexes sharing one server (one per model is the natural
     cluster shard, see docs/redis.md); ``tiers`` -- fastest first, identical on every
-    replica; ``ttl_s`` -- seconds a block hash / slot hash lives after the last ``add``
-    touching it (``None``/0 disables: then a pod that vanishes without ``clear_pod``
-    stays, and only :meth:`sweep` frees retired ids' fields in block hashes);
+    replica; ``ttl_s`` -- a (pod, tier) that stores nothing for ``ttl_s`` seconds is
+    ignored by lookups at once and its slot hash expires ``SLOT_GRACE_S`` later
+    (``None``/0 disables: then only ``clear_pod`` forgets a pod); ``sweep`` removes the
+    holder hints of retired and stale slots;
     ``batch_keys`` -- keys per script call (bounds how long one call blocks the server).
     """
 

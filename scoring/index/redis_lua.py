@@ -32,6 +32,22 @@ from __future__ import annotations
 #: Seconds a slot hash outlives its ``ttl_s`` (so a slot live by ``seen`` always has one).
 SLOT_GRACE_S = 60
 
+#: A field every slot hash and registry hash carries from birth: its value is longer than
+#: ``hash-max-listpack-value`` (64 by default), which makes the server store the hash as
+#: a hashtable for good.  A listpack answers HMGET in O(fields x entries); slot hashes
+#: of small pods and the registries of a few hundred pods would stay listpacks.
+#: No real field can equal it (block keys are 8 bytes; pod names are non-empty).
+HASHTABLE_FIELD = "\\0hashtable"
+HASHTABLE_VALUE = "h" * 200
+
+_FORCE_HASHTABLE = (
+    "local function force_hashtable(key) redis.call('HSETNX', key, '"
+    + HASHTABLE_FIELD
+    + "', '"
+    + HASHTABLE_VALUE
+    + "') end\n"
+)
+
 _NOW_MS = """
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
@@ -45,16 +61,30 @@ ADD = (
     """#!lua
 """
     + _NOW_MS
+    + _FORCE_HASHTABLE
     + """
 local P = ARGV[1]
 local field = ARGV[2] .. '\\0' .. ARGV[3]
 local id = redis.call('HGET', KEYS[1], field)
-if not id then
+if id and redis.call('EXISTS', P .. 's' .. id) == 0 then
+  -- the slot expired (idle past ttl + grace): its hints must not come back to life
+  redis.call('HDEL', KEYS[2], id)
+  redis.call('HDEL', KEYS[4], id)
+  id = nil
+end
+local slot
+if id then
+  slot = P .. 's' .. id
+else
   id = tostring(redis.call('INCR', KEYS[3]))
+  slot = P .. 's' .. id
+  force_hashtable(KEYS[1])
+  force_hashtable(KEYS[2])
+  force_hashtable(KEYS[4])
+  force_hashtable(slot)
   redis.call('HSET', KEYS[1], field, id)
   redis.call('HSET', KEYS[2], id, ARGV[3] .. '\\0' .. ARGV[2])
 end
-local slot = P .. 's' .. id
 local bprefix = P .. 'b'
 local ttl = tonumber(ARGV[4])
 local packed = ARGV[5]
@@ -155,6 +185,21 @@ local function keys_upto(e)
   if e > built then built = e end
 end
 
+-- which of ``fields`` hash ``key`` has (truthy / false).  Many fields: one HKEYS
+-- (linear in the hash) matched in Lua, instead of HMGET, which is O(fields x entries)
+-- on a listpack-encoded hash (holder hints are small hashes).
+local function fields_of(key, fields, pos)
+  if #fields <= 16 then return redis.call('HMGET', key, unpack(fields)) end
+  local out = {}
+  for j = 1, #fields do out[j] = false end
+  local names = redis.call('HKEYS', key)
+  for j = 1, #names do
+    local at = pos[names[j]]
+    if at then out[at] = true end
+  end
+  return out
+end
+
 local function hmget(key, fields)
   local out = {}
   local n = #fields
@@ -195,7 +240,7 @@ local fields, want_pod, want_tier = {}, {}, {}
 for c = 1, #names do
   for t = 1, nt do
     fields[#fields + 1] = names[c] .. '\\0' .. ARGV[4 + t]
-    want_pod[#fields] = names[c]
+    want_pod[#fields] = c
     want_tier[#fields] = t
   end
 end
@@ -209,92 +254,123 @@ for j = 1, #fields do
 end
 if #got == 0 then return {} end
 local stamps = hmget(KEYS[3], got)
-local pod_of, tier_of, ids_of, counts = {}, {}, {}, {}
-local active = {}
+
+-- followed pods by index p: pslots[p] / ptiers[p] = their live slot ids and tiers.
+-- A pod with one slot of tier t keeps one counter n1[p]: its hits are 0 below t and
+-- n1[p] from t on.  A pod with several slots keeps per-tier counters pc[p][1..T].
+local np = 0
+local index_of, pname, pslots, ptiers = {}, {}, {}, {}
 for g = 1, #got do
-  local stamp = stamps[g]
-  if stamp and (ttl_ms <= 0 or now_ms - tonumber(stamp) < ttl_ms) then
-    local id = got[g]
-    local pod = want_pod[got_j[g]]
-    pod_of[id] = pod
-    tier_of[id] = want_tier[got_j[g]]
-    if not ids_of[pod] then
-      ids_of[pod] = {}
-      active[#active + 1] = pod
-      local c = {}
-      for t = 1, nt do c[t] = 0 end
-      counts[pod] = c
+  local stamp = tonumber(stamps[g])
+  if stamp and (ttl_ms <= 0 or now_ms - stamp < ttl_ms) then
+    local c = want_pod[got_j[g]]
+    local p = index_of[c]
+    if not p then
+      np = np + 1
+      p = np
+      index_of[c] = p
+      pname[p] = names[c]
+      pslots[p] = {}
+      ptiers[p] = {}
     end
-    local l = ids_of[pod]
-    l[#l + 1] = id
+    local l = pslots[p]
+    l[#l + 1] = got[g]
+    ptiers[p][#l] = want_tier[got_j[g]]
+  end
+end
+if np == 0 then return {} end
+local n1, t1, pc = {}, {}, {}
+for p = 1, np do
+  if #pslots[p] == 1 then
+    n1[p] = 0
+    t1[p] = ptiers[p][1]
+  else
+    local c = {}
+    for t = 1, nt do c[t] = 0 end
+    pc[p] = c
   end
 end
 
--- extend the counters of pod with block i held at fastest tier b (nil: not held)
-local function extend(pod, i, b)
-  if not b then return false end
-  local c = counts[pod]
-  for t = b, nt do
-    if c[t] == i - 1 then c[t] = i end
+-- pod p holds block i at fastest tier b: extend its counters (pod still in)
+local function extend(p, i, b)
+  local c = pc[p]
+  if c then
+    for t = b, nt do
+      if c[t] == i - 1 then c[t] = i end
+    end
+  else
+    n1[p] = i
   end
-  return true
 end
 
 -- phase A: block by block on the holder hints (always for block 0)
+local act = {}
+for p = 1, np do act[p] = p end
+local ask, own, trr, pos = {}, {}, {}, {}
+local dirty = true
 local i = 1
-while i <= nblocks and #active > 0 and (i == 1 or #active > FAN) do
-  keys_upto(i)
-  local ask = {}
-  for a = 1, #active do
-    local l = ids_of[active[a]]
-    for j = 1, #l do ask[#ask + 1] = l[j] end
+while i <= nblocks and #act > 0 and (i == 1 or #act > FAN) do
+  if dirty then
+    ask, own, trr, pos = {}, {}, {}, {}
+    for a = 1, #act do
+      local p = act[a]
+      local sl, tl = pslots[p], ptiers[p]
+      for j = 1, #sl do
+        local n = #ask + 1
+        ask[n] = sl[j]
+        own[n] = p
+        trr[n] = tl[j]
+        pos[sl[j]] = n
+      end
+    end
+    dirty = false
   end
-  local vals = hmget(bprefix .. kb[i], ask)
+  keys_upto(i)
+  local vals = fields_of(bprefix .. kb[i], ask, pos)
   local best = {}
   for j = 1, #ask do
     if vals[j] then
-      local id = ask[j]
-      local pod = pod_of[id]
-      local t = tier_of[id]
-      local b = best[pod]
-      if b == nil or t < b then best[pod] = t end
+      local p = own[j]
+      local b = best[p]
+      if b == nil or trr[j] < b then best[p] = trr[j] end
     end
   end
   local still = {}
-  for a = 1, #active do
-    local pod = active[a]
-    if extend(pod, i, best[pod]) then still[#still + 1] = pod end
+  for a = 1, #act do
+    local p = act[a]
+    local b = best[p]
+    if b then
+      extend(p, i, b)
+      still[#still + 1] = p
+    end
   end
-  active = still
+  if #still ~= #act then dirty = true end
+  act = still
   i = i + 1
 end
 
 -- phase B: each remaining pod alone, chunk by chunk on its slot hashes
-for a = 1, #active do
-  local pod = active[a]
-  local l = ids_of[pod]
+for a = 1, #act do
+  local p = act[a]
+  local sl, tl = pslots[p], ptiers[p]
   local s = i
   local size = 16
   local going = true
   while going and s <= nblocks do
     local e = math.min(s + size - 1, nblocks)
     keys_upto(e)
-    if #l == 1 then
-      -- one slot: the run of present blocks extends every tier >= the slot's tier
-      local vals = redis.call('HMGET', sprefix .. l[1], unpack(kb, s, e))
+    if #sl == 1 then
+      -- one slot: the run of present blocks is the pod's new count
+      local vals = redis.call('HMGET', sprefix .. sl[1], unpack(kb, s, e))
       local run = 0
       while run < #vals and vals[run + 1] do run = run + 1 end
-      local c = counts[pod]
-      for t = tier_of[l[1]], nt do
-        if c[t] == s - 1 then c[t] = s - 1 + run end
-      end
+      n1[p] = s - 1 + run
       going = run == e - s + 1
     else
       local best = {}
-      for j = 1, #l do
-        local id = l[j]
-        local t = tier_of[id]
-        local vals = redis.call('HMGET', sprefix .. id, unpack(kb, s, e))
+      for j = 1, #sl do
+        local t = tl[j]
+        local vals = redis.call('HMGET', sprefix .. sl[j], unpack(kb, s, e))
         for k = 1, #vals do
           if vals[k] then
             local b = best[k]
@@ -303,10 +379,12 @@ for a = 1, #active do
         end
       end
       for k = 1, e - s + 1 do
-        if not extend(pod, s + k - 1, best[k]) then
+        local b = best[k]
+        if not b then
           going = false
           break
         end
+        extend(p, s + k - 1, b)
       end
     end
     s = e + 1
@@ -315,10 +393,18 @@ for a = 1, #active do
 end
 
 local out = {}
-for pod, c in pairs(counts) do
-  if c[nt] > 0 then
-    out[#out + 1] = pod
-    for t = 1, nt do out[#out + 1] = c[t] end
+for p = 1, np do
+  local c = pc[p]
+  if c then
+    if c[nt] > 0 then
+      out[#out + 1] = pname[p]
+      for t = 1, nt do out[#out + 1] = c[t] end
+    end
+  elseif n1[p] > 0 then
+    out[#out + 1] = pname[p]
+    for t = 1, nt do
+      if t >= t1[p] then out[#out + 1] = n1[p] else out[#out + 1] = 0 end
+    end
   end
 end
 return out
@@ -337,12 +423,12 @@ local flat = redis.call('HGETALL', KEYS[1])
 local total, order = {}, {}
 for j = 1, #flat, 2 do
   local id = flat[j]
-  local stamp = redis.call('HGET', KEYS[2], id)
-  if stamp and (ttl_ms <= 0 or now_ms - tonumber(stamp) < ttl_ms) then
+  local stamp = tonumber(redis.call('HGET', KEYS[2], id))
+  if stamp and (ttl_ms <= 0 or now_ms - stamp < ttl_ms) then
     local info = flat[j + 1]
     local z = string.find(info, '\\0', 1, true)
     local pod = string.sub(info, z + 1)
-    local n = redis.call('HLEN', ARGV[1] .. 's' .. id)
+    local n = redis.call('HLEN', ARGV[1] .. 's' .. id) - 1  -- minus the hashtable field
     if n > 0 then
       if total[pod] == nil then
         total[pod] = 0

@@ -231,10 +231,28 @@ async def test_an_entry_removed_to_zero_deletes_its_slot_field_and_hint(
     slot = await slot_name(raw, redis_namespace, "pod-a")
     assert await raw.hget(slot, struct.pack(">Q", 7)) == b"1"
     await index.remove("pod-a", [7])
-    assert await raw.exists(slot, block_name(redis_namespace, 7)) == 0
+    assert not await raw.hexists(slot, struct.pack(">Q", 7))
+    assert await raw.exists(block_name(redis_namespace, 7)) == 0
     await index.remove("pod-a", [7])  # unknown now: ignored, never negative
-    assert await raw.exists(slot, block_name(redis_namespace, 7)) == 0
+    assert not await raw.hexists(slot, struct.pack(">Q", 7))
     assert await index.lookup([7]) == {}
+    assert await index.pod_entries() == {}
+
+
+async def test_slot_and_registry_hashes_are_hashtables_even_when_small(
+    index: RedisIndex, raw: aioredis.Redis, redis_namespace: str
+) -> None:
+    """A listpack answers HMGET in O(fields x entries): the walk needs hashtables."""
+    await index.add("pod-a", [1, 2])
+    prefix = b"{" + redis_namespace.encode() + b"}:"
+    for key in (
+        await slot_name(raw, redis_namespace, "pod-a"),
+        prefix + b"pods",
+        prefix + b"ids",
+        prefix + b"seen",
+    ):
+        assert await raw.object("encoding", key) == b"hashtable", key
+    assert await index.pod_entries() == {"pod-a": 2}
 
 
 async def test_clear_pod_hides_entries_at_once_without_scanning(
@@ -333,6 +351,20 @@ async def test_a_pod_that_stored_nothing_for_ttl_is_ignored_then_swept(
     assert await index.block_keys() == 2
     await index.add("pod-a", [1])  # a fresh generation
     assert (await index.lookup([1]))["pod-a"] == {"GPU": 1, "CPU": 1, "DISK": 1}
+
+
+async def test_a_pod_storing_again_after_its_slot_expired_gets_a_fresh_generation(
+    index: RedisIndex, raw: aioredis.Redis, redis_namespace: str
+) -> None:
+    """Hints of the expired slot must not count again (the walk reads hints while more
+    than 8 pods are in, so 10 pods share the chain)."""
+    pods = [f"pod-{i}" for i in range(10)]
+    await index.apply_ops([("add", p, "GPU", [1, 2, 3]) for p in pods])
+    await raw.delete(await slot_name(raw, redis_namespace, "pod-0"))  # expired
+    await index.add("pod-0", [1])
+    hits = await index.lookup([1, 2, 3])
+    assert hits["pod-0"] == {"GPU": 1, "CPU": 1, "DISK": 1}
+    assert hits["pod-9"] == {"GPU": 3, "CPU": 3, "DISK": 3}
 
 
 async def test_a_slot_hash_outlives_its_ttl_by_a_grace_period(
