@@ -65,6 +65,13 @@ class EngineFactory:
                 pytest.fail(f"vLLM engine did not start: {exc}")
         return [self.started[key] for key in keys]
 
+    def stop(self, *procs: EngineProcess) -> None:
+        """Stop engines a test no longer needs (frees the shared cores early)."""
+        for key, proc in list(self.started.items()):
+            if proc in procs:
+                proc.stop()
+                del self.started[key]
+
     def stop_all(self) -> None:
         for proc in self.started.values():
             proc.stop()

@@ -245,6 +245,7 @@ def test_bytes_mode_engine_publishes_32_byte_digests_whose_tail_is_the_int_hash(
         msgs = rec.messages[first:]
     finally:
         rec.stop()
+        engine.stop(proc)
     stored = [e for e in _events(msgs) if e["type"] == "BlockStored"]
     assert stored
     hashes = stored[0]["block_hashes"]
@@ -260,31 +261,37 @@ async def test_unseeded_xxhash_engines_disagree_on_hashes_but_our_keys_agree(
     so two engines publish different hashes for the same prompt.  Keys derived from the
     published token ids do not care."""
     procs = engine.many(["xx-0", "xx-1"], hash_algo="xxhash")
-    prompt = "Same prompt on two unseeded xxhash engines. " * 8
-    stored: list[dict[str, Any]] = []
-    applier = KVEventApplier()
-    index = InMemoryIndex()
-    for i, proc in enumerate(procs):
-        applier.set_pod(f"pod-{i}", MODEL)
-        rec = FrameRecorder(proc.pub_endpoint)
-        rec.start()
-        try:
-            rec.wait_quiet(quiet=0.5)
-            with _client(proc) as client:
-                first = rec.count()
-                ids = _complete(client, prompt)
-                rec.wait_quiet()
-            msgs = rec.messages[first:]
-        finally:
-            rec.stop()
-        stored.append(next(e for e in _events(msgs) if e["type"] == "BlockStored"))
-        for _topic, _seq, payload in msgs:
-            await applier.ingest(f"pod-{i}", payload).apply(index)
-    assert stored[0]["token_ids"] == stored[1]["token_ids"]
-    assert not set(stored[0]["block_hashes"]) & set(stored[1]["block_hashes"])
-    keys = BlockHasher(block_size=BLOCK, model=MODEL).keys(ids)
-    hits = await index.lookup(keys)
-    assert {pod: h["GPU"] for pod, h in hits.items()} == {"pod-0": len(keys), "pod-1": len(keys)}
-    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    with pytest.raises(ValueError, match="PYTHONHASHSEED"):
-        EngineHasher("xxhash")  # no seed: it refuses rather than mismatch silently
+    try:
+        prompt = "Same prompt on two unseeded xxhash engines. " * 8
+        stored: list[dict[str, Any]] = []
+        applier = KVEventApplier()
+        index = InMemoryIndex()
+        for i, proc in enumerate(procs):
+            applier.set_pod(f"pod-{i}", MODEL)
+            rec = FrameRecorder(proc.pub_endpoint)
+            rec.start()
+            try:
+                rec.wait_quiet(quiet=0.5)
+                with _client(proc) as client:
+                    first = rec.count()
+                    ids = _complete(client, prompt)
+                    rec.wait_quiet()
+                msgs = rec.messages[first:]
+            finally:
+                rec.stop()
+            stored.append(next(e for e in _events(msgs) if e["type"] == "BlockStored"))
+            for _topic, _seq, payload in msgs:
+                await applier.ingest(f"pod-{i}", payload).apply(index)
+        assert stored[0]["token_ids"] == stored[1]["token_ids"]
+        assert not set(stored[0]["block_hashes"]) & set(stored[1]["block_hashes"])
+        keys = BlockHasher(block_size=BLOCK, model=MODEL).keys(ids)
+        hits = await index.lookup(keys)
+        assert {pod: h["GPU"] for pod, h in hits.items()} == {
+            "pod-0": len(keys),
+            "pod-1": len(keys),
+        }
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+        with pytest.raises(ValueError, match="PYTHONHASHSEED"):
+            EngineHasher("xxhash")  # no seed: it refuses rather than mismatch silently
+    finally:
+        engine.stop(*procs)

@@ -255,6 +255,15 @@ async def test_bind_mode_engines_connect_to_the_router_and_are_named_by_their_to
     pods = _pods(procs, dial=False)
     for pod, rport in zip(pods, replay_ports, strict=True):
         pod["replay_endpoint"] = f"tcp://127.0.0.1:{rport}"
+    try:
+        await _check_bind_mode(pods, events, procs)
+    finally:
+        engine.stop(*procs)
+
+
+async def _check_bind_mode(
+    pods: list[dict[str, Any]], events: dict[str, Any], procs: list[EngineProcess]
+) -> None:
     async with running_router(pods, events) as router:
         n = await _complete_direct(procs[0], _prefix("foxtrot"))
         body = {"model": MODEL, "prompt": _prefix("foxtrot") + " Why?", "max_tokens": 2}
