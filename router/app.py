@@ -109,6 +109,7 @@ class Gateway:
         )
         self._api_keys = [k.encode() for k in settings.api_keys]
         self._tasks: list[asyncio.Task[Any]] = []
+        self._running = False
         self.registry.subscribe(self._on_pod)
 
     # -- pieces ------------------------------------------------------------------------
@@ -132,11 +133,17 @@ class Gateway:
             self._spawn(self.load.clear_pod(name))
         else:
             self.scraper.trigger()
+            state = self.registry.get(name)
+            if self._running and self.settings.health.enabled and state is not None:
+                # a pod discovered later: learn its models now, not at the next round
+                self._spawn(self.health.check(state))
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         try:
             task = asyncio.ensure_future(coro)
         except RuntimeError:  # no running loop (registry changed outside the app)
+            if asyncio.iscoroutine(coro):
+                coro.close()
             return
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
@@ -189,7 +196,16 @@ class Gateway:
 
     # -- lifecycle ---------------------------------------------------------------------
 
+    def _load_tokenizers(self) -> None:
+        """Load every configured tokenizer now, so a bad spec fails the start loudly."""
+        for model in [*self.settings.models, *self.settings.tokenizers]:
+            self.tokenizer_for(model)
+        if not self.settings.tokenizer.startswith("remote:"):
+            self.tokenizer_for("")
+
     async def start(self) -> None:
+        self._load_tokenizers()
+        self._running = True
         discovery = build_discovery(self.settings.discovery)
         self._tasks.append(asyncio.create_task(discovery.run(self.registry), name="discovery"))
         await asyncio.sleep(0)  # static discovery fills the registry at once
@@ -205,6 +221,7 @@ class Gateway:
         self._tasks.append(asyncio.create_task(self._index_gauge_loop(), name="index-gauge"))
 
     async def stop(self) -> None:
+        self._running = False
         await self.scraper.stop()
         if self.subscriber is not None:
             with contextlib.suppress(Exception):

@@ -88,13 +88,22 @@ class RunningServer:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> RunningServer:
-        self._task = asyncio.create_task(self.server.serve(sockets=[self._sock]))
+        task = self._task = asyncio.create_task(self._serve())
         while not self.server.started:
-            if self._task.done():
-                self._task.result()  # raises the startup error
-                raise RuntimeError("server exited during startup")
+            if task.done():
+                self._sock.close()
+                self._task = None
+                task.result()  # raises the startup error
+                raise RuntimeError("server exited during startup (see the log above)")
             await asyncio.sleep(0.01)
         return self
+
+    async def _serve(self) -> None:
+        try:
+            await self.server.serve(sockets=[self._sock])
+        except SystemExit as exc:  # uvicorn exits when the lifespan startup fails;
+            # SystemExit escaping a task would stop the whole event loop
+            raise RuntimeError(f"server exited during startup (code {exc.code})") from None
 
     async def stop(self) -> None:
         if self._task is None:

@@ -307,3 +307,41 @@ async def test_route_sees_the_blocks_a_pod_reported_through_kv_events() -> None:
         await r.client.aclose()
         await r.router.stop()
         await stop_pods(pods)
+
+
+async def test_a_bad_tokenizer_spec_fails_the_start_instead_of_the_first_request() -> None:
+    pods = await start_pods([sim(0)])
+    try:
+        settings = Settings.model_validate(
+            {
+                "discovery": {"static": [p.model_dump() for p in static_pods(pods)]},
+                "events": {"enabled": False},
+                "fleet": {"enabled": False},
+                "tokenizers": {MODEL: "/nonexistent/model-dir"},
+            }
+        )
+        with pytest.raises(RuntimeError, match="startup"):
+            await RunningServer(create_app(settings)).start()
+    finally:
+        await stop_pods(pods)
+
+
+async def test_a_pod_discovered_later_is_health_checked_and_served_at_once(rig: Rig) -> None:
+    import asyncio
+
+    from router.pods import PodSpec
+
+    late = (await start_pods([sim(7, lora_adapters=["late-lora"])]))[0]
+    try:
+        registry = rig.gateway.registry
+        # a discovery source adds a pod whose models are only known from /v1/models
+        registry.set_pods([*(p.spec for p in registry.all()), PodSpec("sim-7", late.url)])
+        for _ in range(500):
+            state = registry.get("sim-7")
+            if state is not None and "late-lora" in state.models:
+                break
+            await asyncio.sleep(0.02)
+        r = await rig.client.post("/v1/chat/completions", json={**chat(), "model": "late-lora"})
+        assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "sim-7"
+    finally:
+        await stop_pods([late])
