@@ -15,6 +15,7 @@ The load generator is a small raw-socket HTTP/1.1 keep-alive client on its own e
 loop (one process), so it costs the same for every target.  For each target:
 
 * c1:  sequential requests -> latency p50 / p99 and *added* latency = target - direct;
+* TTFT: sequential *streaming* completions -> time to the first body chunk (p50);
 * c32, c128: that many connections for ``--seconds`` -> req/s and latency p50 / p99.
 
 Targets are measured in rounds, alternating, and the table shows the median over
@@ -40,6 +41,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 BODY = json.dumps({"model": "sim-model", "prompt": "hi", "max_tokens": 1}).encode()
+STREAM_BODY = json.dumps(
+    {"model": "sim-model", "prompt": "hi", "max_tokens": 8, "stream": True}
+).encode()
 
 
 def free_port() -> int:
@@ -48,11 +52,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def request_bytes(port: int) -> bytes:
+def request_bytes(port: int, body: bytes = BODY) -> bytes:
     return (
         f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n\r\n"
-    ).encode() + BODY
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
 # -- load generator ------------------------------------------------------------------------
@@ -97,6 +101,30 @@ class Conn:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+async def run_ttft(port: int, n: int) -> list[float]:
+    """Streaming completions, one at a time: time to the first body chunk (a Nagle or
+    delayed-ACK stall anywhere on the path shows here as ~40 ms)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    req = request_bytes(port, STREAM_BODY)
+    out = []
+    for i in range(n + 10):
+        t0 = time.perf_counter()
+        writer.write(req)
+        head = await reader.readuntil(b"\r\n\r\n")
+        if b"chunked" not in head.lower():
+            raise RuntimeError(f"expected a chunked stream from port {port}: {head[:200]!r}")
+        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+        await reader.readexactly(size + 2)
+        if i >= 10:  # warm-up excluded
+            out.append(time.perf_counter() - t0)
+        while size:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            await reader.readexactly(size + 2)
+    writer.close()
+    return out
 
 
 async def run_c1(port: int, n: int) -> list[float]:
@@ -286,6 +314,7 @@ def start_vllm_router(urls: list[str], policy: str) -> tuple[Proc, int] | None:
 @dataclass
 class Result:
     c1: list[list[float]] = field(default_factory=list)
+    ttft: list[list[float]] = field(default_factory=list)
     conc: dict[int, list[tuple[float, list[float]]]] = field(default_factory=dict)
 
 
@@ -343,6 +372,7 @@ def main() -> int:
                 try:
                     res = results[name]
                     res.c1.append(loop.run_until_complete(run_c1(port, args.c1_requests)))
+                    res.ttft.append(loop.run_until_complete(run_ttft(port, 200)))
                     for c in args.concurrency:
                         out = loop.run_until_complete(run_concurrent(port, c, args.seconds))
                         res.conc.setdefault(c, []).append(out)
@@ -363,8 +393,8 @@ def print_table(results: dict[str, Result], concurrency: list[int]) -> None:
 
     direct_p50 = med([pct(x, 0.5) for x in results["direct"].c1])
     direct_p99 = med([pct(x, 0.99) for x in results["direct"].c1])
-    head = "| target | c1 p50 ms | c1 p99 ms | added p50 ms | added p99 ms |"
-    sep = "|---|---:|---:|---:|---:|"
+    head = "| target | c1 p50 ms | c1 p99 ms | added p50 ms | added p99 ms | TTFT p50 ms |"
+    sep = "|---|---:|---:|---:|---:|---:|"
     for c in concurrency:
         head += f" c{c} req/s | c{c} p50 ms | c{c} p99 ms |"
         sep += "---:|---:|---:|"
@@ -375,7 +405,9 @@ def print_table(results: dict[str, Result], concurrency: list[int]) -> None:
         p99 = med([pct(x, 0.99) for x in res.c1])
         added50 = "" if name == "direct" else f"{(p50 - direct_p50) * 1e3:+.3f}"
         added99 = "" if name == "direct" else f"{(p99 - direct_p99) * 1e3:+.3f}"
+        ttft = med([pct(x, 0.5) for x in res.ttft])
         row = f"| {name} | {p50 * 1e3:.3f} | {p99 * 1e3:.3f} | {added50} | {added99} |"
+        row += f" {ttft * 1e3:.3f} |"
         for c in concurrency:
             runs = res.conc.get(c, [])
             rps = med([r for r, _ in runs])
