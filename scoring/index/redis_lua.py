@@ -6,9 +6,12 @@ one cluster slot and each script touches a single slot (``P`` = ``"{" + ns + "}:
 
 * ``P s <id>`` -- HASH per *slot* (one generation of one (pod, tier)): field ``K`` ->
   count of stored copies.  The source of truth for counts.
-* ``P b K`` -- HASH per block: field slot id -> 1 while that slot holds the block (a
-  *holder hint*, written and deleted together with the slot's entry).  No TTL: a hot
-  block stored once and then only hit must stay findable.
+* ``P b K`` -- STRING per block, its *holder hint*: the sorted 4-byte big-endian ids
+  of the slots holding the block, written and deleted together with the slot entries.
+  Sorted, so two blocks with the same holders have byte-equal hints: the walk advances
+  every pod at once over a run of blocks with one holder set (a shared system prompt)
+  by comparing strings.  No TTL: a hot block stored once and then only hit must stay
+  findable.
 * ``P seen`` -- HASH slot id -> server time (ms) of the slot's last ``add``.  A slot is
   *live* while its id is registered and ``now - seen < ttl_s`` (always, with no TTL);
   the slot hash itself expires ``ttl_s + 60`` s after its last ``add``, so a live slot's
@@ -48,6 +51,45 @@ _FORCE_HASHTABLE = (
     + "') end\n"
 )
 
+#: Lua helpers for holder hints (sorted 4-byte big-endian slot ids in one string).
+#: Comparisons are numeric (struct.unpack), never on strings (collation-dependent).
+_HINT_OPS = """
+local function hint_find(s, v)
+  local lo, hi = 0, #s / 4
+  while lo < hi do
+    local mid = math.floor((lo + hi) / 2)
+    if struct.unpack('>I4', s, mid * 4 + 1) < v then lo = mid + 1 else hi = mid end
+  end
+  return lo, lo < #s / 4 and struct.unpack('>I4', s, lo * 4 + 1) == v
+end
+local function hint_insert(key, id)
+  local v = tonumber(id)
+  local s = redis.call('GET', key)
+  if not s then
+    redis.call('SET', key, struct.pack('>I4', v))
+    return
+  end
+  local at, found = hint_find(s, v)
+  if not found then
+    local rec = struct.pack('>I4', v)
+    redis.call('SET', key, string.sub(s, 1, at * 4) .. rec .. string.sub(s, at * 4 + 1))
+  end
+end
+local function hint_delete(key, id)
+  local v = tonumber(id)
+  local s = redis.call('GET', key)
+  if not s then return end
+  local at, found = hint_find(s, v)
+  if found then
+    if #s == 4 then
+      redis.call('DEL', key)
+    else
+      redis.call('SET', key, string.sub(s, 1, at * 4) .. string.sub(s, at * 4 + 5))
+    end
+  end
+end
+"""
+
 _NOW_MS = """
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
@@ -62,6 +104,7 @@ ADD = (
 """
     + _NOW_MS
     + _FORCE_HASHTABLE
+    + _HINT_OPS
     + """
 local P = ARGV[1]
 local field = ARGV[2] .. '\\0' .. ARGV[3]
@@ -92,7 +135,7 @@ local new = 0
 for off = 1, #packed, 8 do
   local kb = string.sub(packed, off, off + 7)
   if redis.call('HINCRBY', slot, kb, 1) == 1 then
-    redis.call('HSET', bprefix .. kb, id, 1)
+    hint_insert(bprefix .. kb, id)
     new = new + 1
   end
 end
@@ -106,7 +149,11 @@ return new
 
 #: KEYS: pods.  ARGV: prefix P, pod, tier, packed keys.  Counts one copy fewer; an
 #: entry reaching 0 is deleted with its hint.  Returns the number of entries deleted.
-REMOVE = """#!lua
+REMOVE = (
+    """#!lua
+"""
+    + _HINT_OPS
+    + """
 local P = ARGV[1]
 local id = redis.call('HGET', KEYS[1], ARGV[2] .. '\\0' .. ARGV[3])
 if not id then return 0 end
@@ -120,7 +167,7 @@ for off = 1, #packed, 8 do
   if v then
     if tonumber(v) <= 1 then
       redis.call('HDEL', slot, kb)
-      redis.call('HDEL', bprefix .. kb, id)
+      hint_delete(bprefix .. kb, id)
       gone = gone + 1
     else
       redis.call('HINCRBY', slot, kb, -1)
@@ -129,6 +176,7 @@ for off = 1, #packed, 8 do
 end
 return gone
 """
+)
 
 #: KEYS: pods, ids, seen.  ARGV: prefix P, pod, tier...  Retires the pod's slot in each
 #: tier (O(tiers); the slot hash is UNLINKed).  Returns the number of slots retired.
@@ -185,21 +233,6 @@ local function keys_upto(e)
   if e > built then built = e end
 end
 
--- which of ``fields`` hash ``key`` has (truthy / false).  Many fields: one HKEYS
--- (linear in the hash) matched in Lua, instead of HMGET, which is O(fields x entries)
--- on a listpack-encoded hash (holder hints are small hashes).
-local function fields_of(key, fields, pos)
-  if #fields <= 16 then return redis.call('HMGET', key, unpack(fields)) end
-  local out = {}
-  for j = 1, #fields do out[j] = false end
-  local names = redis.call('HKEYS', key)
-  for j = 1, #names do
-    local at = pos[names[j]]
-    if at then out[at] = true end
-  end
-  return out
-end
-
 local function hmget(key, fields)
   local out = {}
   local n = #fields
@@ -218,8 +251,10 @@ if #ARGV >= first then
   for c = first, #ARGV do names[#names + 1] = ARGV[c] end
 else
   local seen_pod = {}
-  local ids = redis.call('HKEYS', bprefix .. kb[1])
-  if #ids == 0 then return {} end
+  local hint0 = redis.call('GET', bprefix .. kb[1])
+  if not hint0 then return {} end
+  local ids = {}
+  for off = 1, #hint0, 4 do ids[#ids + 1] = tostring(struct.unpack('>I4', hint0, off)) end
   local infos = hmget(KEYS[2], ids)
   for j = 1, #ids do
     local info = infos[j]
@@ -303,50 +338,57 @@ local function extend(p, i, b)
   end
 end
 
--- phase A: block by block on the holder hints (always for block 0)
+-- phase A: block by block on the holder hints (always for block 0).  A hint equal to
+-- the previous block's names the same holders: every pod still in stays in, with the
+-- same fastest tier, without decoding anything.  Single-slot pods' counters are set
+-- when they drop out (n1 = i - 1) or when phase A ends.
+local rec = {}  -- packed slot id -> {pod, tier}
+for p = 1, np do
+  local sl, tl = pslots[p], ptiers[p]
+  for j = 1, #sl do rec[struct.pack('>I4', tonumber(sl[j]))] = {p, tl[j]} end
+end
 local act = {}
 for p = 1, np do act[p] = p end
-local ask, own, trr, pos = {}, {}, {}, {}
-local dirty = true
+local multi = {}  -- multi-slot pods still in
+for p = 1, np do if pc[p] then multi[#multi + 1] = p end end
+local prev, prev_best = nil, nil
 local i = 1
 while i <= nblocks and #act > 0 and (i == 1 or #act > FAN) do
-  if dirty then
-    ask, own, trr, pos = {}, {}, {}, {}
-    for a = 1, #act do
-      local p = act[a]
-      local sl, tl = pslots[p], ptiers[p]
-      for j = 1, #sl do
-        local n = #ask + 1
-        ask[n] = sl[j]
-        own[n] = p
-        trr[n] = tl[j]
-        pos[sl[j]] = n
+  keys_upto(i)
+  local h = redis.call('GET', bprefix .. kb[i]) or ''
+  if h == prev then
+    for m = 1, #multi do extend(multi[m], i, prev_best[multi[m]]) end
+  else
+    local best = {}
+    for off = 1, #h, 4 do
+      local r = rec[string.sub(h, off, off + 3)]
+      if r then
+        local p, t = r[1], r[2]
+        local b = best[p]
+        if b == nil or t < b then best[p] = t end
       end
     end
-    dirty = false
-  end
-  keys_upto(i)
-  local vals = fields_of(bprefix .. kb[i], ask, pos)
-  local best = {}
-  for j = 1, #ask do
-    if vals[j] then
-      local p = own[j]
+    local still, smulti = {}, {}
+    for a = 1, #act do
+      local p = act[a]
       local b = best[p]
-      if b == nil or trr[j] < b then best[p] = trr[j] end
+      if b then
+        still[#still + 1] = p
+        if pc[p] then
+          extend(p, i, b)
+          smulti[#smulti + 1] = p
+        end
+      elseif not pc[p] then
+        n1[p] = i - 1
+      end
     end
+    act, multi = still, smulti
+    prev, prev_best = h, best
   end
-  local still = {}
-  for a = 1, #act do
-    local p = act[a]
-    local b = best[p]
-    if b then
-      extend(p, i, b)
-      still[#still + 1] = p
-    end
-  end
-  if #still ~= #act then dirty = true end
-  act = still
   i = i + 1
+end
+for a = 1, #act do
+  if not pc[act[a]] then n1[act[a]] = i - 1 end
 end
 
 -- phase B: each remaining pod alone, chunk by chunk on its slot hashes
@@ -449,8 +491,8 @@ return out
 
 #: KEYS: pods, ids, seen.  ARGV: prefix P, ttl seconds, then holder-hint key names.
 #: A slot id is dead when unregistered, stale (``seen`` older than ttl) or its hash is
-#: gone: its hint fields are deleted, and a registered dead slot is retired (as by
-#: ``clear_pod``).  Returns the number of hint fields deleted.
+#: gone: it is dropped from the hints, and a registered dead slot is retired (as by
+#: ``clear_pod``).  Returns the number of hint entries deleted.
 SWEEP = (
     """#!lua
 """
@@ -465,8 +507,8 @@ local function live(id)
   local info = redis.call('HGET', KEYS[2], id)
   v = false
   if info then
-    local stamp = redis.call('HGET', KEYS[3], id)
-    local fresh = stamp and (ttl_ms <= 0 or now_ms - tonumber(stamp) < ttl_ms)
+    local stamp = tonumber(redis.call('HGET', KEYS[3], id))
+    local fresh = stamp and (ttl_ms <= 0 or now_ms - stamp < ttl_ms)
     if fresh and redis.call('EXISTS', P .. 's' .. id) == 1 then
       v = true
     else
@@ -483,11 +525,21 @@ local function live(id)
 end
 local gone = 0
 for a = 3, #ARGV do
-  local ids = redis.call('HKEYS', ARGV[a])
-  for j = 1, #ids do
-    if not live(ids[j]) then
-      redis.call('HDEL', ARGV[a], ids[j])
-      gone = gone + 1
+  local h = redis.call('GET', ARGV[a])
+  if h then
+    local kept = {}
+    for off = 1, #h, 4 do
+      local rec = string.sub(h, off, off + 3)
+      if live(tostring(struct.unpack('>I4', rec))) then
+        kept[#kept + 1] = rec
+      else
+        gone = gone + 1
+      end
+    end
+    if #kept == 0 then
+      redis.call('DEL', ARGV[a])
+    elseif #kept * 4 < #h then
+      redis.call('SET', ARGV[a], table.concat(kept))
     end
   end
 end
