@@ -55,7 +55,7 @@ def _answers_ping(port: int) -> bool:
         return False
 
 
-def _start_server(binary: str, workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
+def _start_server(binary: str, workdir: Path, *extra: str) -> tuple[subprocess.Popen[bytes], int]:
     last = ""
     for _attempt in range(5):  # the free port may be taken between probe and bind
         port = _free_port()
@@ -75,6 +75,9 @@ def _start_server(binary: str, workdir: Path) -> tuple[subprocess.Popen[bytes], 
                 str(workdir),
                 "--logfile",
                 str(log),
+                "--repl-diskless-sync-delay",  # a test replica syncs at once
+                "0",
+                *extra,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -101,6 +104,29 @@ def redis_url() -> Iterator[str]:
     binary = _server_binary()
     with tempfile.TemporaryDirectory(prefix="kvroute-redis-") as tmp:
         proc, port = _start_server(binary, Path(tmp))
+        try:
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="session")
+def redis_replica_url(redis_url: str) -> Iterator[str]:
+    """A read-only replica of ``redis_url``'s server (started here, stopped by PID)."""
+    from urllib.parse import urlparse
+
+    primary = urlparse(redis_url)
+    if primary.hostname not in ("127.0.0.1", "localhost"):
+        pytest.skip("a replica can only be started for a server on this machine")
+    with tempfile.TemporaryDirectory(prefix="kvroute-replica-") as tmp:
+        proc, port = _start_server(
+            _server_binary(), Path(tmp), "--replicaof", "127.0.0.1", str(primary.port or 6379)
+        )
         try:
             yield f"redis://127.0.0.1:{port}/0"
         finally:

@@ -10,11 +10,11 @@ the in-memory index; the shared behaviour suite holds both to them):
 * counted (pod, key, tier) entries: ``add`` increments, ``remove`` decrements, the entry
   is deleted at 0;
 * each (pod, tier) has a *slot id* -- its generation -- and a hash of its blocks; a
-  block has a hash of the slot ids holding it.  ``clear_pod`` never scans: it retires
-  the slot id (entries invisible at once) and UNLINKs the slot's hash; the retired id's
-  fields in block hashes go with the block's TTL or :meth:`RedisIndex.sweep`;
-* TTL ``ttl_s`` on both hashes, refreshed by every ``add`` touching them, so nothing
-  outlives a pod that vanished without a ``clear_pod`` by more than ``ttl_s``;
+  block has a *holder hint*, the sorted ids of the slots holding it.  ``clear_pod``
+  never scans: it retires the slot id (entries invisible at once) and UNLINKs the
+  slot's hash; :meth:`RedisIndex.sweep` later drops retired ids from the hints;
+* a slot that receives no ``add`` for ``ttl_s`` is ignored by lookups and expires soon
+  after, so nothing outlives a pod that vanished without a ``clear_pod``;
 * block keys are unsigned 64-bit ints, stored as 8 raw big-endian bytes.
 
 Key layout and cluster placement: see :mod:`scoring.index.redis_lua` and docs/redis.md.

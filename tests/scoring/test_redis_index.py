@@ -473,6 +473,34 @@ async def test_the_lookup_script_is_read_only(
         )
 
 
+async def test_a_read_only_replica_serves_lookups_and_refuses_writes(
+    index: RedisIndex, redis_replica_url: str, redis_namespace: str
+) -> None:
+    await index.add("pod-a", [1, 2, 3])
+    await index.add("pod-b", [1])
+    await index.clear_pod("pod-z")  # bumps the namespace's state once more
+    replica = RedisIndex.from_url(redis_replica_url, namespace=redis_namespace)
+    expect = {
+        "pod-a": {"GPU": 3, "CPU": 3, "DISK": 3},
+        "pod-b": {"GPU": 1, "CPU": 1, "DISK": 1},
+    }
+    try:
+
+        async def caught_up() -> bool:
+            try:
+                return await replica.lookup([1, 2, 3]) == expect
+            except (aioredis.ConnectionError, aioredis.ResponseError):
+                return False  # still syncing (LOADING / MASTERDOWN)
+
+        await wait_until(caught_up, "the replica to sync")
+        assert await replica.lookup([1, 2, 3], pods=["pod-b"]) == {"pod-b": expect["pod-b"]}
+        assert await replica.pod_entries() == {"pod-a": 3, "pod-b": 1}
+        with pytest.raises(aioredis.ResponseError, match=r"(?i)read.only|readonly"):
+            await replica.add("pod-c", [1])
+    finally:
+        await replica.close()
+
+
 # -- shared load view -----------------------------------------------------------------
 
 
