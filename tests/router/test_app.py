@@ -345,3 +345,31 @@ async def test_a_pod_discovered_later_is_health_checked_and_served_at_once(rig: 
         assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "sim-7"
     finally:
         await stop_pods([late])
+
+
+async def test_session_id_from_the_header_or_the_body_user_field_reaches_the_policy() -> None:
+    r, pods = await _start([sim(i) for i in range(4)], policy="session")
+    try:
+
+        async def pods_for(headers: dict[str, str], extra: dict[str, Any]) -> set[str]:
+            seen = set()
+            for i in range(6):  # different prompts, same session
+                resp = await r.client.post(
+                    "/v1/chat/completions", json=chat(f"turn {i}", **extra), headers=headers
+                )
+                assert resp.status_code == 200
+                seen.add(resp.headers["x-kvroute-pod"])
+            return seen
+
+        alice = await pods_for({"x-session-id": "alice"}, {})
+        assert len(alice) == 1
+        assert len(await pods_for({}, {"user": "bob"})) == 1
+        explained = await r.client.post(
+            "/v1/route", json=chat("x"), headers={"x-session-id": "alice"}
+        )
+        assert explained.json()["policy"] == "session"
+        assert {explained.json()["pod"]} == alice
+    finally:
+        await r.client.aclose()
+        await r.router.stop()
+        await stop_pods(pods)
