@@ -162,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             http=_http_impl(),
             log_level=settings.log_level,
             access_log=False,
+            proxy_headers=False,  # the client address is not used; saves a middleware
             timeout_graceful_shutdown=5,
         )
     except _Stop:
