@@ -373,3 +373,38 @@ async def test_embeddings_are_passed_through(make_rig: Any) -> None:
     r = await rig.client.post("/v1/embeddings", json={"model": MODEL, "input": "hi"})
     assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "a"
     assert b'"input"' in rig.ups["a"].bodies[0]
+
+
+async def test_a_pod_answering_garbage_gives_502_openai_error() -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"this is not HTTP\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(garbage, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    settings = Settings.model_validate(
+        {
+            "discovery": {
+                "static": [{"name": "g", "url": f"http://127.0.0.1:{port}", "models": [MODEL]}]
+            },
+            "events": {"enabled": False},
+            "health": {"enabled": False},
+            "fleet": {"enabled": False},
+        }
+    )
+    try:
+        async with (
+            RunningServer(create_app(settings)) as router,
+            httpx.AsyncClient(base_url=router.url, timeout=30) as client,
+        ):
+            r = await client.post("/v1/chat/completions", json=CHAT)
+            assert r.status_code == 502
+            assert r.json()["error"]["type"] == "upstream_error"
+            assert r.headers["x-kvroute-pod"] == "g"
+            metrics = (await client.get("/metrics")).text
+            assert 'kvroute_upstream_errors_total{pod="g",reason="transport"} 1.0' in metrics
+    finally:
+        server.close()
+        await server.wait_closed()
