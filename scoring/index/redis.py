@@ -271,13 +271,17 @@ class RedisIndex:
                 return {}
             args.extend(cands)
         k = self._k
-        flat = await self._lookup(keys=[k.pods, k.ids, k.seen], args=args)
+        reply = await self._lookup(keys=[k.pods, k.ids, k.seen], args=args)
+        if not reply:
+            return {}
+        names = reply[0].split(b"\0")
+        counts = [int(c) for c in reply[1].split(b",")]
         nt = len(self.tiers)
-        out: dict[str, PodHits] = {}
-        for i in range(0, len(flat), nt + 1):
-            counts = flat[i + 1 : i + 1 + nt]
-            out[flat[i].decode()] = {t: int(c) for t, c in zip(self.tiers, counts, strict=True)}
-        return out
+        tiers = self.tiers
+        return {
+            name.decode(): dict(zip(tiers, counts[i * nt : i * nt + nt], strict=True))
+            for i, name in enumerate(names)
+        }
 
     async def pod_entries(self) -> dict[str, int]:
         """Distinct (key, tier) entries per pod (HLEN of its live slots; exact)."""

@@ -209,7 +209,9 @@ return retired
 #:    holder hint, asking only the ids of pods still in.  Phase B, once FAN or fewer
 #:    are left: each pod alone, one HMGET per slot per chunk of blocks (16, 32, 64, ...)
 #:    on its own slot hash.  Every pod is checked block by block: the answer is exact.
-#: Returns a flat array pod, c[1], ..., c[T], ... for pods with c[T] > 0.
+#: Returns {} or two strings (a compact reply: parsing thousands of RESP elements costs
+#: the client more than the walk): the pods with c[T] > 0 joined by NUL, and their
+#: counters c[1..T] pod after pod, in decimal, joined by ','.
 LOOKUP = (
     """#!lua flags=no-writes
 """
@@ -434,22 +436,23 @@ for a = 1, #act do
   end
 end
 
-local out = {}
+local onames, ocounts = {}, {}
 for p = 1, np do
   local c = pc[p]
   if c then
     if c[nt] > 0 then
-      out[#out + 1] = pname[p]
-      for t = 1, nt do out[#out + 1] = c[t] end
+      onames[#onames + 1] = pname[p]
+      for t = 1, nt do ocounts[#ocounts + 1] = c[t] end
     end
   elseif n1[p] > 0 then
-    out[#out + 1] = pname[p]
+    onames[#onames + 1] = pname[p]
     for t = 1, nt do
-      if t >= t1[p] then out[#out + 1] = n1[p] else out[#out + 1] = 0 end
+      if t >= t1[p] then ocounts[#ocounts + 1] = n1[p] else ocounts[#ocounts + 1] = 0 end
     end
   end
 end
-return out
+if #onames == 0 then return {} end
+return {table.concat(onames, '\\0'), table.concat(ocounts, ',')}
 """
 )
 

@@ -456,7 +456,7 @@ async def test_the_lookup_script_is_read_only(
         b"CPU",
         b"DISK",
     )
-    assert reply == [b"pod-a", 3, 3, 3]
+    assert reply == [b"pod-a", b"3,3,3"]
     with pytest.raises(aioredis.ResponseError, match=r"(?i)write"):
         await raw.eval_ro(
             redis_lua.ADD,
