@@ -2,9 +2,9 @@
 
 from scoring.policies.base import (
     Decision,
+    PodView,
     Policy,
     PolicyParams,
-    PodView,
     RouteRequest,
 )
 from scoring.policies.registry import available_policies, build_policy
