@@ -569,6 +569,25 @@ async def test_heartbeat_pushes_the_replica_expiry_forward(
         await store.close()
 
 
+async def test_the_background_heartbeat_keeps_a_live_replica_registered(
+    redis_url: str, redis_namespace: str, raw: aioredis.Redis
+) -> None:
+    store = RedisLoadStore.from_url(redis_url, namespace=redis_namespace, replica="r", ttl_s=0.3)
+    zset = b"{" + redis_namespace.encode() + b"}:load:r"
+    try:
+        await store.begin("pod-a", 1)  # starts the heartbeat task (every ttl_s / 3)
+        first = await raw.zscore(zset, b"r") or 0
+
+        async def beaten() -> bool:
+            return (await raw.zscore(zset, b"r") or 0) > first
+
+        await wait_until(beaten, "a heartbeat to move the expiry")
+        assert store.heartbeat_errors == 0
+    finally:
+        await store.close()
+    assert await raw.zscore(zset, b"r") is None  # close withdrew the replica
+
+
 async def test_close_withdraws_the_replica_load_at_once(
     redis_url: str, redis_namespace: str
 ) -> None:
