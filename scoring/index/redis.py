@@ -82,7 +82,7 @@ class _Layout:
             raise ValueError(f"namespace must not contain braces, got {namespace!r}")
         self.prefix = b"{" + raw + b"}:"
         self.block = self.prefix + b"b"
-        self.pods = self.prefix + b"pods"
+        self.pods = self.prefix + b"p:"  # + tier: pod -> slot id
         self.ids = self.prefix + b"ids"
         self.next = self.prefix + b"next"
         self.seen = self.prefix + b"seen"
@@ -131,7 +131,7 @@ class RedisIndex:
         self._k = _Layout(namespace)
         self._r = client
         self._owns = owns_client
-        self._tier_args = [str(len(self.tiers)).encode(), *(t.encode() for t in self.tiers)]
+        self._tier_keys = {t: self._k.pods + t.encode() for t in self.tiers}
         self._add: AsyncScript = client.register_script(redis_lua.ADD)
         self._remove: AsyncScript = client.register_script(redis_lua.REMOVE)
         self._clear: AsyncScript = client.register_script(redis_lua.CLEAR)
@@ -204,20 +204,25 @@ class RedisIndex:
         p = _check_name("pod", pod)
         t = self._tier(tier)
         k = self._k
-        skeys = [k.pods, k.ids, k.next, k.seen]
+        skeys = [self._tier_keys[tier], k.ids, k.next, k.seen]
         return [(self._add, skeys, [k.prefix, p, t, self._ttl_arg, c]) for c in self._chunks(keys)]
 
     def _remove_calls(self, pod: str, keys: Sequence[int], tier: str) -> list[_Call]:
         p = _check_name("pod", pod)
         t = self._tier(tier)
         k = self._k
-        return [(self._remove, [k.pods], [k.prefix, p, t, c]) for c in self._chunks(keys)]
+        tk = [self._tier_keys[tier]]
+        return [(self._remove, tk, [k.prefix, p, t, c]) for c in self._chunks(keys)]
 
     def _clear_calls(self, pod: str, tier: str | None) -> list[_Call]:
         p = _check_name("pod", pod)
-        tiers = [t.encode() for t in self.tiers] if tier is None else [self._tier(tier)]
+        if tier is None:
+            tiers = list(self._tier_keys.values())
+        else:
+            self._tier(tier)
+            tiers = [self._tier_keys[tier]]
         k = self._k
-        return [(self._clear, [k.pods, k.ids, k.seen], [k.prefix, p, *tiers])]
+        return [(self._clear, [k.ids, k.seen, *tiers], [k.prefix, p])]
 
     async def add(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
         """Count one more copy of each key on ``pod`` in ``tier`` (refreshes the TTL)."""
@@ -264,14 +269,15 @@ class RedisIndex:
         if not keys:
             return {}
         packed = pack_keys(keys)
-        args: list[Any] = [self._k.prefix, packed, self._ttl_arg, *self._tier_args]
+        args: list[Any] = [self._k.prefix, packed, self._ttl_arg]
         if pods is not None:
             cands = sorted({_check_name("pod", p) for p in pods})
             if not cands:
                 return {}
             args.extend(cands)
         k = self._k
-        reply = await self._lookup(keys=[k.pods, k.ids, k.seen], args=args)
+        keys_ = [k.ids, k.seen, *self._tier_keys.values()]
+        reply = await self._lookup(keys=keys_, args=args)
         if not reply:
             return {}
         names = reply[0].split(b"\0")
@@ -311,9 +317,7 @@ class RedisIndex:
             cursor, names = await self._r.scan(cursor=cursor, match=pattern, count=count)
             if names:
                 removed += int(
-                    await self._sweep(
-                        keys=[k.pods, k.ids, k.seen], args=[k.prefix, self._ttl_arg, *names]
-                    )
+                    await self._sweep(keys=[k.ids, k.seen], args=[k.prefix, self._ttl_arg, *names])
                 )
             if cursor == 0:
                 return removed

@@ -17,10 +17,12 @@ one cluster slot and each script touches a single slot (``P`` = ``"{" + ns + "}:
   the slot hash itself expires ``ttl_s + 60`` s after its last ``add``, so a live slot's
   hash always exists and a pod that stores nothing for ``ttl_s`` (vanished without a
   ``clear_pod``) is ignored at once and freed soon after.
-* ``P pods`` -- HASH ``pod NUL tier`` -> current slot id; ``P ids`` -- HASH slot id ->
-  ``tier NUL pod``; ``P next`` -- slot id counter (ids are never reused).  No TTL.
+* ``P p:<tier>`` -- HASH per tier: pod -> its current slot id in that tier (the pod
+  names are the fields, so a lookup reads candidates' ids without building strings);
+  ``P ids`` -- HASH slot id -> ``tier NUL pod``; ``P next`` -- slot id counter (ids
+  are never reused).  No TTL.
 
-``clear_pod`` retires the slot: drops it from ``pods``/``ids``/``seen`` and UNLINKs its
+``clear_pod`` retires the slot: drops it from ``p:<tier>``/``ids``/``seen``, UNLINKs its
 hash (freed in the background; no scan).  Its hint fields are invisible at once (only
 live ids count) and are deleted by ``SWEEP`` (run periodically by the writer), which
 also retires slots that went stale.
@@ -95,7 +97,7 @@ local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 """
 
-#: KEYS: pods, ids, next, seen.  ARGV: prefix P, pod, tier, ttl seconds (0 = none),
+#: KEYS: p:<tier>, ids, next, seen.  ARGV: prefix P, pod, tier, ttl seconds (0 = none),
 #: packed keys (8 bytes each).  Counts one more copy of each key, writes the holder
 #: hint of new entries, stamps ``seen`` and refreshes the slot's TTL.
 #: Returns the number of new entries.
@@ -107,7 +109,7 @@ ADD = (
     + _HINT_OPS
     + """
 local P = ARGV[1]
-local field = ARGV[2] .. '\\0' .. ARGV[3]
+local field = ARGV[2]
 local id = redis.call('HGET', KEYS[1], field)
 if id and redis.call('EXISTS', P .. 's' .. id) == 0 then
   -- the slot expired (idle past ttl + grace): its hints must not come back to life
@@ -147,7 +149,7 @@ return new
 """
 )
 
-#: KEYS: pods.  ARGV: prefix P, pod, tier, packed keys.  Counts one copy fewer; an
+#: KEYS: p:<tier>.  ARGV: prefix P, pod, tier, packed keys.  Counts one copy fewer; an
 #: entry reaching 0 is deleted with its hint.  Returns the number of entries deleted.
 REMOVE = (
     """#!lua
@@ -155,7 +157,7 @@ REMOVE = (
     + _HINT_OPS
     + """
 local P = ARGV[1]
-local id = redis.call('HGET', KEYS[1], ARGV[2] .. '\\0' .. ARGV[3])
+local id = redis.call('HGET', KEYS[1], ARGV[2])
 if not id then return 0 end
 local slot = P .. 's' .. id
 local bprefix = P .. 'b'
@@ -178,17 +180,17 @@ return gone
 """
 )
 
-#: KEYS: pods, ids, seen.  ARGV: prefix P, pod, tier...  Retires the pod's slot in each
-#: tier (O(tiers); the slot hash is UNLINKed).  Returns the number of slots retired.
+#: KEYS: ids, seen, then p:<tier> of each tier to clear.  ARGV: prefix P, pod.  Retires
+#: the pod's slot in each of those tiers (O(tiers); the slot hash is UNLINKed).
+#: Returns the number of slots retired.
 CLEAR = """#!lua
 local retired = 0
-for i = 3, #ARGV do
-  local f = ARGV[2] .. '\\0' .. ARGV[i]
-  local id = redis.call('HGET', KEYS[1], f)
+for i = 3, #KEYS do
+  local id = redis.call('HGET', KEYS[i], ARGV[2])
   if id then
-    redis.call('HDEL', KEYS[1], f)
+    redis.call('HDEL', KEYS[i], ARGV[2])
+    redis.call('HDEL', KEYS[1], id)
     redis.call('HDEL', KEYS[2], id)
-    redis.call('HDEL', KEYS[3], id)
     redis.call('UNLINK', ARGV[1] .. 's' .. id)
     retired = retired + 1
   end
@@ -196,9 +198,9 @@ end
 return retired
 """
 
-#: KEYS: pods, ids, seen.  ARGV: prefix P, packed keys, ttl seconds (0 = none),
-#: number of tiers T, T tier names (fastest first), then candidate pods (none = every
-#: pod holding block 0).
+#: KEYS: ids, seen, then p:<tier> for the T tiers, fastest first.  ARGV: prefix P,
+#: packed keys, ttl seconds (0 = none), then candidate pods (none = every pod holding
+#: block 0).
 #:
 #: 1. Followed pods: the candidates, or the pods named by block 0's holder hint; their
 #:    live slot ids per tier (registered, and ``seen`` within ``ttl``).
@@ -222,7 +224,7 @@ local CHUNK_MAX = 4000
 local P = ARGV[1]
 local packed = ARGV[2]
 local ttl_ms = tonumber(ARGV[3]) * 1000
-local nt = tonumber(ARGV[4])
+local nt = #KEYS - 2
 local nblocks = math.floor(#packed / 8)
 if nblocks == 0 then return {} end
 local bprefix = P .. 'b'
@@ -248,16 +250,15 @@ end
 
 keys_upto(1)
 local names = {}
-local first = 5 + nt
-if #ARGV >= first then
-  for c = first, #ARGV do names[#names + 1] = ARGV[c] end
+if #ARGV >= 4 then
+  for c = 4, #ARGV do names[#names + 1] = ARGV[c] end
 else
   local seen_pod = {}
   local hint0 = redis.call('GET', bprefix .. kb[1])
   if not hint0 then return {} end
   local ids = {}
   for off = 1, #hint0, 4 do ids[#ids + 1] = tostring(struct.unpack('>I4', hint0, off)) end
-  local infos = hmget(KEYS[2], ids)
+  local infos = hmget(KEYS[1], ids)
   for j = 1, #ids do
     local info = infos[j]
     if info then
@@ -272,61 +273,60 @@ else
 end
 if #names == 0 then return {} end
 
--- live slot ids of the followed pods, per tier
-local fields, want_pod, want_tier = {}, {}, {}
+-- live slot ids of the followed pods, per tier: one HMGET per tier over the names.
+-- A pod with one live slot keeps s1[p] / t1[p] and one counter n1[p] (its hits are 0
+-- below tier t1 and n1 from t1 on); a pod with several keeps pslots[p] / ptiers[p] and
+-- per-tier counters pc[p][1..T].
+local by_tier = {}
+for t = 1, nt do by_tier[t] = hmget(KEYS[2 + t], names) end
+local cand_ids, cand_pod, cand_tier = {}, {}, {}
 for c = 1, #names do
   for t = 1, nt do
-    fields[#fields + 1] = names[c] .. '\\0' .. ARGV[4 + t]
-    want_pod[#fields] = c
-    want_tier[#fields] = t
+    local id = by_tier[t][c]
+    if id then
+      local g = #cand_ids + 1
+      cand_ids[g] = id
+      cand_pod[g] = c
+      cand_tier[g] = t
+    end
   end
 end
-local slot_ids = hmget(KEYS[1], fields)
-local got, got_j = {}, {}
-for j = 1, #fields do
-  if slot_ids[j] then
-    got[#got + 1] = slot_ids[j]
-    got_j[#got] = j
-  end
-end
-if #got == 0 then return {} end
-local stamps = hmget(KEYS[3], got)
-
--- followed pods by index p: pslots[p] / ptiers[p] = their live slot ids and tiers.
--- A pod with one slot of tier t keeps one counter n1[p]: its hits are 0 below t and
--- n1[p] from t on.  A pod with several slots keeps per-tier counters pc[p][1..T].
+if #cand_ids == 0 then return {} end
+local stamps = hmget(KEYS[2], cand_ids)
 local np = 0
-local index_of, pname, pslots, ptiers = {}, {}, {}, {}
-for g = 1, #got do
+local index_of, pname, s1, t1, n1, pslots, ptiers, pc = {}, {}, {}, {}, {}, {}, {}, {}
+local rec_p, rec_t = {}, {}  -- packed slot id -> pod index, tier
+for g = 1, #cand_ids do
   local stamp = tonumber(stamps[g])
   if stamp and (ttl_ms <= 0 or now_ms - stamp < ttl_ms) then
-    local c = want_pod[got_j[g]]
+    local c = cand_pod[g]
+    local id, t = cand_ids[g], cand_tier[g]
     local p = index_of[c]
     if not p then
       np = np + 1
       p = np
       index_of[c] = p
       pname[p] = names[c]
-      pslots[p] = {}
-      ptiers[p] = {}
+      s1[p] = id
+      t1[p] = t
+      n1[p] = 0
+    else
+      if not pslots[p] then
+        pslots[p] = {s1[p]}
+        ptiers[p] = {t1[p]}
+        local cc = {}
+        for u = 1, nt do cc[u] = 0 end
+        pc[p] = cc
+      end
+      pslots[p][#pslots[p] + 1] = id
+      ptiers[p][#ptiers[p] + 1] = t
     end
-    local l = pslots[p]
-    l[#l + 1] = got[g]
-    ptiers[p][#l] = want_tier[got_j[g]]
+    local r = struct.pack('>I4', tonumber(id))
+    rec_p[r] = p
+    rec_t[r] = t
   end
 end
 if np == 0 then return {} end
-local n1, t1, pc = {}, {}, {}
-for p = 1, np do
-  if #pslots[p] == 1 then
-    n1[p] = 0
-    t1[p] = ptiers[p][1]
-  else
-    local c = {}
-    for t = 1, nt do c[t] = 0 end
-    pc[p] = c
-  end
-end
 
 -- pod p holds block i at fastest tier b: extend its counters (pod still in)
 local function extend(p, i, b)
@@ -344,11 +344,6 @@ end
 -- the previous block's names the same holders: every pod still in stays in, with the
 -- same fastest tier, without decoding anything.  Single-slot pods' counters are set
 -- when they drop out (n1 = i - 1) or when phase A ends.
-local rec = {}  -- packed slot id -> {pod, tier}
-for p = 1, np do
-  local sl, tl = pslots[p], ptiers[p]
-  for j = 1, #sl do rec[struct.pack('>I4', tonumber(sl[j]))] = {p, tl[j]} end
-end
 local act = {}
 for p = 1, np do act[p] = p end
 local multi = {}  -- multi-slot pods still in
@@ -363,9 +358,10 @@ while i <= nblocks and #act > 0 and (i == 1 or #act > FAN) do
   else
     local best = {}
     for off = 1, #h, 4 do
-      local r = rec[string.sub(h, off, off + 3)]
-      if r then
-        local p, t = r[1], r[2]
+      local r = string.sub(h, off, off + 3)
+      local p = rec_p[r]
+      if p then
+        local t = rec_t[r]
         local b = best[p]
         if b == nil or t < b then best[p] = t end
       end
@@ -396,7 +392,7 @@ end
 -- phase B: each remaining pod alone, chunk by chunk on its slot hashes
 for a = 1, #act do
   local p = act[a]
-  local sl, tl = pslots[p], ptiers[p]
+  local sl, tl = pslots[p] or {s1[p]}, ptiers[p] or {t1[p]}
   local s = i
   local size = 16
   local going = true
@@ -492,7 +488,7 @@ return out
 """
 )
 
-#: KEYS: pods, ids, seen.  ARGV: prefix P, ttl seconds, then holder-hint key names.
+#: KEYS: ids, seen.  ARGV: prefix P, ttl seconds, then holder-hint key names.
 #: A slot id is dead when unregistered, stale (``seen`` older than ttl) or its hash is
 #: gone: it is dropped from the hints, and a registered dead slot is retired (as by
 #: ``clear_pod``).  Returns the number of hint entries deleted.
@@ -507,19 +503,20 @@ local alive = {}
 local function live(id)
   local v = alive[id]
   if v ~= nil then return v end
-  local info = redis.call('HGET', KEYS[2], id)
+  local info = redis.call('HGET', KEYS[1], id)
   v = false
   if info then
-    local stamp = tonumber(redis.call('HGET', KEYS[3], id))
+    local stamp = tonumber(redis.call('HGET', KEYS[2], id))
     local fresh = stamp and (ttl_ms <= 0 or now_ms - stamp < ttl_ms)
     if fresh and redis.call('EXISTS', P .. 's' .. id) == 1 then
       v = true
     else
       local z = string.find(info, '\\0', 1, true)
-      local field = string.sub(info, z + 1) .. '\\0' .. string.sub(info, 1, z - 1)
-      if redis.call('HGET', KEYS[1], field) == id then redis.call('HDEL', KEYS[1], field) end
+      local tiered = P .. 'p:' .. string.sub(info, 1, z - 1)
+      local pod = string.sub(info, z + 1)
+      if redis.call('HGET', tiered, pod) == id then redis.call('HDEL', tiered, pod) end
+      redis.call('HDEL', KEYS[1], id)
       redis.call('HDEL', KEYS[2], id)
-      redis.call('HDEL', KEYS[3], id)
       redis.call('UNLINK', P .. 's' .. id)
     end
   end

@@ -45,7 +45,7 @@ def block_name(namespace: str, key: int) -> bytes:
 async def slot_name(raw: aioredis.Redis, namespace: str, pod: str, tier: str = "GPU") -> bytes:
     """The hash of the pod's current slot (generation) in ``tier``."""
     prefix = b"{" + namespace.encode() + b"}:"
-    slot_id = await raw.hget(prefix + b"pods", f"{pod}\0{tier}".encode())
+    slot_id = await raw.hget(prefix + b"p:" + tier.encode(), pod.encode())
     assert slot_id is not None, f"{pod} has no slot in {tier}"
     return prefix + b"s" + slot_id
 
@@ -247,7 +247,7 @@ async def test_slot_and_registry_hashes_are_hashtables_even_when_small(
     prefix = b"{" + redis_namespace.encode() + b"}:"
     for key in (
         await slot_name(raw, redis_namespace, "pod-a"),
-        prefix + b"pods",
+        prefix + b"p:GPU",
         prefix + b"ids",
         prefix + b"seen",
     ):
@@ -347,7 +347,7 @@ async def test_a_pod_that_stored_nothing_for_ttl_is_ignored_then_swept(
     assert await index.pod_entries() == {"pod-b": 2}
     assert await index.sweep() == 4  # the stale slot's hint fields
     assert await raw.exists(slot) == 0  # its hash is unlinked
-    assert await raw.hget(prefix + b"pods", b"pod-a\0GPU") is None  # and it is retired
+    assert await raw.hget(prefix + b"p:GPU", b"pod-a") is None  # and it is retired
     assert await index.block_keys() == 2
     await index.add("pod-a", [1])  # a fresh generation
     assert (await index.lookup([1]))["pod-a"] == {"GPU": 1, "CPU": 1, "DISK": 1}
@@ -444,24 +444,22 @@ async def test_the_lookup_script_is_read_only(
     ns = b"{" + redis_namespace.encode() + b"}:"
     reply = await raw.eval_ro(
         redis_lua.LOOKUP,
-        3,
-        ns + b"pods",
+        5,
         ns + b"ids",
         ns + b"seen",
+        ns + b"p:GPU",
+        ns + b"p:CPU",
+        ns + b"p:DISK",
         ns,
         struct.pack(">3Q", 1, 2, 3),
         b"0",
-        b"3",
-        b"GPU",
-        b"CPU",
-        b"DISK",
     )
     assert reply == [b"pod-a", b"3,3,3"]
     with pytest.raises(aioredis.ResponseError, match=r"(?i)write"):
         await raw.eval_ro(
             redis_lua.ADD,
             4,
-            ns + b"pods",
+            ns + b"p:GPU",
             ns + b"ids",
             ns + b"next",
             ns + b"seen",
