@@ -23,9 +23,9 @@ one cluster slot and each script touches a single slot (``P`` = ``"{" + ns + "}:
   are never reused).  No TTL.
 
 ``clear_pod`` retires the slot: drops it from ``p:<tier>``/``ids``/``seen``, UNLINKs its
-hash (freed in the background; no scan).  Its hint fields are invisible at once (only
-live ids count) and are deleted by ``SWEEP`` (run periodically by the writer), which
-also retires slots that went stale.
+hash (freed in the background; no scan).  Its id in holder hints is invisible at once
+(only live ids count) and is deleted by ``SWEEP`` (run periodically by the writer),
+which also retires slots that went stale.
 
 Block and slot key names are built inside the scripts from the prefix in ``ARGV``; they
 share the declared keys' hash tag (same cluster slot), which Redis allows for scripts
@@ -41,7 +41,8 @@ SLOT_GRACE_S = 60
 #: ``hash-max-listpack-value`` (64 by default), which makes the server store the hash as
 #: a hashtable for good.  A listpack answers HMGET in O(fields x entries); slot hashes
 #: of small pods and the registries of a few hundred pods would stay listpacks.
-#: No real field can equal it (block keys are 8 bytes; pod names are non-empty).
+#: No real field can equal it (block keys are 8 bytes; pod names and ids hold no NUL).
+#: Written as a Lua string literal (NUL + "hashtable").
 HASHTABLE_FIELD = "\\0hashtable"
 HASHTABLE_VALUE = "h" * 200
 
