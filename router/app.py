@@ -21,7 +21,7 @@ import functools
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -126,10 +126,7 @@ class Gateway:
         if spec is None:
             self.policy.on_pod_removed(name)
             self.scraper.forget(name)
-            with contextlib.suppress(Exception):
-                self.metrics.inflight.remove(name)
-            with contextlib.suppress(Exception):
-                self.metrics.index_entries.remove(name)
+            self.metrics.forget_pod(name)
             self._spawn(self.load.clear_pod(name))
         else:
             self.scraper.trigger()
@@ -148,10 +145,11 @@ class Gateway:
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
-    def check_api_key(self, request: Request) -> None:
+    def check_api_key(self, headers: Mapping[str, str]) -> None:
+        """401 unless router API keys are off or ``Authorization: Bearer <key>`` matches."""
         if not self._api_keys:
             return
-        auth = request.headers.get("authorization", "")
+        auth = headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
         if scheme.lower() == "bearer" and any(
             hmac.compare_digest(token.strip().encode(), k) for k in self._api_keys
@@ -166,22 +164,42 @@ class Gateway:
             )
         )
 
-    async def read_body(self, request: Request) -> bytes:
+    def _too_big(self) -> RouterError:
         limit = self.settings.proxy.max_body_bytes
-        too_big = RouterError(
-            413,
-            f"request body larger than {limit} bytes (proxy.max_body_bytes)",
-            reason="body_too_large",
+        return self.router.reject(
+            RouterError(
+                413,
+                f"request body larger than {limit} bytes (proxy.max_body_bytes)",
+                reason="body_too_large",
+            )
         )
-        declared = request.headers.get("content-length")
+
+    async def read_body(self, request: Request) -> bytes:
+        return await self.receive_body(request.headers, request.receive)
+
+    async def receive_body(self, headers: Mapping[str, str], receive: Receive) -> bytes:
+        """The request body from ASGI ``receive``; 413 past ``proxy.max_body_bytes``
+        (at once when Content-Length says so)."""
+        limit = self.settings.proxy.max_body_bytes
+        declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise self.router.reject(too_big)
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
+            raise self._too_big()
+        message = await receive()
+        body: bytes = message.get("body", b"")
+        if not message.get("more_body", False):  # the common case: one message
+            if len(body) > limit:
+                raise self._too_big()
+            return body
+        chunks = [body]
+        size = len(body)
+        while message.get("more_body", False):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise RouterError(499, "client disconnected", reason="client_disconnected")
+            chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise self.router.reject(too_big)
+                raise self._too_big()
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -236,6 +254,8 @@ class Gateway:
             await self.health.aclose()
         await self.client.aclose()
         with contextlib.suppress(Exception):
+            await self.proxy.aclose()
+        with contextlib.suppress(Exception):
             await self.load.close()
         with contextlib.suppress(Exception):
             await self.index.close()
@@ -269,7 +289,9 @@ def _make_load_store(settings: Settings) -> LoadStore:
 
 
 def _make_sink(index: BlockIndex, settings: Settings) -> Any:
-    from scoring.events import IndexSink
+    # router.events.IndexSink: also forgets departed pods in the applier and asks the
+    # subscriber to resync a pod whose events the applier had to skip
+    from router.events import IndexSink
 
     return IndexSink(index, block_size=settings.block_size or settings.events.block_size_fallback)
 
@@ -315,31 +337,34 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         return RouterError(400, str(exc), reason="invalid_request").response()
 
-    async def _generate(request: Request, kind: Kind, path: str) -> Response:
+    async def _generate(
+        g: Gateway,
+        kind: Kind,
+        path: str,
+        headers: Mapping[str, str],
+        raw_headers: list[tuple[bytes, bytes]],
+        receive: Receive,
+    ) -> Response:
         started = time.perf_counter()
-        g = gw(request)
-        g.check_api_key(request)
-        raw = await g.read_body(request)
+        g.check_api_key(headers)
+        raw = await g.receive_body(headers, receive)
         try:
             body = parse_body(raw)
         except RouterError as err:
             raise g.router.reject(err) from None
-        routed = await g.router.decide(kind, body, request.headers)
-        view = routed.views.get(routed.ranking[0])
-        if view is not None and kind != "embedding":
-            m = g.metrics
-            m.prompt_tokens.labels(routed.model, routed.ranking[0]).inc(routed.route.prompt_tokens)
-            m.predicted_cached_tokens.labels(routed.model, routed.ranking[0]).inc(
-                routed.cached_tokens(routed.ranking[0])
-            )
-        return await g.proxy.forward(
-            routed, path, raw, request.headers.raw, request.receive, started
-        )
+        routed = await g.router.decide(kind, body, headers)
+        # the original bytes are forwarded: the body is never re-serialised
+        return await g.proxy.forward(routed, path, raw, raw_headers, receive, started)
 
     async def _fast(scope: Scope, receive: Receive, send: Send, kind: Kind, path: str) -> None:
-        request = Request(scope, receive)
+        """The generation endpoints straight on ASGI: no Request object, no routing
+        table, no dependency solving; headers as one plain dict (names are lowercase
+        in ASGI; a repeated header keeps its last value)."""
+        raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
         try:
-            response = await _generate(request, kind, path)
+            g: Gateway = scope["app"].state.gateway
+            response = await _generate(g, kind, path, headers, raw_headers, receive)
         except RouterError as err:
             response = err.response()
         except Exception:
@@ -351,23 +376,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         path: functools.partial(_fast, kind=kind, path=path) for path, kind in _FAST_KINDS
     }
 
+    async def _routed(request: Request, kind: Kind, path: str) -> Response:
+        return await _generate(
+            gw(request), kind, path, request.headers, request.headers.raw, request.receive
+        )
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _generate(request, "chat", "/v1/chat/completions")
+        return await _routed(request, "chat", "/v1/chat/completions")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _generate(request, "completion", "/v1/completions")
+        return await _routed(request, "completion", "/v1/completions")
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        return await _generate(request, "embedding", "/v1/embeddings")
+        return await _routed(request, "embedding", "/v1/embeddings")
 
     @app.post("/v1/route")
     async def route(request: Request) -> Response:
         """Explain where a chat (``messages``) or completion (``prompt``) body would go."""
         g = gw(request)
-        g.check_api_key(request)
+        g.check_api_key(request.headers)
         raw = await g.read_body(request)
         body = parse_body(raw)
         kind: Kind = "chat" if "messages" in body or "prompt" not in body else "completion"
@@ -377,7 +407,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         g = gw(request)
-        g.check_api_key(request)
+        g.check_api_key(request.headers)
         data = []
         for model in sorted(g.registry.served_models()):
             pods = [p.name for p in g.registry.candidates(model)]

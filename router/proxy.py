@@ -69,6 +69,8 @@ _DROP_REQUEST = frozenset(
 _DROP_RESPONSE = frozenset(
     {"content-length", "connection", "keep-alive", "transfer-encoding", "date", "server"}
 )
+_DROP_REQUEST_B = frozenset(h.encode() for h in _DROP_REQUEST)
+_DROP_RESPONSE_B = frozenset(h.encode() for h in _DROP_RESPONSE)
 
 
 def make_client(
@@ -155,7 +157,7 @@ async def _race_disconnect(work: Awaitable[Any], receive: Receive) -> Any:
         gone = True
         current.cancel()
 
-    watch = asyncio.ensure_future(_wait_disconnect(receive))
+    watch = asyncio.get_running_loop().create_task(_wait_disconnect(receive))
     watch.add_done_callback(on_disconnect)
     try:
         return await work
@@ -169,9 +171,37 @@ async def _race_disconnect(work: Awaitable[Any], receive: Receive) -> Any:
         watch.cancel()
 
 
-async def _read_all(resp: httpx.Response) -> bytes:
-    """The raw body (no content decoding: the pod was asked for identity encoding)."""
-    return b"".join([chunk async for chunk in resp.aiter_raw()])
+class _RawResponse(Response):
+    """A complete response sent as two ASGI messages with pre-built raw headers
+    (no header normalisation: the hot path already holds them as bytes)."""
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.status_code = status
+        self.body = body
+        self.raw_headers = headers
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        await send({"type": "http.response.body", "body": self.body})
+
+
+class _Target:
+    """A pod endpoint, parsed once: where to connect and the head's first two lines."""
+
+    __slots__ = ("host", "lead", "port")
+
+    def __init__(self, url: str, path: str) -> None:
+        parsed = httpx.URL(url.rstrip("/") + path)
+        if parsed.scheme != "http":
+            raise httpx.UnsupportedProtocol(
+                f"the pod transport speaks plain http only, not {parsed.scheme!r} ({url})"
+            )
+        self.host: str = parsed.host
+        self.port: int = parsed.port or 80
+        self.lead = b"POST " + parsed.raw_path + b" HTTP/1.1\r\nhost: " + parsed.netloc + b"\r\n"
 
 
 class Proxy:
@@ -198,47 +228,69 @@ class Proxy:
         self.metrics = metrics
         self.policy_name = policy_name
         self.pod_header = pod_header
+        self._pod_header_b = pod_header.lower().encode("latin-1")
         self.forward_authorization = forward_authorization
         self.pending = pending if pending is not None else PendingLoad()
-        #: the client's own transport: the hot path hands it requests directly (the
-        #: client's auth / redirect / cookie layers cost ~50 us a request, unused here)
-        self.transport = transport
-        self._urls: dict[str, httpx.URL] = {}
-        self._timeouts = {
-            "connect": settings.connect_timeout_s,
-            "read": settings.read_timeout_s,
-            "write": settings.read_timeout_s,
-            "pool": settings.connect_timeout_s,
-        }
-
-    def _headers(self, incoming: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        out = [
-            (k, v)
-            for k, v in incoming
-            if k.decode("latin-1").lower() not in _DROP_REQUEST
-            and (self.forward_authorization or k.lower() != b"authorization")
-        ]
-        out.append((b"accept-encoding", b"identity"))
-        return out
-
-    async def _send(
-        self, url: str, body: bytes, headers: list[tuple[bytes, bytes]]
-    ) -> httpx.Response:
-        if self.transport is None:
-            req = self.client.build_request("POST", url, content=body, headers=headers)
-            return await self.client.send(req, stream=True)
-        parsed = self._urls.get(url)
-        if parsed is None:  # parsing a URL costs more than the rest of the request object
-            if len(self._urls) > 4096:
-                self._urls.clear()
-            parsed = self._urls[url] = httpx.URL(url)
-        req = httpx.Request(
-            "POST", parsed, content=body, headers=headers, extensions={"timeout": self._timeouts}
+        #: requests go straight to this transport as bytes (httpx's request / response
+        #: objects and client layers cost more than the rest of the proxying)
+        self._own_transport = transport is None
+        self.transport = transport or PodTransport(settings.max_keepalive)
+        self._targets: dict[tuple[str, str], _Target] = {}
+        self._connect_timeout = settings.connect_timeout_s
+        self._read_timeout = settings.read_timeout_s
+        self._drop = _DROP_REQUEST_B | (
+            frozenset() if forward_authorization else frozenset({b"authorization"})
         )
-        return await self.transport.handle_async_request(req)
+
+    async def aclose(self) -> None:
+        """Close the transport if this proxy made its own."""
+        if self._own_transport:
+            await self.transport.aclose()
+
+    def _head_tail(self, incoming: list[tuple[bytes, bytes]], length: int) -> bytes:
+        """The forwarded headers (hop-by-hop and Host dropped), Content-Length, identity
+        encoding and the blank line: everything of the head after the Host line."""
+        drop = self._drop
+        parts = [k + b": " + v for k, v in incoming if k.lower() not in drop]
+        parts.append(b"content-length: %d\r\naccept-encoding: identity\r\n\r\n" % length)
+        return b"\r\n".join(parts)
+
+    def _target(self, url: str, path: str) -> _Target:
+        key = (url, path)
+        target = self._targets.get(key)
+        if target is None:  # parsing a URL costs more than the rest of the request head
+            if len(self._targets) > 4096:
+                self._targets.clear()
+            target = self._targets[key] = _Target(url, path)
+        return target
 
     def _count(self, routed: Routed, pod: str, status: int) -> None:
-        self.metrics.requests.labels(routed.model, pod, str(status), self.policy_name).inc()
+        m = self.metrics
+        m.child(m.requests, routed.model, pod, str(status), self.policy_name).inc()
+
+    def _served(self, routed: Routed, pod: str) -> None:
+        """Prompt tokens and predicted cached tokens, labelled with the pod the request
+        was finally sent to (after a retry: the retry's pod, not the first choice)."""
+        if routed.kind == "embedding" or pod not in routed.views:
+            return
+        m = self.metrics
+        m.child(m.prompt_tokens, routed.model, pod).inc(routed.route.prompt_tokens)
+        m.child(m.predicted_cached_tokens, routed.model, pod).inc(routed.cached_tokens(pod))
+
+    async def _attempt(
+        self, target: _Target, head: bytes, body: bytes, stream: bool, last: bool
+    ) -> tuple[_Upstream, bytes | None]:
+        """Send; unless the answer is retryable (and this is not the last attempt) or a
+        stream, read the whole body too.  -> (response, body or None)."""
+        resp = await self.transport.send_raw(
+            target.host, target.port, head, body, self._connect_timeout, self._read_timeout
+        )
+        if (resp.status in RETRYABLE_STATUS and not last) or stream or resp.is_event_stream:
+            return resp, None
+        try:
+            return resp, await resp.stream.read_all()
+        finally:
+            await resp.stream.aclose()
 
     async def forward(
         self,
@@ -250,16 +302,17 @@ class Proxy:
         started: float,
     ) -> Response:
         """Send ``routed`` to its best pod (retrying as documented) and relay the answer."""
-        out_headers = self._headers(headers)
+        tail = self._head_tail(headers, len(raw_body))
         attempts = routed.ranking[: 1 + self.settings.retries]
         last_error: RouterError | None = None
+        m = self.metrics
         for i, pod in enumerate(attempts):
             state = self.registry.get(pod)
             if state is None:  # vanished between decision and send
                 continue
             last = i == len(attempts) - 1
             if i > 0:
-                self.metrics.retries.labels(last_error.reason if last_error else "unknown").inc()
+                m.child(m.retries, last_error.reason if last_error else "unknown").inc()
             tokens = routed.route.prompt_tokens
             load = RequestLoad(self.load, pod, tokens)
             # the policy hears of the request now (its in-flight bookkeeping must see it
@@ -270,49 +323,60 @@ class Proxy:
                 await load.begin()
             finally:
                 self.pending.remove(pod, tokens)
-            gauge = self.metrics.inflight.labels(pod)
+            gauge = m.child(m.inflight, pod)
             gauge.inc()
-            url = state.spec.url.rstrip("/") + path
             try:
-                resp: httpx.Response = await _race_disconnect(
-                    self._send(url, raw_body, out_headers), receive
+                target = self._target(state.spec.url, path)
+                resp, content = await _race_disconnect(
+                    self._attempt(target, target.lead + tail, raw_body, routed.stream, last),
+                    receive,
                 )
             except _Disconnected:
                 await self._finish(load, gauge, routed, pod)
+                self._served(routed, pod)
                 self._count(routed, pod, 499)
                 return Response(status_code=499)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
                 await self._finish(load, gauge, routed, pod)
-                self.metrics.upstream_errors.labels(pod, "connect").inc()
+                m.child(m.upstream_errors, pod, "connect").inc()
                 last_error = RouterError(
                     502, f"cannot connect to pod {pod}: {exc!r}", reason="connect"
                 )
                 continue
             except httpx.TimeoutException:
                 await self._finish(load, gauge, routed, pod)
-                self.metrics.upstream_errors.labels(pod, "timeout").inc()
+                self._served(routed, pod)
+                m.child(m.upstream_errors, pod, "timeout").inc()
                 self._count(routed, pod, 504)
                 return RouterError(
                     504, f"pod {pod} did not answer in time", reason="upstream_timeout"
                 ).response({self.pod_header: pod})
             except httpx.HTTPError as exc:
                 await self._finish(load, gauge, routed, pod)
-                self.metrics.upstream_errors.labels(pod, "transport").inc()
+                self._served(routed, pod)
+                m.child(m.upstream_errors, pod, "transport").inc()
                 last_error = RouterError(502, f"pod {pod} failed: {exc!r}", reason="transport")
                 self._count(routed, pod, 502)
                 return last_error.response({self.pod_header: pod})
 
-            if resp.status_code in RETRYABLE_STATUS and not last:
-                await resp.aclose()
+            if content is None and resp.status in RETRYABLE_STATUS and not last:
+                await resp.stream.aclose()
                 await self._finish(load, gauge, routed, pod)
-                self.metrics.upstream_errors.labels(pod, f"status_{resp.status_code}").inc()
+                m.child(m.upstream_errors, pod, f"status_{resp.status}").inc()
                 last_error = RouterError(
-                    resp.status_code,
-                    f"pod {pod} answered {resp.status_code}",
-                    reason=f"status_{resp.status_code}",
+                    resp.status,
+                    f"pod {pod} answered {resp.status}",
+                    reason=f"status_{resp.status}",
                 )
                 continue
-            return await self._relay(resp, routed, pod, load, gauge, receive, started)
+            self._served(routed, pod)
+            if content is not None:
+                await self._complete(load, gauge, routed, pod)
+                self._count(routed, pod, resp.status)
+                out = self._response_headers(resp, pod)
+                out.append((b"content-length", b"%d" % len(content)))
+                return _RawResponse(resp.status, out, content)
+            return self._relay_stream(resp, routed, pod, load, gauge, started)
 
         self._count(routed, attempts[-1] if attempts else "none", 502)
         err = last_error or RouterError(503, "no pod available", reason="no_pod")
@@ -324,79 +388,54 @@ class Proxy:
         self.policy.on_complete(routed.route, pod)
         await load.end()
 
-    async def _relay(
+    def _response_headers(self, resp: _Upstream, pod: str) -> list[tuple[bytes, bytes]]:
+        out = [(k, v) for k, v in resp.headers if k.lower() not in _DROP_RESPONSE_B]
+        out.append((self._pod_header_b, pod.encode("latin-1")))
+        return out
+
+    def _relay_stream(
         self,
-        resp: httpx.Response,
+        resp: _Upstream,
         routed: Routed,
         pod: str,
         load: RequestLoad,
         gauge: Any,
-        receive: Receive,
         started: float,
     ) -> Response:
-        headers = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESPONSE}
-        headers[self.pod_header] = pod
-        is_stream = routed.stream or resp.headers.get("content-type", "").startswith(
-            "text/event-stream"
-        )
-        if not is_stream:
-            try:
-                content: bytes = await _race_disconnect(_read_all(resp), receive)
-            except _Disconnected:
-                self._count(routed, pod, 499)
-                return Response(status_code=499)
-            except httpx.TimeoutException:
-                self.metrics.upstream_errors.labels(pod, "timeout").inc()
-                self._count(routed, pod, 504)
-                return RouterError(
-                    504, f"pod {pod} did not finish in time", reason="upstream_timeout"
-                ).response({self.pod_header: pod})
-            except httpx.HTTPError as exc:
-                self.metrics.upstream_errors.labels(pod, "transport").inc()
-                self._count(routed, pod, 502)
-                return RouterError(
-                    502, f"pod {pod} failed mid-response: {exc!r}", reason="transport"
-                ).response({self.pod_header: pod})
-            finally:
-                await resp.aclose()
-                await self._complete(load, gauge, routed, pod)
-            self._count(routed, pod, resp.status_code)
-            return Response(content, status_code=resp.status_code, headers=headers)
-
         done = _Once(self._complete, load, gauge, routed, pod)
-        return _RelayResponse(
+        relay = _RelayResponse(
             self._stream(resp, routed, pod, load, started),
-            status_code=resp.status_code,
-            headers=headers,
+            status_code=resp.status,
             on_close=done,
         )
+        relay.raw_headers = self._response_headers(resp, pod)
+        return relay
 
     async def _stream(
-        self, resp: httpx.Response, routed: Routed, pod: str, load: RequestLoad, started: float
+        self, resp: _Upstream, routed: Routed, pod: str, load: RequestLoad, started: float
     ) -> AsyncIterator[bytes]:
         first = True
-        status = resp.status_code
+        status = resp.status
+        m = self.metrics
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.stream:
                 if first and chunk:
                     first = False
-                    self.metrics.ttft_seconds.labels(routed.model).observe(
-                        time.perf_counter() - started
-                    )
+                    m.child(m.ttft_seconds, routed.model).observe(time.perf_counter() - started)
                     await load.first_token()
                 yield chunk
         except httpx.HTTPError as exc:
             # bytes may already be out: no retry, no JSON error.  Re-raise so the server
             # aborts the client connection too (no clean end: the client sees truncation)
             status = 502
-            self.metrics.upstream_errors.labels(pod, "stream_broken").inc()
+            m.child(m.upstream_errors, pod, "stream_broken").inc()
             log.warning("stream from %s broke: %r", pod, exc)
             raise UpstreamBroken(f"stream from pod {pod} broke: {exc!r}") from None
         except asyncio.CancelledError:
             status = 499
             raise
         finally:
-            await resp.aclose()
+            await resp.stream.aclose()
             self._count(routed, pod, status)
 
     async def _complete(self, load: RequestLoad, gauge: Any, routed: Routed, pod: str) -> None:
@@ -472,6 +511,16 @@ class _BodyStream(httpx.AsyncByteStream):
                 f"peer closed connection without sending complete message body: {exc!r}"
             ) from None
 
+    async def read_all(self) -> bytes:
+        """The whole body (one read for a Content-Length body)."""
+        if self._length is not None and not self._chunked:
+            data = b""
+            if self._length:
+                data = await self._read(self._conn.reader.readexactly(self._length))
+            self._done = True
+            return data
+        return b"".join([chunk async for chunk in self])
+
     async def __aiter__(self) -> AsyncIterator[bytes]:
         reader = self._conn.reader
         try:
@@ -536,13 +585,6 @@ class PodTransport(httpx.AsyncBaseTransport):
         self._origins: dict[tuple[str, int], _Origin] = {}
         self._closed = False
 
-    def _origin(self, url: httpx.URL) -> _Origin:
-        key = (url.host, url.port or 80)
-        o = self._origins.get(key)
-        if o is None:
-            o = self._origins[key] = _Origin(*key)
-        return o
-
     def _release(self, origin: _Origin, conn: _Conn) -> None:
         if self._closed or len(origin.idle) >= self.max_keepalive:
             conn.close()
@@ -566,9 +608,37 @@ class PodTransport(httpx.AsyncBaseTransport):
         if request.url.scheme != "http":
             raise httpx.UnsupportedProtocol("the pod transport speaks plain http only")
         timeouts = request.extensions.get("timeout", {})
-        origin = self._origin(request.url)
-        head = self._head(request)
-        body = request.content
+        up = await self.send_raw(
+            request.url.host,
+            request.url.port or 80,
+            self._head(request),
+            request.content,
+            timeouts.get("connect"),
+            timeouts.get("read"),
+        )
+        return httpx.Response(
+            up.status,
+            headers=up.headers,
+            stream=up.stream,
+            extensions={"http_version": up.http_version, "reason_phrase": up.reason},
+        )
+
+    async def send_raw(
+        self,
+        host: str,
+        port: int,
+        head: bytes,
+        body: bytes,
+        connect_timeout: float | None,
+        read_timeout: float | None,
+    ) -> _Upstream:
+        """Send a request whose head (request line, headers with Host and
+        Content-Length, blank line) is already bytes; -> the response head and its
+        body stream (close or fully read it to give the connection back)."""
+        key = (host, port)
+        origin = self._origins.get(key)
+        if origin is None:
+            origin = self._origins[key] = _Origin(host, port)
         while True:
             conn: _Conn | None = None
             while origin.idle:
@@ -578,9 +648,9 @@ class PodTransport(httpx.AsyncBaseTransport):
                     break
                 candidate.close()
             if conn is None:
-                conn = await self._connect(origin, timeouts.get("connect"))
+                conn = await self._connect(origin, connect_timeout)
             try:
-                return await self._exchange(origin, conn, head, body, timeouts.get("read"))
+                return await self._exchange(origin, conn, head, body, read_timeout)
             except _StaleConnection:
                 conn.close()
                 continue  # the pod had closed the idle connection: dial a fresh one
@@ -597,7 +667,7 @@ class PodTransport(httpx.AsyncBaseTransport):
 
     async def _exchange(
         self, origin: _Origin, conn: _Conn, head: bytes, body: bytes, read_timeout: float | None
-    ) -> httpx.Response:
+    ) -> _Upstream:
         try:
             conn.writer.write(head + body if len(body) < 65536 else head)
             if len(body) >= 65536:
@@ -625,6 +695,7 @@ class PodTransport(httpx.AsyncBaseTransport):
         headers: list[tuple[bytes, bytes]] = []
         length: int | None = None
         chunked = False
+        event_stream = False
         keep_alive = version == b"HTTP/1.1"
         for line in raw_headers.split(b"\r\n"):
             if not line:
@@ -642,6 +713,8 @@ class PodTransport(httpx.AsyncBaseTransport):
                     raise httpx.RemoteProtocolError(f"bad content-length {v!r}") from None
             elif lk == b"transfer-encoding":
                 chunked = b"chunked" in v.lower()
+            elif lk == b"content-type":
+                event_stream = v.startswith(b"text/event-stream")
             elif lk == b"connection":
                 lv = v.lower()
                 keep_alive = b"close" not in lv and (keep_alive or b"keep-alive" in lv)
@@ -650,12 +723,7 @@ class PodTransport(httpx.AsyncBaseTransport):
         if status in (204, 304) or 100 <= status < 200:
             length, chunked = 0, False
         stream = _BodyStream(self, origin, conn, length, chunked, keep_alive, read_timeout)
-        return httpx.Response(
-            status,
-            headers=headers,
-            stream=stream,
-            extensions={"http_version": version, "reason_phrase": b" ".join(reason)},
-        )
+        return _Upstream(status, headers, stream, event_stream, version, b" ".join(reason))
 
     async def aclose(self) -> None:
         self._closed = True
@@ -663,6 +731,28 @@ class PodTransport(httpx.AsyncBaseTransport):
             for conn in origin.idle:
                 conn.close()
             origin.idle.clear()
+
+
+class _Upstream:
+    """A pod's response head (raw headers as sent) and its body stream."""
+
+    __slots__ = ("headers", "http_version", "is_event_stream", "reason", "status", "stream")
+
+    def __init__(
+        self,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        stream: _BodyStream,
+        is_event_stream: bool,
+        http_version: bytes,
+        reason: bytes,
+    ) -> None:
+        self.status = status
+        self.headers = headers
+        self.stream = stream
+        self.is_event_stream = is_event_stream
+        self.http_version = http_version
+        self.reason = reason
 
 
 class _StaleConnection(Exception):

@@ -160,7 +160,7 @@ class RequestRouter:
     # -- helpers ---------------------------------------------------------------------
 
     def reject(self, err: RouterError) -> RouterError:
-        self.metrics.bad_requests.labels(err.reason).inc()
+        self.metrics.child(self.metrics.bad_requests, err.reason).inc()
         return err
 
     def _candidates(self, model: str) -> list[PodState]:
@@ -263,7 +263,8 @@ class RequestRouter:
             raise bad_request(f"cannot tokenize the request: {exc}", "tokenize_failed") from None
         finally:
             name = getattr(encoder.tokenizer, "name", "unknown")
-            self.metrics.tokenize_seconds.labels(name).observe(time.perf_counter() - t0)
+            m = self.metrics
+            m.child(m.tokenize_seconds, name).observe(time.perf_counter() - t0)
 
     # -- the path ----------------------------------------------------------------------
 
@@ -309,7 +310,7 @@ class RequestRouter:
                 param="messages" if kind == "chat" else "prompt",
             )
         if enc.approximate:
-            self.metrics.approximate_tokenizations.labels(model).inc()
+            self.metrics.child(self.metrics.approximate_tokenizations, model).inc()
         route = RouteRequest(
             request_id=request_id,
             model=model,
