@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.config import Settings
 
@@ -38,12 +39,70 @@ def _loop_impl() -> str:
     return "uvloop"
 
 
-def _http_impl() -> str:
+def _http_impl() -> Any:
+    """uvicorn's HTTP protocol: :class:`OneWriteHttpToolsProtocol` when httptools is
+    installed, else h11."""
     try:
         import httptools  # noqa: F401
     except ImportError:
         return "h11"
-    return "httptools"
+    return OneWriteHttpToolsProtocol
+
+
+class _OneWriteTransport:
+    """A transport wrapper that sends everything written within one event-loop step as
+    one ``send()``, at the end of the step (``call_soon``).  uvicorn writes a response's
+    head and body separately, and an uncorked socket sends each at once: two syscalls,
+    two TCP segments and two wake-ups of the client per response.  Everything else is
+    the wrapped transport's."""
+
+    __slots__ = ("_buf", "_loop", "_scheduled", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._buf: list[bytes] = []
+        self._scheduled = False
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        self._buf.append(data)
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        buf = self._buf
+        if not buf:
+            return
+        data = buf[0] if len(buf) == 1 else b"".join(buf)
+        self._buf = []
+        if not self._transport.is_closing():
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(len(b) for b in self._buf)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class OneWriteHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, writing through :class:`_OneWriteTransport` (one
+    ``send()`` per response instead of head + body)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(_OneWriteTransport(transport, self.loop))  # type: ignore[arg-type]
 
 
 class _InLoopServer(uvicorn.Server):
