@@ -142,13 +142,22 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
+#: a disconnect watcher starts only for attempts still running after this long (most
+#: short answers are in by then, and a watcher task costs more than the rest of the
+#: attempt's bookkeeping); a client that leaves is noticed at most this much later
+WATCH_DISCONNECT_AFTER_S = 0.02
+
+
 async def _race_disconnect(work: Awaitable[Any], receive: Receive) -> Any:
     """Await ``work`` in this task; if the client disconnects first, cancel it (closing
-    the upstream connection) and raise _Disconnected.  One watcher task per call."""
+    the upstream connection) and raise _Disconnected.  The watcher task that listens
+    for the disconnect is started only once ``work`` ran ``WATCH_DISCONNECT_AFTER_S``."""
     current = asyncio.current_task()
     assert current is not None
+    loop = current.get_loop()
     finished = False
     gone = False
+    watch: asyncio.Task[None] | None = None
 
     def on_disconnect(t: asyncio.Task[None]) -> None:
         nonlocal gone
@@ -157,8 +166,13 @@ async def _race_disconnect(work: Awaitable[Any], receive: Receive) -> Any:
         gone = True
         current.cancel()
 
-    watch = asyncio.get_running_loop().create_task(_wait_disconnect(receive))
-    watch.add_done_callback(on_disconnect)
+    def start_watch() -> None:
+        nonlocal watch
+        if not finished:
+            watch = loop.create_task(_wait_disconnect(receive))
+            watch.add_done_callback(on_disconnect)
+
+    timer = loop.call_later(WATCH_DISCONNECT_AFTER_S, start_watch)
     try:
         return await work
     except asyncio.CancelledError:
@@ -168,7 +182,9 @@ async def _race_disconnect(work: Awaitable[Any], receive: Receive) -> Any:
         raise
     finally:
         finished = True
-        watch.cancel()
+        timer.cancel()
+        if watch is not None:
+            watch.cancel()
 
 
 class _RawResponse(Response):
