@@ -309,6 +309,47 @@ async def test_route_sees_the_blocks_a_pod_reported_through_kv_events() -> None:
         await stop_pods(pods)
 
 
+async def test_an_orphan_block_from_a_pod_raises_the_applier_orphan_counter_on_metrics() -> None:
+    """A BlockStored whose parent the router never saw (a missed event) is held as an
+    orphan by the applier, and `kvroute serve`'s /metrics shows it."""
+    import asyncio
+
+    from router.sim.events import BlockStored
+
+    r, pods = await _start([sim(0, kv_events=True)], events=True)
+    try:
+        name = "kvroute_event_applier_orphaned_blocks_total"
+
+        def orphans(m: str) -> float:
+            line = next(ln for ln in m.splitlines() if ln.startswith(name + " "))
+            return float(line.split()[1])
+
+        before = orphans(await r.metrics())
+        assert pods[0].publisher is not None
+        orphan = BlockStored(
+            block_hashes=[0xDEAD],
+            parent_block_hash=0xBEEF,  # never stored: the parent event was "lost"
+            token_ids=list(range(16)),
+            block_size=16,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
+        after = before
+        for _ in range(300):  # the subscriber joins, then the batch reaches the applier
+            pods[0].publisher.publish([orphan])
+            await asyncio.sleep(0.02)
+            after = orphans(await r.metrics())
+            if after > before:
+                break
+        assert after > before
+        assert "kvroute_event_applier_batches_total" in await r.metrics()
+    finally:
+        await r.client.aclose()
+        await r.router.stop()
+        await stop_pods(pods)
+
+
 async def test_a_bad_tokenizer_spec_fails_the_start_instead_of_the_first_request() -> None:
     pods = await start_pods([sim(0)])
     try:

@@ -186,6 +186,23 @@ async def test_503_before_any_byte_is_retried_once_on_the_next_best_pod(make_rig
     assert 'kvroute_retries_total{reason="status_503"} 1.0' in metrics
 
 
+async def test_prompt_and_predicted_cached_tokens_after_a_retry_name_the_pod_that_served(
+    make_rig: Any,
+) -> None:
+    rig = await make_rig({"bad": status(503), "good": ok})
+    rid = await rig.pick_request_id_for("bad", CHAT)
+    r = await rig.client.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": rid})
+    assert r.status_code == 200 and r.headers["x-kvroute-pod"] == "good"
+    metrics = (await rig.client.get("/metrics")).text
+    served = [ln for ln in metrics.splitlines() if ln.startswith("kvroute_prompt_tokens_total{")]
+    assert len(served) == 1 and 'pod="good"' in served[0]
+    assert float(served[0].split()[1]) > 0
+    cached = [
+        ln for ln in metrics.splitlines() if ln.startswith("kvroute_predicted_cached_tokens_total{")
+    ]
+    assert len(cached) == 1 and 'pod="good"' in cached[0]
+
+
 async def test_502_is_retried_too(make_rig: Any) -> None:
     rig = await make_rig({"bad": status(502), "good": ok})
     rid = await rig.pick_request_id_for("bad", CHAT)
