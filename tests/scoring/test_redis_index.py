@@ -46,7 +46,7 @@ async def slot_name(raw: aioredis.Redis, namespace: str, pod: str, tier: str = "
     """The hash of the pod's current slot (generation) in ``tier``."""
     prefix = b"{" + namespace.encode() + b"}:"
     slot_id = await raw.hget(prefix + b"p:" + tier.encode(), pod.encode())
-    assert slot_id is not None, f"{pod} has no slot in {tier}"
+    assert isinstance(slot_id, bytes), f"{pod} has no slot in {tier}"
     return prefix + b"s" + slot_id
 
 
@@ -389,11 +389,12 @@ async def test_holder_hints_are_sorted_ids_so_equal_sets_give_equal_hints(
     for pod in reversed(pods):
         await index.add(pod, [2])
     one = await raw.get(block_name(redis_namespace, 1))
+    assert isinstance(one, bytes)
     assert one == await raw.get(block_name(redis_namespace, 2))
     ids = struct.unpack(">5I", one)
     assert list(ids) == sorted(ids)
     await index.remove("pod-2", [2])
-    assert len(await raw.get(block_name(redis_namespace, 2))) == 16
+    assert await raw.strlen(block_name(redis_namespace, 2)) == 16
 
 
 # -- several replicas -----------------------------------------------------------------
