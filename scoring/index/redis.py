@@ -138,6 +138,9 @@ class RedisIndex:
         self._lookup: AsyncScript = client.register_script(redis_lua.LOOKUP)
         self._entries: AsyncScript = client.register_script(redis_lua.POD_ENTRIES)
         self._sweep: AsyncScript = client.register_script(redis_lua.SWEEP)
+        #: hint entries removed by :meth:`sweep_forever`, and sweeps that failed
+        self.swept = 0
+        self.sweep_errors = 0
 
     @classmethod
     def from_url(
@@ -321,6 +324,23 @@ class RedisIndex:
                 )
             if cursor == 0:
                 return removed
+
+    async def sweep_forever(self, interval_s: float = 300.0) -> None:
+        """Run :meth:`sweep` every ``interval_s`` seconds until cancelled.
+
+        For the process that writes the index (``kvroute index``): start it as a task
+        in its lifespan.  A failed sweep is logged and counted (``sweep_errors``), and
+        the loop goes on; ``swept`` counts the hint entries removed so far.
+        """
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be positive, got {interval_s!r}")
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                self.swept += await self.sweep()
+            except (aioredis.RedisError, OSError) as exc:
+                self.sweep_errors += 1
+                log.warning("sweep of redis index %r failed: %s", self.namespace, exc)
 
     async def block_keys(self) -> int:
         """Number of block keys stored in this namespace (SCAN; for tests and benchmarks)."""

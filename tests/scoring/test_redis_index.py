@@ -303,6 +303,30 @@ async def test_sweep_deletes_only_retired_generations(
     assert await index.sweep() == 0
 
 
+async def test_sweep_forever_cleans_retired_ids_in_the_background(
+    index: RedisIndex, raw: aioredis.Redis, redis_namespace: str
+) -> None:
+    await index.add("pod-a", [1, 2])
+    await index.add("pod-b", [1])
+    await index.clear_pod("pod-a")
+    task = asyncio.get_running_loop().create_task(index.sweep_forever(interval_s=0.01))
+    try:
+
+        async def cleaned() -> bool:
+            return index.swept == 2
+
+        await wait_until(cleaned, "the background sweep")
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert await raw.strlen(block_name(redis_namespace, 1)) == 4  # pod-b only
+    assert await raw.exists(block_name(redis_namespace, 2)) == 0
+    assert index.sweep_errors == 0
+    with pytest.raises(ValueError, match="interval_s must be positive"):
+        await index.sweep_forever(interval_s=0)
+
+
 async def test_add_sets_and_refreshes_the_slot_ttl(
     redis_url: str, redis_namespace: str, raw: aioredis.Redis
 ) -> None:
