@@ -249,23 +249,33 @@ local function hmget(key, fields)
   return out
 end
 
+-- pods to follow.  With fewer holders of block 0 than candidates (or no candidates):
+-- the pods named by block 0's hint (among the candidates), so a chain whose first
+-- block few pods hold costs little however many candidates; else the candidates
+-- (phase A drops those missing from block 0's hint at once).
 keys_upto(1)
+local hint0 = redis.call('GET', bprefix .. kb[1])
+if not hint0 then return {} end
+local ncand = #ARGV - 3
 local names = {}
-if #ARGV >= 4 then
+if ncand > 0 and #hint0 / 4 >= ncand then
   for c = 4, #ARGV do names[#names + 1] = ARGV[c] end
 else
-  local seen_pod = {}
-  local hint0 = redis.call('GET', bprefix .. kb[1])
-  if not hint0 then return {} end
+  local wanted = nil
+  if ncand > 0 then
+    wanted = {}
+    for c = 4, #ARGV do wanted[ARGV[c]] = true end
+  end
   local ids = {}
   for off = 1, #hint0, 4 do ids[#ids + 1] = tostring(struct.unpack('>I4', hint0, off)) end
   local infos = hmget(KEYS[1], ids)
+  local seen_pod = {}
   for j = 1, #ids do
     local info = infos[j]
     if info then
       local z = string.find(info, '\\0', 1, true)
       local pod = string.sub(info, z + 1)
-      if not seen_pod[pod] then
+      if not seen_pod[pod] and (wanted == nil or wanted[pod]) then
         seen_pod[pod] = true
         names[#names + 1] = pod
       end

@@ -727,8 +727,10 @@ async def test_lookup_matches_the_reference_model_through_both_walk_phases(
         await remove(pod, chain[i : i + rng.randrange(1, 4)], tier)
     for query in (chain, chain[:50], chain[:1]):
         assert await index.lookup(query) == reference_lookup(held, tiers, query, None)
-        cands = [*rng.sample(pods, 7), "pod-unknown"]
+        cands = [*rng.sample(pods, 7), "pod-unknown"]  # fewer candidates than holders
         assert await index.lookup(query, cands) == reference_lookup(held, tiers, query, cands)
+        many = [*rng.sample(pods, 15), *(f"ghost-{i}" for i in range(40))]  # more
+        assert await index.lookup(query, many) == reference_lookup(held, tiers, query, many)
     await index.clear_pod(pods[0])
     for tier in tiers:
         held.pop((pods[0], tier), None)
