@@ -13,8 +13,8 @@ Without ``--url`` it starts ``redis-server`` from PATH or the ``valkey-server`` 
    2,048-block chain with 16 / 64 / 256 pods (``--pods``) on top of that background,
    in two shapes: *typical* (a 32-block system prompt on every pod, the whole chain on
    2 pods, half of it on 2 more, one of them in the CPU tier), with and without a
-   candidate list, and *worst* (every pod holds all 2,048 blocks: P x 2,048 entries
-   to check), for 16 candidates and for all pods;
+   candidate list; *sparse* (a chain only 2 pods hold, every pod a candidate); and
+   *worst* (every pod holds all 2,048 blocks), for 16 candidates and for all pods;
 4. lookups/s with 8 concurrent callers (typical shape).
 """
 
@@ -260,6 +260,15 @@ async def main() -> None:
                     f"{p50:>7.2f} {p99:>7.2f} {server:>7.2f}  {len(res)} pods hit, longest {top}"
                 )
             throughputs.append((pods, await throughput(idx, chain, callers=8, n=1000)))
+            # sparse: a chain only 2 pods hold (no shared prefix), every pod a candidate
+            sparse = rand_keys(rng, CHAIN)
+            await idx.add(names[-1], sparse)
+            await idx.add(names[-2], sparse[: CHAIN // 2])
+            p50, p99, server, res = await time_lookups(idx, raw, sparse, names, args.lookups)
+            print(
+                f"{pods:>5} {entries:>11,} {'sparse':<8} {'list':<10} "
+                f"{p50:>7.2f} {p99:>7.2f} {server:>7.2f}  {len(res)} pods hit"
+            )
             if args.skip_worst:
                 await idx.close()
                 continue
