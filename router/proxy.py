@@ -33,6 +33,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import httptools
 import httpx
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -462,23 +463,129 @@ class Proxy:
 
 # -- the transport ---------------------------------------------------------------------------
 
+#: a streaming body buffered beyond this (the client reads slower than the pod writes)
+#: pauses reading from the pod until the relay catches up
+_PAUSE_ABOVE = 1 << 20
 
-class _Conn:
-    """One keep-alive HTTP/1.1 connection to a pod."""
 
-    __slots__ = ("reader", "reused", "writer")
+def _expire(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_exception(httpx.ReadTimeout("timed out waiting for the pod"))
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection to a pod; responses are parsed as bytes arrive
+    (httptools, the parser uvicorn uses) and handed to one waiting reader."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
         self.reused = False
+        self.closed = False
+        self.paused = False
+        self.error: Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.got_bytes = False
+        self.head_done = False
+        self.complete = False
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunks: list[bytes] = []
+        self.buffered = 0
+        self.length: int | None = None
+        self.chunked = False
+        self.event_stream = False
+        self.keep_alive = True
+
+    # -- asyncio.Protocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.error = httpx.RemoteProtocolError(f"malformed response from the pod: {exc}")
+            self.close()
+        if self.buffered > _PAUSE_ABOVE and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        return False  # close the connection
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.head_done and not self.complete and self.length is None and not self.chunked:
+            self.complete = True  # a body delimited by the end of the connection
+            self.keep_alive = False
+        self._wake()
+
+    # -- httptools callbacks ------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+        lname = name.lower()
+        if lname == b"content-type":
+            self.event_stream = value.startswith(b"text/event-stream")
+        elif lname == b"content-length":
+            self.length = int(value) if value.strip().isdigit() else None
+        elif lname == b"transfer-encoding":
+            self.chunked = b"chunked" in value.lower()
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.head_done = True
+        if self.status in (204, 304) or 100 <= self.status < 200:
+            self.length = 0
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()
+
+    # -- for the transport ------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self, timeout: float | None) -> None:
+        """Until more bytes arrive or the connection ends (ReadTimeout after ``timeout``)."""
+        fut = self._waiter = self.loop.create_future()
+        timer = self.loop.call_later(timeout, _expire, fut) if timeout is not None else None
+        try:
+            await fut
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def take(self) -> list[bytes]:
+        """The body bytes received so far (and resume reading if it was paused)."""
+        chunks, self.chunks, self.buffered = self.chunks, [], 0
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+        return chunks
 
     def usable(self) -> bool:
-        return not self.writer.is_closing() and not self.reader.at_eof()
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.writer.close()
+        if self.transport is not None:
+            self.transport.close()
 
 
 class _Origin:
@@ -493,107 +600,76 @@ class _Origin:
 
 
 class _BodyStream(httpx.AsyncByteStream):
-    """A response body read straight off the connection (Content-Length, chunked, or
+    """A response body as it arrives on its connection (Content-Length, chunked, or
     until close).  Fully read + keep-alive -> the connection goes back to the pool."""
 
     def __init__(
-        self,
-        transport: PodTransport,
-        origin: _Origin,
-        conn: _Conn,
-        length: int | None,
-        chunked: bool,
-        keep_alive: bool,
-        read_timeout: float | None,
+        self, transport: PodTransport, origin: _Origin, conn: _Conn, read_timeout: float | None
     ) -> None:
         self._t = transport
         self._origin = origin
         self._conn = conn
-        self._length = length
-        self._chunked = chunked
-        self._keep_alive = keep_alive and (chunked or length is not None)
         self._timeout = read_timeout
-        self._done = length == 0 and not chunked
         self._closed = False
 
-    async def _read(self, coro: Awaitable[bytes]) -> bytes:
-        try:
-            async with asyncio.timeout(self._timeout):
-                return await coro
-        except TimeoutError:
-            raise httpx.ReadTimeout("timed out reading the response body") from None
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+    def _check(self) -> None:
+        conn = self._conn
+        if conn.error is not None:
+            raise conn.error
+        if conn.closed:
             raise httpx.RemoteProtocolError(
-                f"peer closed connection without sending complete message body: {exc!r}"
-            ) from None
+                "peer closed connection without sending complete message body"
+            )
 
     async def read_all(self) -> bytes:
-        """The whole body (one read for a Content-Length body)."""
-        if self._length is not None and not self._chunked:
-            data = b""
-            if self._length:
-                data = await self._read(self._conn.reader.readexactly(self._length))
-            self._done = True
-            return data
-        return b"".join([chunk async for chunk in self])
+        """The whole body."""
+        conn = self._conn
+        while not conn.complete:
+            self._check()
+            await conn.wait(self._timeout)
+        chunks = conn.take()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        reader = self._conn.reader
+        conn = self._conn
         try:
-            if self._chunked:
-                while True:
-                    line = await self._read(reader.readuntil(b"\r\n"))
-                    try:
-                        size = int(line.split(b";", 1)[0].strip(), 16)
-                    except ValueError:
-                        raise httpx.RemoteProtocolError(f"bad chunk size {line!r}") from None
-                    if size == 0:
-                        # trailers (normally none) end with an empty line
-                        while (await self._read(reader.readuntil(b"\r\n"))) != b"\r\n":
-                            pass
-                        break
-                    data = await self._read(reader.readexactly(size + 2))
-                    yield data[:-2]
-            elif self._length is not None:
-                left = self._length
-                while left > 0:
-                    data = await self._read(reader.read(min(left, 65536)))
-                    if not data:
-                        raise httpx.RemoteProtocolError("peer closed connection mid-body")
-                    left -= len(data)
-                    yield data
-            else:  # until the server closes
-                while True:
-                    data = await self._read(reader.read(65536))
-                    if not data:
-                        break
-                    yield data
-            self._done = True
+            while True:
+                if conn.chunks:
+                    for chunk in conn.take():
+                        yield chunk
+                elif conn.complete:
+                    break
+                else:
+                    self._check()
+                    await conn.wait(self._timeout)
         finally:
-            if not self._done:
+            if not conn.complete:
                 await self.aclose()
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._done and self._keep_alive and self._conn.usable():
-            self._t._release(self._origin, self._conn)
+        conn = self._conn
+        if conn.complete and conn.keep_alive and not conn.chunks and conn.usable():
+            self._t._release(self._origin, conn)
         else:  # unread body or broken: the connection cannot be reused (this also
-            self._conn.close()  # cancels the request on the pod, which sees EOF)
+            conn.close()  # cancels the request on the pod, which sees EOF)
 
 
 class PodTransport(httpx.AsyncBaseTransport):
-    """A minimal HTTP/1.1 keep-alive transport for httpx, O(1) per request.
+    """A minimal HTTP/1.1 keep-alive transport, O(1) per request; also an httpx transport.
 
     httpcore's pool checks every pooled connection (a ``poll`` syscall each) for every
     request, which made the proxy's cost grow with concurrency (c128: ~30x slower than
     c1 per request).  Here each pod has a LIFO list of idle connections; a request takes
-    the most recent usable one or dials a new one (TCP_NODELAY is set by asyncio).  A
-    request that fails on a *reused* connection before any response byte arrived is
-    retried once on a fresh connection (the pod closed the idle connection meanwhile).
-    Plain ``http`` only; the request body must be bytes.  Timeouts come from the
-    request's ``timeout`` extension (httpx fills it from the client's settings).
+    the most recent usable one or dials a new one (TCP_NODELAY is set by asyncio).
+    Connections are asyncio protocols parsing responses with httptools as bytes arrive
+    (no stream reader, no per-read timeout context).  A request that fails on a *reused*
+    connection before any response byte arrived is retried once on a fresh connection
+    (the pod closed the idle connection meanwhile).  Plain ``http`` only; the request
+    body must be bytes.  The proxy calls :meth:`send_raw`; httpx requests (scrapes,
+    health checks) take their timeouts from the request's ``timeout`` extension.
     """
 
     def __init__(self, max_keepalive_per_pod: int = 200) -> None:
@@ -606,19 +682,21 @@ class PodTransport(httpx.AsyncBaseTransport):
             conn.close()
             return
         conn.reused = True
+        conn._reset()
         origin.idle.append(conn)
 
     async def _connect(self, origin: _Origin, timeout: float | None) -> _Conn:
+        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_connection(
-                    origin.host, origin.port, limit=1 << 20
+                _, conn = await loop.create_connection(
+                    lambda: _Conn(loop), origin.host, origin.port
                 )
         except TimeoutError:
             raise httpx.ConnectTimeout(f"connecting to {origin.host}:{origin.port}") from None
         except OSError as exc:
             raise httpx.ConnectError(f"{origin.host}:{origin.port}: {exc}") from None
-        return _Conn(reader, writer)
+        return conn
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.scheme != "http":
@@ -632,12 +710,7 @@ class PodTransport(httpx.AsyncBaseTransport):
             timeouts.get("connect"),
             timeouts.get("read"),
         )
-        return httpx.Response(
-            up.status,
-            headers=up.headers,
-            stream=up.stream,
-            extensions={"http_version": up.http_version, "reason_phrase": up.reason},
-        )
+        return httpx.Response(up.status, headers=up.headers, stream=up.stream)
 
     async def send_raw(
         self,
@@ -684,62 +757,18 @@ class PodTransport(httpx.AsyncBaseTransport):
     async def _exchange(
         self, origin: _Origin, conn: _Conn, head: bytes, body: bytes, read_timeout: float | None
     ) -> _Upstream:
-        try:
-            conn.writer.write(head + body if len(body) < 65536 else head)
-            if len(body) >= 65536:
-                conn.writer.write(body)
-            async with asyncio.timeout(read_timeout):
-                await conn.writer.drain()
-                raw = await conn.reader.readuntil(b"\r\n\r\n")
-        except TimeoutError:
-            raise httpx.ReadTimeout("timed out waiting for the response headers") from None
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
-            nothing = not isinstance(exc, asyncio.IncompleteReadError) or not exc.partial
-            if conn.reused and nothing:
-                raise _StaleConnection() from None
-            raise httpx.RemoteProtocolError(
-                f"server disconnected without sending a response: {exc!r}"
-            ) from None
-        except asyncio.LimitOverrunError:
-            raise httpx.RemoteProtocolError("response headers too large") from None
-        first, _, raw_headers = raw[:-4].partition(b"\r\n")
-        try:
-            version, status_s, *reason = first.split(b" ", 2)
-            status = int(status_s)
-        except ValueError:
-            raise httpx.RemoteProtocolError(f"bad status line {first!r}") from None
-        headers: list[tuple[bytes, bytes]] = []
-        length: int | None = None
-        chunked = False
-        event_stream = False
-        keep_alive = version == b"HTTP/1.1"
-        for line in raw_headers.split(b"\r\n"):
-            if not line:
-                continue
-            k, sep, v = line.partition(b":")
-            if not sep:
-                raise httpx.RemoteProtocolError(f"bad header line {line!r}")
-            v = v.strip()
-            headers.append((k, v))
-            lk = k.lower()
-            if lk == b"content-length":
-                try:
-                    length = int(v)
-                except ValueError:
-                    raise httpx.RemoteProtocolError(f"bad content-length {v!r}") from None
-            elif lk == b"transfer-encoding":
-                chunked = b"chunked" in v.lower()
-            elif lk == b"content-type":
-                event_stream = v.startswith(b"text/event-stream")
-            elif lk == b"connection":
-                lv = v.lower()
-                keep_alive = b"close" not in lv and (keep_alive or b"keep-alive" in lv)
-        if chunked:
-            length = None
-        if status in (204, 304) or 100 <= status < 200:
-            length, chunked = 0, False
-        stream = _BodyStream(self, origin, conn, length, chunked, keep_alive, read_timeout)
-        return _Upstream(status, headers, stream, event_stream, version, b" ".join(reason))
+        assert conn.transport is not None
+        conn.transport.write(head + body)
+        while not conn.head_done:
+            if conn.error is not None:
+                raise conn.error
+            if conn.closed:
+                if conn.reused and not conn.got_bytes:
+                    raise _StaleConnection()
+                raise httpx.RemoteProtocolError("server disconnected without sending a response")
+            await conn.wait(read_timeout)
+        stream = _BodyStream(self, origin, conn, read_timeout)
+        return _Upstream(conn.status, conn.headers, stream, conn.event_stream)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -752,7 +781,7 @@ class PodTransport(httpx.AsyncBaseTransport):
 class _Upstream:
     """A pod's response head (raw headers as sent) and its body stream."""
 
-    __slots__ = ("headers", "http_version", "is_event_stream", "reason", "status", "stream")
+    __slots__ = ("headers", "is_event_stream", "status", "stream")
 
     def __init__(
         self,
@@ -760,15 +789,11 @@ class _Upstream:
         headers: list[tuple[bytes, bytes]],
         stream: _BodyStream,
         is_event_stream: bool,
-        http_version: bytes,
-        reason: bytes,
     ) -> None:
         self.status = status
         self.headers = headers
         self.stream = stream
         self.is_event_stream = is_event_stream
-        self.http_version = http_version
-        self.reason = reason
 
 
 class _StaleConnection(Exception):

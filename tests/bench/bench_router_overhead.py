@@ -16,7 +16,11 @@ loop (one process), so it costs the same for every target.  For each target:
 
 * c1:  sequential requests -> latency p50 / p99 and *added* latency = target - direct;
 * TTFT: sequential *streaming* completions -> time to the first body chunk (p50);
-* c32, c128: that many connections for ``--seconds`` -> req/s and latency p50 / p99.
+* c32, c128: that many connections for ``--seconds`` -> req/s and latency p50 / p99,
+  and CPU per request (user + system, from /proc) of the target's processes
+  ("router us/req": every process of the router, workers included), of the pods and
+  of this load generator: on a 2-core box that all of them share, req/s is about
+  2 cores / (router + pods + client CPU per request).
 
 Targets are measured in rounds, alternating, and the table shows the median over
 rounds: on a 2-core machine the pods, the router and the client share the CPUs, so only
@@ -175,6 +179,50 @@ async def run_concurrent(port: int, conns: int, seconds: float) -> tuple[float, 
     return len(lat) / elapsed, lat
 
 
+def _proc_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (Linux /proc)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds used so far by ``pids`` and their descendants."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for root in pids:
+        for p in _proc_tree(root):
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
+def self_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+@dataclass
+class Cpu:
+    """CPU microseconds per request during one concurrent run."""
+
+    router: float
+    pods: float
+    client: float
+
+
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(p * len(xs)))]
@@ -316,6 +364,7 @@ class Result:
     c1: list[list[float]] = field(default_factory=list)
     ttft: list[list[float]] = field(default_factory=list)
     conc: dict[int, list[tuple[float, list[float]]]] = field(default_factory=dict)
+    cpu: dict[int, list[Cpu]] = field(default_factory=dict)
 
 
 def main() -> int:
@@ -342,11 +391,14 @@ def main() -> int:
             proc, url = start_sim(i)
             procs.append(proc)
             urls.append(url)
+        pod_pids = [p.popen.pid for p in procs]
         targets: list[tuple[str, int]] = [("direct", int(urls[0].rsplit(":", 1)[1]))]
+        target_pids: dict[str, list[int]] = {"direct": []}
         for w in (1, 2):
             proc, port = start_kvroute(urls, w)
             procs.append(proc)
             targets.append((proc.name, port))
+            target_pids[proc.name] = [proc.popen.pid]
         if not args.no_peers:
             for starter, policy in (
                 (start_sglang, "round_robin"),
@@ -363,6 +415,7 @@ def main() -> int:
                     continue
                 procs.append(started[0])
                 targets.append((started[0].name, started[1]))
+                target_pids[started[0].name] = [started[0].popen.pid]
 
         results = {name: Result() for name, _ in targets}
         for r in range(args.rounds):
@@ -374,8 +427,21 @@ def main() -> int:
                     res.c1.append(loop.run_until_complete(run_c1(port, args.c1_requests)))
                     res.ttft.append(loop.run_until_complete(run_ttft(port, 200)))
                     for c in args.concurrency:
+                        cpu0 = (
+                            cpu_seconds(target_pids[name]),
+                            cpu_seconds(pod_pids),
+                            self_cpu_seconds(),
+                        )
                         out = loop.run_until_complete(run_concurrent(port, c, args.seconds))
+                        n = max(1, len(out[1]))
+                        cpu1 = (
+                            cpu_seconds(target_pids[name]),
+                            cpu_seconds(pod_pids),
+                            self_cpu_seconds(),
+                        )
+                        us = [(b - a) / n * 1e6 for a, b in zip(cpu0, cpu1, strict=True)]
                         res.conc.setdefault(c, []).append(out)
+                        res.cpu.setdefault(c, []).append(Cpu(*us))
                 finally:
                     loop.close()
                 print(f"# round {r + 1}: {name} done", file=sys.stderr)
@@ -397,7 +463,8 @@ def print_table(results: dict[str, Result], concurrency: list[int]) -> None:
     sep = "|---|---:|---:|---:|---:|---:|"
     for c in concurrency:
         head += f" c{c} req/s | c{c} p50 ms | c{c} p99 ms |"
-        sep += "---:|---:|---:|"
+        head += f" c{c} router us/req | c{c} pods us/req | c{c} client us/req |"
+        sep += "---:|---:|---:|---:|---:|---:|"
     print(head)
     print(sep)
     for name, res in results.items():
@@ -414,6 +481,10 @@ def print_table(results: dict[str, Result], concurrency: list[int]) -> None:
             lp50 = med([pct(lat, 0.5) for _, lat in runs])
             lp99 = med([pct(lat, 0.99) for _, lat in runs])
             row += f" {rps:,.0f} | {lp50 * 1e3:.2f} | {lp99 * 1e3:.2f} |"
+            cpus = res.cpu.get(c, [])
+            router = "" if name == "direct" else f"{med([x.router for x in cpus]):.0f}"
+            row += f" {router} | {med([x.pods for x in cpus]):.0f} |"
+            row += f" {med([x.client for x in cpus]):.0f} |"
         print(row)
 
 

@@ -425,3 +425,145 @@ async def test_a_pod_answering_garbage_gives_502_openai_error() -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+# -- the pod transport on raw sockets ---------------------------------------------------------
+
+
+async def _raw_pod(answer: Callable[[int], bytes | None]) -> tuple[asyncio.Server, int, list[int]]:
+    """A pod on a raw socket: each request (head + Content-Length body) on connection
+    number ``n`` is answered with ``answer(n)`` bytes (None: say nothing, hold the
+    connection); a trailing ``b"<close>"`` marker closes the connection after writing."""
+    connections: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        n = len(connections)
+        connections.append(0)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        await reader.readexactly(int(line.split(b":")[1]))
+                connections[n] += 1
+                out = answer(n)
+                if out is None:
+                    await asyncio.sleep(30)
+                    return
+                close = out.endswith(b"<close>")
+                writer.write(out.removesuffix(b"<close>"))
+                await writer.drain()
+                if close:
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], connections
+
+
+def _post(port: int) -> bytes:
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-length: 2\r\n\r\n"
+    ).encode()
+
+
+async def test_transport_redials_when_the_pod_closed_the_idle_keepalive_connection() -> None:
+    from router.proxy import PodTransport
+
+    # answers, then closes the connection although it promised keep-alive
+    ok_then_close = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok<close>"
+    server, port, conns = await _raw_pod(lambda n: ok_then_close)
+    transport = PodTransport()
+    try:
+        for _ in range(3):
+            up = await transport.send_raw("127.0.0.1", port, _post(port), b"{}", 2.0, 5.0)
+            assert up.status == 200
+            assert await up.stream.read_all() == b"ok"
+            await up.stream.aclose()
+            await asyncio.sleep(0.05)  # the pod's FIN arrives while the connection idles
+        assert conns == [1, 1, 1]  # every request got an answer, each on a fresh dial
+    finally:
+        await transport.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_transport_reuses_a_keepalive_connection() -> None:
+    from router.proxy import PodTransport
+
+    server, port, conns = await _raw_pod(
+        lambda n: b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"
+    )
+    transport = PodTransport()
+    try:
+        for _ in range(3):
+            up = await transport.send_raw("127.0.0.1", port, _post(port), b"{}", 2.0, 5.0)
+            assert await up.stream.read_all() == b"hello"
+            await up.stream.aclose()
+        assert conns == [3]
+    finally:
+        await transport.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_transport_reads_chunked_and_close_delimited_bodies_whole() -> None:
+    from router.proxy import PodTransport
+
+    answers = [
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n",
+        b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{"until": "close"}<close>',
+    ]
+    server, port, conns = await _raw_pod(lambda n: answers[0])
+    transport = PodTransport()
+    try:
+        up = await transport.send_raw("127.0.0.1", port, _post(port), b"{}", 2.0, 5.0)
+        assert await up.stream.read_all() == b"abcde"
+        await up.stream.aclose()
+        up = await transport.send_raw("127.0.0.1", port, _post(port), b"{}", 2.0, 5.0)
+        assert await up.stream.read_all() == b"abcde"
+        await up.stream.aclose()
+        assert conns == [2]  # a chunked body read to its end leaves the connection usable
+        server2, port2, _ = await _raw_pod(lambda n: answers[1])
+        try:
+            up = await transport.send_raw("127.0.0.1", port2, _post(port2), b"{}", 2.0, 5.0)
+            assert await up.stream.read_all() == b'{"until": "close"}'
+            await up.stream.aclose()
+        finally:
+            server2.close()
+            await server2.wait_closed()
+    finally:
+        await transport.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_pod_that_sends_nothing_within_the_read_timeout_gives_504() -> None:
+    server, port, _ = await _raw_pod(lambda n: None)
+    settings = Settings.model_validate(
+        {
+            "discovery": {
+                "static": [{"name": "slow", "url": f"http://127.0.0.1:{port}", "models": [MODEL]}]
+            },
+            "events": {"enabled": False},
+            "health": {"enabled": False},
+            "fleet": {"enabled": False},
+            "proxy": {"read_timeout_s": 0.3},
+        }
+    )
+    try:
+        async with (
+            RunningServer(create_app(settings)) as router,
+            httpx.AsyncClient(base_url=router.url, timeout=30) as client,
+        ):
+            r = await client.post("/v1/chat/completions", json=CHAT)
+            assert r.status_code == 504
+            assert r.json()["error"]["code"] == "upstream_timeout"
+            metrics = (await client.get("/metrics")).text
+            assert 'kvroute_upstream_errors_total{pod="slow",reason="timeout"} 1.0' in metrics
+    finally:
+        server.close()
+        await server.wait_closed()
