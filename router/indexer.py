@@ -8,7 +8,8 @@ counters) and ``GET /health`` on a small port.
 Usage::
 
     kvroute index --redis redis://redis:6379/0 [--config FILE] \\
-        [--metrics-host 0.0.0.0] [--metrics-port 9100] [any `kvroute serve` setting flag]
+        [--metrics-host 0.0.0.0] [--metrics-port 9100] [--sweep-interval 300] \\
+        [any `kvroute serve` setting flag]
 
 Settings come from the same model as ``kvroute serve`` (``--config`` YAML,
 ``KVROUTE_*`` env, flags): ``discovery``, ``events``, ``redis_namespace``.  The
@@ -17,6 +18,12 @@ index namespace must equal the routers' ``redis_namespace``.
 Model name per pod (it seeds the block keys, so it must match what the routers use):
 the topic ``kv@<pod>@<model>``, else the pod's first configured model, else
 ``events.model_fallback``.
+
+Sweep: the indexer is the process that writes the index, so it also runs
+:meth:`~scoring.index.redis.RedisIndex.sweep_forever` every ``--sweep-interval``
+seconds (default 300; 0 turns it off): a cleared or vanished pod's retired slot ids
+are deleted from the blocks' holder hints instead of waiting for the keys' TTL.
+``/health`` reports ``swept`` (hint entries removed) and ``sweep_errors``.
 """
 
 from __future__ import annotations
@@ -47,8 +54,13 @@ def make_sink(index: Any, settings: Settings) -> IndexSink:
     return IndexSink(index, block_size=settings.block_size or settings.events.block_size_fallback)
 
 
+#: default seconds between two sweeps of retired slot ids (``--sweep-interval``)
+DEFAULT_SWEEP_INTERVAL_S = 300.0
+
+
 class Indexer:
-    """Discovery + subscriber + RedisIndex + a /metrics, /health server, in one loop."""
+    """Discovery + subscriber + RedisIndex + a /metrics, /health server + the index
+    sweep, in one loop.  ``sweep_interval_s`` <= 0 runs no sweep."""
 
     def __init__(
         self,
@@ -57,10 +69,12 @@ class Indexer:
         *,
         metrics_host: str = "127.0.0.1",
         metrics_port: int = 9100,
+        sweep_interval_s: float = DEFAULT_SWEEP_INTERVAL_S,
     ) -> None:
         from scoring.index.redis import RedisIndex
 
         self.settings = settings
+        self.sweep_interval_s = sweep_interval_s
         self.metrics = CollectorRegistry()
         self.registry = PodRegistry()
         self.index = RedisIndex.from_url(redis_url, namespace=settings.redis_namespace)
@@ -77,6 +91,7 @@ class Indexer:
             uvicorn.Config(self._app(), log_level="warning", lifespan="off", access_log=False)
         )
         self._tasks: list[asyncio.Task[None]] = []
+        self._sweep_task: asyncio.Task[None] | None = None
 
     def _app(self) -> FastAPI:
         app = FastAPI(title="kvroute index", docs_url=None, redoc_url=None, openapi_url=None)
@@ -94,6 +109,8 @@ class Indexer:
                 "batches": stats.total("batches"),
                 "events": stats.total("events"),
                 "queue_depth": stats.queue_depth(),
+                "swept": self.index.swept,
+                "sweep_errors": self.index.sweep_errors,
             }
 
         return app
@@ -108,6 +125,10 @@ class Indexer:
             if self._tasks[-1].done():
                 self._tasks[-1].result()  # raise the server's startup error
             await asyncio.sleep(0.01)
+        if self.sweep_interval_s > 0:
+            self._sweep_task = asyncio.create_task(
+                self.index.sweep_forever(self.sweep_interval_s), name="index-sweep"
+            )
         log.info(
             "kvroute index: writing to Redis namespace %r; metrics on %s",
             self.settings.redis_namespace,
@@ -116,6 +137,11 @@ class Indexer:
 
     async def stop(self) -> None:
         self._server.should_exit = True
+        if self._sweep_task is not None:
+            self._sweep_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweep_task
+            self._sweep_task = None
         for task in self._tasks[:1]:  # discovery
             task.cancel()
         for task in self._tasks:
@@ -147,6 +173,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--redis", metavar="URL", help="Redis URL (else redis_url from the config)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="listen address of /metrics")
     p.add_argument("--metrics-port", type=int, default=9100, help="port of /metrics, /health")
+    p.add_argument(
+        "--sweep-interval",
+        type=float,
+        default=DEFAULT_SWEEP_INTERVAL_S,
+        metavar="SECONDS",
+        help="seconds between sweeps of cleared pods' ids from the index (0: no sweep)",
+    )
     return p
 
 
@@ -156,6 +189,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = Settings.load(rest)
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvroute index: {exc}", flush=True)
+        return 2
+    if args.sweep_interval < 0:
+        print(
+            f"kvroute index: --sweep-interval must be >= 0 seconds, got {args.sweep_interval:g}",
+            flush=True,
+        )
         return 2
     url = args.redis or settings.redis_url
     if not url:
@@ -171,7 +210,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         indexer = Indexer(
-            settings, url, metrics_host=args.metrics_host, metrics_port=args.metrics_port
+            settings,
+            url,
+            metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port,
+            sweep_interval_s=args.sweep_interval,
         )
         await run(indexer, stop)
 

@@ -221,3 +221,34 @@ async def test_the_kvroute_index_command_runs_and_stops_on_sigterm(
             proc.wait()
             raise
     assert rc == 0
+
+
+def test_main_rejects_a_negative_sweep_interval_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--redis", "redis://127.0.0.1:1", "--sweep-interval", "-1"]) == 2
+    assert "--sweep-interval must be >= 0" in capsys.readouterr().out
+
+
+async def test_the_indexer_sweeps_cleared_pods_ids_out_of_the_index_in_the_background(
+    redis_url: str, redis_namespace: str, tmp_path: Path
+) -> None:
+    config = tmp_path / "kvroute.yaml"
+    config.write_text(yaml.safe_dump({"redis_namespace": redis_namespace}))
+    settings = Settings.load(["--config", str(config)])
+    indexer = Indexer(settings, redis_url, metrics_port=0, sweep_interval_s=0.05)
+    # what a cleared pod leaves behind: its retired id in the hints of blocks 1 and 2
+    await indexer.index.add("gone", [1, 2])
+    await indexer.index.add("live", [1])
+    await indexer.index.clear_pod("gone")
+    assert await indexer.index.block_keys() == 2
+    await indexer.start()
+    try:
+        await wait_until(lambda: indexer.index.swept == 2)
+        assert await indexer.index.block_keys() == 1  # block 2 was held by "gone" only
+        assert await indexer.index.lookup([1, 2]) == {"live": {"GPU": 1, "CPU": 1, "DISK": 1}}
+        async with httpx.AsyncClient(timeout=10) as client:
+            health = (await client.get(f"{indexer.metrics_url}/health")).json()
+        assert (health["swept"], health["sweep_errors"]) == (2, 0)
+    finally:
+        await indexer.stop()

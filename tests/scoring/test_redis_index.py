@@ -16,6 +16,14 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from scoring.blocks import BlockHasher
+from scoring.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    IndexSink,
+    encode_batch,
+)
 from scoring.index import redis_lua
 from scoring.index.base import BlockIndex
 from scoring.index.redis import RedisIndex, RedisLoadStore
@@ -196,6 +204,36 @@ async def test_apply_ops_runs_mixed_writes_in_order_in_one_round_trip(
     await raw.script_flush()  # reloaded, and still applied in order
     await index.apply_ops([("clear", "pod-b", "CPU", []), ("add", "pod-b", "GPU", [1, 2])])
     assert (await index.lookup([1, 2]))["pod-b"] == {"GPU": 2, "CPU": 2, "DISK": 2}
+
+
+async def test_an_event_batch_from_the_sink_reaches_redis_in_one_round_trip(
+    index: RedisIndex,
+) -> None:
+    """The applier path (IndexSink -> IndexOps.apply -> RedisIndex.apply_ops) writes a
+    whole decoded batch of mixed events with one round trip, not one per event."""
+    tokens = list(range(1000, 1064))  # 4 blocks of 16
+
+    def stored(hashes: list[int], parent: int | None, toks: list[int], medium: str) -> Any:
+        return BlockStored(hashes, parent, toks, 16, None, medium)
+
+    sink = IndexSink(index)
+    warm = encode_batch(  # loads the add / remove / clear scripts on the server
+        [stored([1], None, tokens[:16], "GPU"), BlockRemoved([1], "GPU"), AllBlocksCleared()]
+    )
+    await sink.apply("warm", "m", sink.decode(warm))
+    batch = encode_batch(
+        [
+            stored([11, 12], None, tokens[:32], "GPU"),
+            stored([13, 14], 12, tokens[32:], "GPU"),
+            stored([11, 12], None, tokens[:32], "CPU"),  # an offload copy of known blocks
+            BlockRemoved([14], "GPU"),
+        ]
+    )
+    assert await round_trips(sink.apply("p", "m", sink.decode(batch))) == 1
+    keys = BlockHasher(16, "m").keys(tokens)
+    assert await index.lookup(keys) == {"p": {"GPU": 3, "CPU": 3, "DISK": 3}}
+    assert await round_trips(sink.clear_pod("p")) == 1
+    assert await index.lookup(keys) == {}
 
 
 async def test_apply_ops_rejects_a_bad_op_before_writing_anything(index: RedisIndex) -> None:
