@@ -30,14 +30,8 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from scoring.policies.base import (
-    Decision,
-    NoCandidatesError,
-    PodView,
-    Policy,
-    PolicyParams,
-    RouteRequest,
-)
+from scoring.policies.base import Decision, PodView, Policy, PolicyParams, RouteRequest
+from scoring.policies.select import lowest, require_candidates
 from scoring.simcache import PrefixCache
 
 
@@ -75,13 +69,11 @@ class ApproxPrefixPolicy(Policy):
         return len(tree) if tree is not None else 0
 
     def _draw(self, pods: list[PodView]) -> PodView:
-        least = min(p.inflight for p in pods)
-        tied = [p for p in pods if p.inflight == least]
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        """The least loaded of ``pods`` (in-flight requests), ties drawn at random."""
+        return lowest(pods, [p.inflight for p in pods], self._rng)[0]
 
     def pick(self, request: RouteRequest, pods: Sequence[PodView]) -> Decision:
-        if not pods:
-            raise NoCandidatesError("approx_prefix: no candidate pods")
+        require_candidates(self.name, pods)
         p = self._p
         loads = [pod.inflight for pod in pods]
         max_load, min_load = max(loads), min(loads)

@@ -75,14 +75,8 @@ import xxhash
 from pydantic import Field, field_validator
 
 from scoring.index.base import DEFAULT_TIERS
-from scoring.policies.base import (
-    Decision,
-    NoCandidatesError,
-    PodView,
-    Policy,
-    PolicyParams,
-    RouteRequest,
-)
+from scoring.policies.base import Decision, PodView, Policy, PolicyParams, RouteRequest
+from scoring.policies.select import require_candidates
 
 _h64 = xxhash.xxh3_64_intdigest
 _MAX_SCORED = 65_536
@@ -223,8 +217,7 @@ class CostPolicy(Policy):
         return pod.outstanding_prefill_tokens * entry[1] / entry[0]
 
     def pick(self, request: RouteRequest, pods: Sequence[PodView]) -> Decision:
-        if not pods:
-            raise NoCandidatesError("cost: no candidate pods")
+        require_candidates(self.name, pods)
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
         p = self._p

@@ -15,14 +15,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from scoring.policies.base import (
-    Decision,
-    NoCandidatesError,
-    PodView,
-    Policy,
-    PolicyParams,
-    RouteRequest,
-)
+from scoring.policies.base import Decision, PodView, Policy, PolicyParams, RouteRequest
+from scoring.policies.select import lowest, require_candidates
 
 
 class LeastLoadParams(PolicyParams):
@@ -48,14 +42,11 @@ class LeastLoadPolicy(Policy):
         self._rng = random.Random(self._p.seed)
 
     def pick(self, request: RouteRequest, pods: Sequence[PodView]) -> Decision:
-        if not pods:
-            raise NoCandidatesError("least_load: no candidate pods")
+        require_candidates(self.name, pods)
         keys = [load_key(p, self._p.metric) for p in pods]
-        best = min(keys)
-        tied = [p for p, k in zip(pods, keys, strict=True) if k == best]
-        chosen = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        chosen, tied = lowest(pods, keys, self._rng)
         return Decision(
             pod=chosen.pod,
             scores={p.pod: -float(k[0]) for p, k in zip(pods, keys, strict=True)},
-            detail={"metric": self._p.metric, "tied": len(tied)},
+            detail={"metric": self._p.metric, "tied": tied},
         )

@@ -26,14 +26,8 @@ from collections.abc import Sequence
 from pydantic import Field, field_validator
 
 from scoring.index.base import DEFAULT_TIERS
-from scoring.policies.base import (
-    Decision,
-    NoCandidatesError,
-    PodView,
-    Policy,
-    PolicyParams,
-    RouteRequest,
-)
+from scoring.policies.base import Decision, PodView, Policy, PolicyParams, RouteRequest
+from scoring.policies.select import highest, require_candidates
 
 
 class PrecisePrefixParams(PolicyParams):
@@ -88,8 +82,7 @@ class PrecisePrefixPolicy(Policy):
         self._rng = random.Random(self._p.seed)
 
     def pick(self, request: RouteRequest, pods: Sequence[PodView]) -> Decision:
-        if not pods:
-            raise NoCandidatesError("precise_prefix: no candidate pods")
+        require_candidates(self.name, pods)
         p = self._p
         raw = {pod.pod: weighted_prefix(pod.hits, p.tiers, p.tier_weights) for pod in pods}
         holding = {k: v for k, v in raw.items() if v > 0}
@@ -110,9 +103,7 @@ class PrecisePrefixPolicy(Policy):
             + p.queue_weight * queue[name]
             for name in raw
         }
-        best = max(scores.values())
-        tied = [name for name, s in scores.items() if s == best]
-        chosen = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        chosen, _ = highest(list(scores), list(scores.values()), self._rng)
         return Decision(
             pod=chosen,
             scores=scores,

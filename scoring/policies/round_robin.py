@@ -9,14 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scoring.policies.base import (
-    Decision,
-    NoCandidatesError,
-    PodView,
-    Policy,
-    PolicyParams,
-    RouteRequest,
-)
+from scoring.policies.base import Decision, PodView, Policy, PolicyParams, RouteRequest
+from scoring.policies.select import require_candidates
 
 
 class RoundRobinParams(PolicyParams):
@@ -32,8 +26,7 @@ class RoundRobinPolicy(Policy):
         self._next = 0
 
     def pick(self, request: RouteRequest, pods: Sequence[PodView]) -> Decision:
-        if not pods:
-            raise NoCandidatesError("round_robin: no candidate pods")
+        require_candidates(self.name, pods)
         i = self._next % len(pods)
         self._next += 1
         chosen = pods[i].pod

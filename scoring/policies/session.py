@@ -25,15 +25,9 @@ from collections.abc import Sequence
 import xxhash
 from pydantic import Field
 
-from scoring.policies.base import (
-    Decision,
-    NoCandidatesError,
-    PodView,
-    Policy,
-    PolicyParams,
-    RouteRequest,
-)
+from scoring.policies.base import Decision, PodView, Policy, PolicyParams, RouteRequest
 from scoring.policies.least_load import LeastLoadParams, LeastLoadPolicy
+from scoring.policies.select import require_candidates
 
 _h64 = xxhash.xxh3_64_intdigest
 
@@ -70,8 +64,7 @@ class SessionPolicy(Policy):
         return self._ring_points, self._ring_pods
 
     def pick(self, request: RouteRequest, pods: Sequence[PodView]) -> Decision:
-        if not pods:
-            raise NoCandidatesError("session: no candidate pods")
+        require_candidates(self.name, pods)
         if not request.session:
             decision = self._fallback.pick(request, pods)
             decision.detail["fallback"] = "least_load (no session id)"
