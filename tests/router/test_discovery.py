@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
@@ -32,36 +31,7 @@ from router.discovery import (
     pod_is_ready,
 )
 from router.pods import PodRegistry
-
-
-@contextlib.asynccontextmanager
-async def serve_app(app: FastAPI) -> AsyncIterator[str]:
-    """Run ``app`` on a free loopback port in this loop; yield its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        server.force_exit = True
-        await task
-        sock.close()
-
-
-async def wait_for(cond: Any, timeout: float = 10.0) -> None:
-    """Poll ``cond()`` until true (a deadline against hangs, not a speed assertion)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.01)
-
+from tests.support.aio import serve_app, wait_until
 
 # -- settings ------------------------------------------------------------------------
 
@@ -138,7 +108,7 @@ async def test_dns_discovery_re_resolves_and_fills_the_registry() -> None:
     reg = PodRegistry()
     task = asyncio.create_task(disc.run(reg))
     try:
-        await wait_for(lambda: disc.resolutions >= 2)
+        await wait_until(lambda: disc.resolutions >= 2)
         assert reg.get("127.0.0.1:8123") is not None
     finally:
         task.cancel()
@@ -158,7 +128,7 @@ async def test_dns_discovery_keeps_the_last_fleet_when_resolution_fails(bad_name
     settings.hostname = bad_name
     task = asyncio.create_task(disc.run(reg))
     try:
-        await wait_for(lambda: disc.failures >= 1, timeout=30)
+        await wait_until(lambda: disc.failures >= 1, timeout=30)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -323,7 +293,7 @@ async def test_k8s_discovery_lists_then_follows_the_watch_stream(tmp_path: Path)
         reg = PodRegistry()
         task = asyncio.create_task(disc.run(reg))
         try:
-            await wait_for(lambda: len(api.watches()) == 1)
+            await wait_until(lambda: len(api.watches()) == 1)
             assert [p.name for p in reg.all()] == ["a"]  # b not Ready, bad skipped
             assert "bad" in disc.skipped
             listed = api.lists()[0]
@@ -336,25 +306,25 @@ async def test_k8s_discovery_lists_then_follows_the_watch_stream(tmp_path: Path)
 
             # b becomes Ready
             await api.watch_queue.put({"type": "MODIFIED", "object": k8s_pod("b", "10.0.0.2")})
-            await wait_for(lambda: reg.get("b") is not None)
+            await wait_until(lambda: reg.get("b") is not None)
             assert reg.get("b").spec.url == "http://10.0.0.2:8000"  # type: ignore[union-attr]
             # a is deleted
             await api.watch_queue.put(
                 {"type": "DELETED", "object": k8s_pod("a", "10.0.0.1", rv="102")}
             )
-            await wait_for(lambda: reg.get("a") is None)
+            await wait_until(lambda: reg.get("a") is None)
             assert [p.name for p in reg.all()] == ["b"]
             # b loses readiness
             await api.watch_queue.put(
                 {"type": "MODIFIED", "object": k8s_pod("b", "10.0.0.2", ready=False, rv="103")}
             )
-            await wait_for(lambda: reg.get("b") is None)
+            await wait_until(lambda: reg.get("b") is None)
             # a bookmark moves the resourceVersion; the stream ends; the next watch resumes
             await api.watch_queue.put(
                 {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "150"}}}
             )
             await api.watch_queue.put(None)
-            await wait_for(lambda: len(api.watches()) == 2)
+            await wait_until(lambda: len(api.watches()) == 2)
             assert api.watches()[1]["query"]["resourceVersion"] == "150"
             assert len(api.lists()) == 1  # resumed, not re-listed
         finally:
@@ -371,23 +341,23 @@ async def test_k8s_discovery_relists_when_the_watch_says_410_gone(tmp_path: Path
         reg = PodRegistry()
         task = asyncio.create_task(disc.run(reg))
         try:
-            await wait_for(lambda: len(api.watches()) == 1)
+            await wait_until(lambda: len(api.watches()) == 1)
             # while we were not watching, a went away and c came
             api.items = [k8s_pod("c", ip="10.0.0.3")]
             api.list_rv = "200"
             await api.watch_queue.put(
                 {"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "too old"}}
             )
-            await wait_for(lambda: disc.relists_on_gone == 1)
-            await wait_for(lambda: len(api.watches()) == 2)  # after the re-list
+            await wait_until(lambda: disc.relists_on_gone == 1)
+            await wait_until(lambda: len(api.watches()) == 2)  # after the re-list
             assert [p.name for p in reg.all()] == ["c"]
             assert api.watches()[1]["query"]["resourceVersion"] == "200"
 
             # an HTTP 410 answer to the watch request re-lists too
             api.gone_on_next_watch = True
             await api.watch_queue.put(None)
-            await wait_for(lambda: disc.relists_on_gone == 2)
-            await wait_for(lambda: len(api.lists()) == 3)  # the re-list follows the 410
+            await wait_until(lambda: disc.relists_on_gone == 2)
+            await wait_until(lambda: len(api.lists()) == 3)  # the re-list follows the 410
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -402,14 +372,14 @@ async def test_k8s_discovery_counts_and_skips_garbage_watch_lines(tmp_path: Path
         reg = PodRegistry()
         task = asyncio.create_task(disc.run(reg))
         try:
-            await wait_for(lambda: len(api.watches()) == 1)
+            await wait_until(lambda: len(api.watches()) == 1)
             api.watch_queue.put_nowait({"type": "ADDED", "object": k8s_pod("b", "10.0.0.2")})
-            await wait_for(lambda: reg.get("b") is not None)
+            await wait_until(lambda: reg.get("b") is not None)
             # a line that is not JSON, or not an event, is counted and skipped
             await api.watch_queue.put("{not json")
             await api.watch_queue.put({"type": "ADDED", "object": "not-a-pod"})
             await api.watch_queue.put({"type": "ADDED", "object": k8s_pod("d", "10.0.0.4")})
-            await wait_for(lambda: reg.get("d") is not None)
+            await wait_until(lambda: reg.get("d") is not None)
             assert disc.errors == 2
             assert len(api.watches()) == 1  # the same stream went on
         finally:
@@ -426,7 +396,7 @@ async def test_k8s_discovery_skips_list_items_without_a_name(tmp_path: Path) -> 
         reg = PodRegistry()
         task = asyncio.create_task(disc.run(reg))
         try:
-            await wait_for(lambda: len(api.watches()) == 1)
+            await wait_until(lambda: len(api.watches()) == 1)
             assert [p.name for p in reg.all()] == ["a"]
             assert disc.errors == 2
         finally:
@@ -444,7 +414,7 @@ async def test_k8s_discovery_retries_after_the_api_server_is_unreachable(tmp_pat
     reg = PodRegistry()
     task = asyncio.create_task(disc.run(reg))
     try:
-        await wait_for(lambda: disc.errors >= 2)
+        await wait_until(lambda: disc.errors >= 2)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
@@ -38,6 +38,7 @@ from router.events import (
 from router.pods import PodRegistry, PodSpec
 from scoring.blocks import BlockHasher
 from scoring.index.memory import InMemoryIndex
+from tests.support.aio import wait_until
 
 MODEL = "m"
 BS = 4  # block size of these tests
@@ -151,16 +152,6 @@ class VllmLikePublisher:
         self.pub.close(linger=0)
 
 
-async def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll until ``cond()`` (a deadline against hangs, not a speed assertion)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.005)
-
-
 class Harness:
     def __init__(self, ctx: zmq.asyncio.Context, settings: EventsSettings) -> None:
         self.ctx = ctx
@@ -179,7 +170,7 @@ class Harness:
         return hits.get(pod, {}).get("GPU", 0)
 
     async def applied(self, n: int, pod: str = "p") -> None:
-        await wait_for(lambda: self.sub.stats.pod(pod).batches >= n)
+        await wait_until(lambda: self.sub.stats.pod(pod).batches >= n)
         await self.sub.drain()
 
 
@@ -363,7 +354,7 @@ async def test_a_restart_hidden_behind_a_reconnect_is_resynced_from_the_new_engi
             for i in range(6):
                 await new.send([stored(chain(1, start=1000 + 100 * i), [50 + i])], publish=False)
             await new.send([stored(chain(1, start=9000), [99])])
-            await wait_for(lambda: h.sub.stats.pod("p").last_seq == 6)
+            await wait_until(lambda: h.sub.stats.pod("p").last_seq == 6)
             await h.sub.drain()
             st = h.sub.stats.pod("p")
             assert st.resyncs["reconnect"] == 1
@@ -459,7 +450,7 @@ async def test_queue_overflow_drops_batches_and_resyncs_the_pod(
         await asyncio.wait_for(stalled.entered.wait(), 10)
         for i in range(1, 6):  # 1-2 fill the queue, 3-5 are dropped
             await pub.send([stored(chain(1, start=100 * i), [i])])
-        await wait_for(lambda: h.sub.stats.pod("p").dropped == 3)
+        await wait_until(lambda: h.sub.stats.pod("p").dropped == 3)
         assert h.sub.stats.queue_depth() == 2
         stalled.gate.set()
         await h.applied(3)
@@ -511,8 +502,8 @@ async def test_bind_mode_names_pods_by_topic_and_counts_strangers(
         await bad.send([stored(chain(3), [4, 5, 6])])
         await h.applied(1, "a")
         await h.applied(1, "b")
-        await wait_for(lambda: h.sub.stats.unknown_pod_batches == 1)
-        await wait_for(lambda: h.sub.stats.bad_topics == 1)
+        await wait_until(lambda: h.sub.stats.unknown_pod_batches == 1)
+        await wait_until(lambda: h.sub.stats.bad_topics == 1)
         assert await h.blocks_held(chain(2), "a") == 1
         assert await h.blocks_held(chain(2), "b") == 2
         assert await h.blocks_held(chain(3), "stranger") == 0
@@ -710,7 +701,7 @@ async def test_a_real_vllm_engine_is_indexed_including_its_replayed_past(
                 deadline = loop.time() + 60
                 while not await seen():
                     assert loop.time() < deadline, "no batch from the engine"
-                await wait_for(lambda: h.sub.stats.pod("p").last_seq >= 0)
+                await wait_until(lambda: h.sub.stats.pod("p").last_seq >= 0)
                 await asyncio.sleep(1.0)
                 full = len(late) // bs
                 assert await h.blocks_held(late) == full
@@ -784,7 +775,7 @@ async def test_bind_mode_indexes_sim_pods_that_connect_to_us(ctx: zmq.asyncio.Co
                 await asyncio.sleep(0.02)
             for p in pods:
                 tokens[p.name] = await send(p, f"{p.name} final: " + "sit amet consectetur " * 8)
-            await wait_for(lambda: all(h.sub.stats.pod(p.name).batches >= 2 for p in pods))
+            await wait_until(lambda: all(h.sub.stats.pod(p.name).batches >= 2 for p in pods))
             for p in pods:
                 other = next(q for q in pods if q is not p)
                 keys = h.hasher.keys(tokens[p.name])

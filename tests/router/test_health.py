@@ -5,36 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
 from router.health import HealthChecker, HealthSettings
 from router.pods import PodRegistry, PodSpec
-
-
-@contextlib.asynccontextmanager
-async def serve_app(app: FastAPI) -> AsyncIterator[str]:
-    """Run ``app`` on a free loopback port in this loop; yield its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        server.force_exit = True
-        await task
-        sock.close()
+from tests.support.aio import serve_app
 
 
 class FakePod:

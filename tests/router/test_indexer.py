@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,25 +23,11 @@ from router.sim.pod import SimPod
 from router.sim.settings import SimSettings
 from scoring.blocks import BlockHasher
 from scoring.index.redis import RedisIndex
+from tests.support.aio import wait_until
 
 MODEL = "sim-model"
 BS = 16
 REPO = Path(__file__).resolve().parents[2]
-
-
-async def wait_until(cond: Callable[[], Any], timeout: float = 20.0) -> None:
-    """Await ``cond()`` (sync or async) until truthy; a deadline against hangs only."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        value = cond()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture

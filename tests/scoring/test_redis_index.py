@@ -27,6 +27,7 @@ from scoring.events import (
 from scoring.index import redis_lua
 from scoring.index.base import BlockIndex
 from scoring.index.redis import RedisIndex, RedisLoadStore
+from tests.support.aio import wait_until
 
 
 @pytest.fixture
@@ -73,16 +74,6 @@ async def round_trips(coro: Awaitable[object]) -> int:
     before = CountingConnection.writes
     await coro
     return CountingConnection.writes - before
-
-
-async def wait_until(predicate: object, what: str, timeout_s: float = 10.0) -> None:
-    """Poll an async predicate (no timing assertion: only a generous upper bound)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await predicate():  # type: ignore[operator]
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 # -- interface and encoding ---------------------------------------------------------------
