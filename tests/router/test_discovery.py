@@ -31,7 +31,7 @@ from router.discovery import (
     pod_is_ready,
 )
 from router.pods import PodRegistry
-from tests.support.aio import serve_app, wait_until
+from tests.support.aio import running, serve_app, wait_until
 
 # -- settings ------------------------------------------------------------------------
 
@@ -106,14 +106,9 @@ async def test_dns_discovery_makes_one_pod_per_address_of_the_hostname() -> None
 async def test_dns_discovery_re_resolves_and_fills_the_registry() -> None:
     disc = DnsDiscovery(DnsDiscoverySettings(hostname="localhost", port=8123, interval_s=0.01))
     reg = PodRegistry()
-    task = asyncio.create_task(disc.run(reg))
-    try:
+    async with running(disc.run(reg)):
         await wait_until(lambda: disc.resolutions >= 2)
         assert reg.get("127.0.0.1:8123") is not None
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 @pytest.mark.parametrize(
@@ -126,13 +121,8 @@ async def test_dns_discovery_keeps_the_last_fleet_when_resolution_fails(bad_name
     reg.set_pods(await disc.resolve())
     before = sorted(p.name for p in reg.all())
     settings.hostname = bad_name
-    task = asyncio.create_task(disc.run(reg))
-    try:
+    async with running(disc.run(reg)):
         await wait_until(lambda: disc.failures >= 1, timeout=30)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
     assert sorted(p.name for p in reg.all()) == before
 
 
@@ -221,6 +211,18 @@ def k8s_settings(url: str, tmp_path: Path, **kw: Any) -> K8sDiscoverySettings:
     )
 
 
+@contextlib.asynccontextmanager
+async def k8s_discovery_running(
+    api: FakeApiServer, tmp_path: Path
+) -> AsyncIterator[tuple[K8sDiscovery, PodRegistry]]:
+    """Serve ``api`` on loopback and run a K8sDiscovery against it for the block."""
+    async with serve_app(api.app) as url:
+        disc = K8sDiscovery(k8s_settings(url, tmp_path))
+        reg = PodRegistry()
+        async with running(disc.run(reg)):
+            yield disc, reg
+
+
 def test_only_ready_pods_with_an_ip_that_are_not_terminating_count() -> None:
     assert pod_is_ready(k8s_pod("a"))
     assert not pod_is_ready(k8s_pod("a", ready=False))
@@ -288,121 +290,87 @@ async def test_k8s_discovery_lists_then_follows_the_watch_stream(tmp_path: Path)
         k8s_pod("b", ip="10.0.0.2", ready=False),
         k8s_pod("bad", ip="10.0.0.9", annotations={"kvroute.io/port": "x"}),
     ]
-    async with serve_app(api.app) as url:
-        disc = K8sDiscovery(k8s_settings(url, tmp_path))
-        reg = PodRegistry()
-        task = asyncio.create_task(disc.run(reg))
-        try:
-            await wait_until(lambda: len(api.watches()) == 1)
-            assert [p.name for p in reg.all()] == ["a"]  # b not Ready, bad skipped
-            assert "bad" in disc.skipped
-            listed = api.lists()[0]
-            assert listed["ns"] == "llm"
-            assert listed["query"]["labelSelector"] == "app=vllm"
-            assert listed["auth"] == "Bearer s3cret-token"
-            watch = api.watches()[0]
-            assert watch["query"]["resourceVersion"] == "100"
-            assert watch["auth"] == "Bearer s3cret-token"
+    async with k8s_discovery_running(api, tmp_path) as (disc, reg):
+        await wait_until(lambda: len(api.watches()) == 1)
+        assert [p.name for p in reg.all()] == ["a"]  # b not Ready, bad skipped
+        assert "bad" in disc.skipped
+        listed = api.lists()[0]
+        assert listed["ns"] == "llm"
+        assert listed["query"]["labelSelector"] == "app=vllm"
+        assert listed["auth"] == "Bearer s3cret-token"
+        watch = api.watches()[0]
+        assert watch["query"]["resourceVersion"] == "100"
+        assert watch["auth"] == "Bearer s3cret-token"
 
-            # b becomes Ready
-            await api.watch_queue.put({"type": "MODIFIED", "object": k8s_pod("b", "10.0.0.2")})
-            await wait_until(lambda: reg.get("b") is not None)
-            assert reg.get("b").spec.url == "http://10.0.0.2:8000"  # type: ignore[union-attr]
-            # a is deleted
-            await api.watch_queue.put(
-                {"type": "DELETED", "object": k8s_pod("a", "10.0.0.1", rv="102")}
-            )
-            await wait_until(lambda: reg.get("a") is None)
-            assert [p.name for p in reg.all()] == ["b"]
-            # b loses readiness
-            await api.watch_queue.put(
-                {"type": "MODIFIED", "object": k8s_pod("b", "10.0.0.2", ready=False, rv="103")}
-            )
-            await wait_until(lambda: reg.get("b") is None)
-            # a bookmark moves the resourceVersion; the stream ends; the next watch resumes
-            await api.watch_queue.put(
-                {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "150"}}}
-            )
-            await api.watch_queue.put(None)
-            await wait_until(lambda: len(api.watches()) == 2)
-            assert api.watches()[1]["query"]["resourceVersion"] == "150"
-            assert len(api.lists()) == 1  # resumed, not re-listed
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # b becomes Ready
+        await api.watch_queue.put({"type": "MODIFIED", "object": k8s_pod("b", "10.0.0.2")})
+        await wait_until(lambda: reg.get("b") is not None)
+        assert reg.get("b").spec.url == "http://10.0.0.2:8000"  # type: ignore[union-attr]
+        # a is deleted
+        await api.watch_queue.put({"type": "DELETED", "object": k8s_pod("a", "10.0.0.1", rv="102")})
+        await wait_until(lambda: reg.get("a") is None)
+        assert [p.name for p in reg.all()] == ["b"]
+        # b loses readiness
+        await api.watch_queue.put(
+            {"type": "MODIFIED", "object": k8s_pod("b", "10.0.0.2", ready=False, rv="103")}
+        )
+        await wait_until(lambda: reg.get("b") is None)
+        # a bookmark moves the resourceVersion; the stream ends; the next watch resumes
+        await api.watch_queue.put(
+            {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "150"}}}
+        )
+        await api.watch_queue.put(None)
+        await wait_until(lambda: len(api.watches()) == 2)
+        assert api.watches()[1]["query"]["resourceVersion"] == "150"
+        assert len(api.lists()) == 1  # resumed, not re-listed
 
 
 async def test_k8s_discovery_relists_when_the_watch_says_410_gone(tmp_path: Path) -> None:
     api = FakeApiServer()
     api.items = [k8s_pod("a")]
-    async with serve_app(api.app) as url:
-        disc = K8sDiscovery(k8s_settings(url, tmp_path))
-        reg = PodRegistry()
-        task = asyncio.create_task(disc.run(reg))
-        try:
-            await wait_until(lambda: len(api.watches()) == 1)
-            # while we were not watching, a went away and c came
-            api.items = [k8s_pod("c", ip="10.0.0.3")]
-            api.list_rv = "200"
-            await api.watch_queue.put(
-                {"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "too old"}}
-            )
-            await wait_until(lambda: disc.relists_on_gone == 1)
-            await wait_until(lambda: len(api.watches()) == 2)  # after the re-list
-            assert [p.name for p in reg.all()] == ["c"]
-            assert api.watches()[1]["query"]["resourceVersion"] == "200"
+    async with k8s_discovery_running(api, tmp_path) as (disc, reg):
+        await wait_until(lambda: len(api.watches()) == 1)
+        # while we were not watching, a went away and c came
+        api.items = [k8s_pod("c", ip="10.0.0.3")]
+        api.list_rv = "200"
+        await api.watch_queue.put(
+            {"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "too old"}}
+        )
+        await wait_until(lambda: disc.relists_on_gone == 1)
+        await wait_until(lambda: len(api.watches()) == 2)  # after the re-list
+        assert [p.name for p in reg.all()] == ["c"]
+        assert api.watches()[1]["query"]["resourceVersion"] == "200"
 
-            # an HTTP 410 answer to the watch request re-lists too
-            api.gone_on_next_watch = True
-            await api.watch_queue.put(None)
-            await wait_until(lambda: disc.relists_on_gone == 2)
-            await wait_until(lambda: len(api.lists()) == 3)  # the re-list follows the 410
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # an HTTP 410 answer to the watch request re-lists too
+        api.gone_on_next_watch = True
+        await api.watch_queue.put(None)
+        await wait_until(lambda: disc.relists_on_gone == 2)
+        await wait_until(lambda: len(api.lists()) == 3)  # the re-list follows the 410
 
 
 async def test_k8s_discovery_counts_and_skips_garbage_watch_lines(tmp_path: Path) -> None:
     api = FakeApiServer()
     api.items = [k8s_pod("a")]
-    async with serve_app(api.app) as url:
-        disc = K8sDiscovery(k8s_settings(url, tmp_path))
-        reg = PodRegistry()
-        task = asyncio.create_task(disc.run(reg))
-        try:
-            await wait_until(lambda: len(api.watches()) == 1)
-            api.watch_queue.put_nowait({"type": "ADDED", "object": k8s_pod("b", "10.0.0.2")})
-            await wait_until(lambda: reg.get("b") is not None)
-            # a line that is not JSON, or not an event, is counted and skipped
-            await api.watch_queue.put("{not json")
-            await api.watch_queue.put({"type": "ADDED", "object": "not-a-pod"})
-            await api.watch_queue.put({"type": "ADDED", "object": k8s_pod("d", "10.0.0.4")})
-            await wait_until(lambda: reg.get("d") is not None)
-            assert disc.errors == 2
-            assert len(api.watches()) == 1  # the same stream went on
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    async with k8s_discovery_running(api, tmp_path) as (disc, reg):
+        await wait_until(lambda: len(api.watches()) == 1)
+        api.watch_queue.put_nowait({"type": "ADDED", "object": k8s_pod("b", "10.0.0.2")})
+        await wait_until(lambda: reg.get("b") is not None)
+        # a line that is not JSON, or not an event, is counted and skipped
+        await api.watch_queue.put("{not json")
+        await api.watch_queue.put({"type": "ADDED", "object": "not-a-pod"})
+        await api.watch_queue.put({"type": "ADDED", "object": k8s_pod("d", "10.0.0.4")})
+        await wait_until(lambda: reg.get("d") is not None)
+        assert disc.errors == 2
+        assert len(api.watches()) == 1  # the same stream went on
 
 
 async def test_k8s_discovery_skips_list_items_without_a_name(tmp_path: Path) -> None:
     api = FakeApiServer()
     api.items = [{"metadata": {}}, "garbage", k8s_pod("a")]  # type: ignore[list-item]
-    async with serve_app(api.app) as url:
-        disc = K8sDiscovery(k8s_settings(url, tmp_path))
-        reg = PodRegistry()
-        task = asyncio.create_task(disc.run(reg))
-        try:
-            await wait_until(lambda: len(api.watches()) == 1)
-            assert [p.name for p in reg.all()] == ["a"]
-            assert disc.errors == 2
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    async with k8s_discovery_running(api, tmp_path) as (disc, reg):
+        await wait_until(lambda: len(api.watches()) == 1)
+        assert [p.name for p in reg.all()] == ["a"]
+        assert disc.errors == 2
 
 
 async def test_k8s_discovery_retries_after_the_api_server_is_unreachable(tmp_path: Path) -> None:
@@ -412,11 +380,6 @@ async def test_k8s_discovery_retries_after_the_api_server_is_unreachable(tmp_pat
     sock.close()  # nothing listens there
     disc = K8sDiscovery(k8s_settings(f"http://127.0.0.1:{dead_port}", tmp_path))
     reg = PodRegistry()
-    task = asyncio.create_task(disc.run(reg))
-    try:
+    async with running(disc.run(reg)):
         await wait_until(lambda: disc.errors >= 2)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
     assert reg.all() == []

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import inspect
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import uvicorn
@@ -60,3 +60,16 @@ async def wait_until(
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+@contextlib.asynccontextmanager
+async def running(coro: Coroutine[Any, Any, Any]) -> AsyncIterator[asyncio.Task[Any]]:
+    """Run ``coro`` as a task for the ``async with`` block, then cancel it and wait
+    for it to end (an error it raised, other than the cancellation, propagates)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
