@@ -14,6 +14,7 @@ callables the app registers (:meth:`RouterMetrics.add_collector`).
 from __future__ import annotations
 
 import contextlib
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -22,12 +23,17 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
-    Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 _FAST_BUCKETS = (
     0.00005,
@@ -48,6 +54,119 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+# -- hot-path metric families ------------------------------------------------------------------
+
+
+class _Value:
+    """One labelled counter / gauge value.  The event loop is the only writer, so a
+    plain float does (prometheus_client takes a lock and validates on every call)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+
+class _Buckets:
+    """One labelled histogram: ``counts[i]`` observations with ``bounds[i-1] < v <=
+    bounds[i]`` (the last slot is +Inf), found by one bisection."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class HotFamily(Collector):
+    """A counter, gauge or histogram family for the request path, exported in the
+    Prometheus text format like prometheus_client's (``labels(...)``, ``remove(...)``,
+    ``inc``/``dec``/``set``/``observe`` on the children), without its per-call lock,
+    label validation and created-timestamp series."""
+
+    def __init__(
+        self,
+        kind: str,
+        name: str,
+        doc: str,
+        labelnames: tuple[str, ...] = (),
+        buckets: tuple[float, ...] = (),
+    ) -> None:
+        if kind not in ("counter", "gauge", "histogram"):
+            raise ValueError(f"unknown metric kind {kind!r}")
+        self.kind = kind
+        self.name = name
+        self.doc = doc
+        self.labelnames = labelnames
+        self.buckets = tuple(sorted(buckets))
+        self._children: dict[tuple[str, ...], Any] = {}
+        if not labelnames:
+            self.labels()  # exported from the start, as prometheus_client does
+
+    def labels(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
+            child = self._children[values] = (
+                _Buckets(self.buckets) if self.kind == "histogram" else _Value()
+            )
+        return child
+
+    def remove(self, *values: str) -> None:
+        del self._children[values]
+
+    # the label-less family is its own only child
+    def inc(self, amount: float = 1.0) -> None:
+        self.labels().inc(amount)
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.labels().dec(amount)
+
+    def set(self, value: float) -> None:
+        self.labels().set(value)
+
+    def observe(self, value: float) -> None:
+        self.labels().observe(value)
+
+    def collect(self) -> Iterable[Metric]:
+        names = list(self.labelnames)
+        items = list(self._children.items())
+        if self.kind == "histogram":
+            hist = HistogramMetricFamily(self.name, self.doc, labels=names)
+            for labels, h in items:
+                total = 0
+                cumulative = []
+                for bound, n in zip([*h.bounds, float("inf")], h.counts, strict=True):
+                    total += n
+                    cumulative.append((floatToGoString(bound), total))
+                hist.add_metric(list(labels), cumulative, h.sum)
+            yield hist
+            return
+        cls = CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily
+        fam = cls(self.name, self.doc, labels=names)
+        for labels, v in items:
+            fam.add_metric(list(labels), v.value)
+        yield fam
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
 class _CallbackCollector(Collector):
     def __init__(self, fn: Callable[[], Iterable[Metric]]) -> None:
         self._fn = fn
@@ -60,36 +179,37 @@ class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self.requests = Counter(
+        # per-request families: HotFamily (see there); the rest: prometheus_client
+        self.requests = self._hot(
+            "counter",
             "kvroute_requests",
             "Requests answered, by model, pod, HTTP status and policy",
-            ["model", "pod", "status", "policy"],
-            registry=r,
+            ("model", "pod", "status", "policy"),
         )
-        self.decision_seconds = Histogram(
+        self.decision_seconds = self._hot(
+            "histogram",
             "kvroute_routing_decision_seconds",
             "Time from parsed request to chosen pod (tokenize + hash + lookup + policy)",
             buckets=_FAST_BUCKETS,
-            registry=r,
         )
-        self.tokenize_seconds = Histogram(
+        self.tokenize_seconds = self._hot(
+            "histogram",
             "kvroute_tokenization_seconds",
             "Time to render the chat template and tokenize, by tokenizer",
-            ["tokenizer"],
+            ("tokenizer",),
             buckets=_FAST_BUCKETS,
-            registry=r,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = self._hot(
+            "counter",
             "kvroute_prompt_tokens",
             "Prompt tokens routed, by model and pod",
-            ["model", "pod"],
-            registry=r,
+            ("model", "pod"),
         )
-        self.predicted_cached_tokens = Counter(
+        self.predicted_cached_tokens = self._hot(
+            "counter",
             "kvroute_predicted_cached_tokens",
             "Prompt tokens the index predicted cached on the chosen pod (any tier)",
-            ["model", "pod"],
-            registry=r,
+            ("model", "pod"),
         )
         self.approximate_tokenizations = Counter(
             "kvroute_approximate_tokenizations",
@@ -97,18 +217,18 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
-        self.inflight = Gauge(
+        self.inflight = self._hot(
+            "gauge",
             "kvroute_inflight_requests",
             "Requests this router replica is proxying, by pod",
-            ["pod"],
-            registry=r,
+            ("pod",),
         )
-        self.ttft_seconds = Histogram(
+        self.ttft_seconds = self._hot(
+            "histogram",
             "kvroute_ttft_seconds",
             "Time to first byte of a streaming response body, measured at the router",
-            ["model"],
+            ("model",),
             buckets=_TTFT_BUCKETS,
-            registry=r,
         )
         self.retries = Counter(
             "kvroute_retries",
@@ -141,7 +261,19 @@ class RouterMetrics:
             registry=r,
         )
 
-    def child(self, metric: MetricWrapperBase, *values: str) -> Any:
+    def _hot(
+        self,
+        kind: str,
+        name: str,
+        doc: str,
+        labelnames: tuple[str, ...] = (),
+        buckets: tuple[float, ...] = (),
+    ) -> HotFamily:
+        family = HotFamily(kind, name, doc, labelnames, buckets)
+        self.registry.register(family)
+        return family
+
+    def child(self, metric: MetricWrapperBase | HotFamily, *values: str) -> Any:
         """``metric.labels(*values)``, cached: prometheus_client validates and hashes the
         labels on every call (~2 us), which the hot path pays several times a request."""
         key = (id(metric), values)
@@ -156,9 +288,10 @@ class RouterMetrics:
         """Drop a departed pod's per-pod gauges (and every cached child, which may hold
         one of them)."""
         self._children.clear()
-        for gauge in (self.inflight, self.index_entries):
-            with contextlib.suppress(KeyError):
-                gauge.remove(pod)
+        with contextlib.suppress(KeyError):
+            self.inflight.remove(pod)
+        with contextlib.suppress(KeyError):
+            self.index_entries.remove(pod)
 
     def add_collector(self, fn: Callable[[], Iterable[Metric]]) -> None:
         """Register a callable producing metric families at scrape time."""

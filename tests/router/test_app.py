@@ -273,6 +273,40 @@ async def test_metrics_count_requests_tokens_and_decisions(rig: Rig) -> None:
     assert f'kvroute_inflight_requests{{pod="{pod}"}} 0.0' in m
 
 
+def test_hot_path_metrics_render_exactly_as_prometheus_client_would() -> None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from router.metrics import HotFamily
+
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    buckets = (0.001, 0.01, 0.1)
+    h = HotFamily("histogram", "t_seconds", "doc", ("model",), buckets=buckets)
+    c = HotFamily("counter", "t_requests", "doc", ("model", "pod"))
+    g = HotFamily("gauge", "t_inflight", "doc", ("pod",))
+    for fam in (h, c, g):
+        ours.register(fam)
+    ph = Histogram("t_seconds", "doc", ["model"], buckets=buckets, registry=theirs)
+    pc = Counter("t_requests", "doc", ["model", "pod"], registry=theirs)
+    pg = Gauge("t_inflight", "doc", ["pod"], registry=theirs)
+    for v in (0.0005, 0.001, 0.001001, 0.01, 0.5, 7.0):  # bounds are inclusive
+        h.labels("m").observe(v)
+        ph.labels("m").observe(v)
+    c.labels("m", "a").inc(3)
+    pc.labels("m", "a").inc(3)
+    g.labels("a").inc(2)
+    g.labels("a").dec()
+    pg.labels("a").inc(2)
+    pg.labels("a").dec()
+    g.labels("gone").inc()
+    g.remove("gone")
+
+    def lines(registry: CollectorRegistry) -> list[str]:
+        text = generate_latest(registry).decode()
+        return sorted(ln for ln in text.splitlines() if "_created" not in ln)
+
+    assert lines(ours) == lines(theirs)
+
+
 async def test_scraped_pod_metrics_feed_the_load_view_and_block_size(rig: Rig) -> None:
     scraped = rig.gateway.scraper.get("sim-0")
     assert scraped is not None
