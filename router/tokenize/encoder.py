@@ -43,8 +43,7 @@ import threading
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -201,6 +200,7 @@ class ChatEncoder:
         self._heads: OrderedDict[int, int] = OrderedDict()
         self._cached_tokens = 0
         self._lock = threading.Lock()
+        self._count_errors = _CountErrors(self)
 
     @property
     def approximate(self) -> bool:
@@ -211,7 +211,7 @@ class ChatEncoder:
     def encode_prompt(
         self, prompt: str, *, lora: str | None = None, cache_salt: str | None = None
     ) -> EncodedPrompt:
-        with self._counting_errors():
+        with self._count_errors:
             ids = self.tokenizer.encode_prompt(prompt)
         return self._finish(ids, lora, cache_salt)
 
@@ -220,7 +220,7 @@ class ChatEncoder:
     ) -> EncodedPrompt:
         remote = getattr(self.tokenizer, "aencode_prompt", None)
         if remote is not None:
-            with self._counting_errors():
+            with self._count_errors:
                 ids = await remote(prompt)
             return self._finish(ids, lora, cache_salt)
         if isinstance(prompt, str) and len(prompt) > self.offload_chars:
@@ -241,7 +241,7 @@ class ChatEncoder:
         lora: str | None = None,
         cache_salt: str | None = None,
     ) -> EncodedPrompt:
-        with self._counting_errors():
+        with self._count_errors:
             if not self.reuse_enabled:
                 ids = self.tokenizer.encode_chat(
                     messages,
@@ -266,7 +266,7 @@ class ChatEncoder:
     ) -> EncodedPrompt:
         remote = getattr(self.tokenizer, "aencode_chat", None)
         if remote is not None:
-            with self._counting_errors():
+            with self._count_errors:
                 ids = await remote(
                     messages,
                     tools=tools,
@@ -287,14 +287,9 @@ class ChatEncoder:
 
     # --- internals --------------------------------------------------------------------
 
-    @contextmanager
-    def _counting_errors(self) -> Iterator[None]:
-        try:
-            yield
-        except TokenizeError:
-            with self._lock:
-                self.stats.errors += 1
-            raise
+    def _counting_errors(self) -> _CountErrors:
+        """A context that counts a TokenizeError in ``stats.errors`` (and re-raises)."""
+        return self._count_errors
 
     def _finish(self, ids: list[int], lora: str | None, cache_salt: str | None) -> EncodedPrompt:
         keys = self.hasher.keys(ids, lora=lora, cache_salt=cache_salt)
@@ -447,3 +442,21 @@ class ChatEncoder:
         """Entries and tokens currently held by the reuse cache."""
         with self._lock:
             return {"entries": len(self._lru), "tokens": self._cached_tokens}
+
+
+class _CountErrors:
+    """Counts a :class:`TokenizeError` raised inside ``with`` (a class, not a
+    ``@contextmanager`` generator: this runs on every request)."""
+
+    __slots__ = ("_encoder",)
+
+    def __init__(self, encoder: ChatEncoder) -> None:
+        self._encoder = encoder
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        if exc_type is not None and issubclass(exc_type, TokenizeError):
+            with self._encoder._lock:
+                self._encoder.stats.errors += 1
