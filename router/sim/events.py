@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections import deque
 from typing import Any
@@ -144,6 +145,49 @@ def is_bind_endpoint(endpoint: str) -> bool:
     )
 
 
+def _tcp_address(last_endpoint: str) -> tuple[socket.AddressFamily, str, int] | None:
+    """(family, host, port) of a bound ``tcp://`` endpoint; None for other transports."""
+    if not last_endpoint.startswith("tcp://"):
+        return None
+    host, _, port = last_endpoint[len("tcp://") :].rpartition(":")
+    if host.startswith("["):
+        return socket.AF_INET6, host.strip("[]"), int(port)
+    return socket.AF_INET, host, int(port)
+
+
+def _port_is_free(family: socket.AddressFamily, host: str, port: int) -> bool:
+    """Whether ``host:port`` can be bound again (ZMQ binds with SO_REUSEADDR too)."""
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+async def wait_ports_released(last_endpoints: list[str], timeout_s: float = 10.0) -> bool:
+    """Wait until the TCP listeners of closed ZMQ sockets are gone.
+
+    ``zmq_close`` only asks ZMQ's I/O thread to close the listener, so right after it
+    returns the port may still be taken; this polls until each port can be bound again.
+    Returns False (and logs) when ``timeout_s`` passes first, e.g. because another
+    process took the port meanwhile.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    for endpoint in last_endpoints:
+        address = _tcp_address(endpoint)
+        if address is None:
+            continue
+        while not _port_is_free(*address):
+            if loop.time() > deadline:
+                log.warning("port of %s is still taken %g s after close", endpoint, timeout_s)
+                return False
+            await asyncio.sleep(0.005)
+    return True
+
+
 def _dialable(last_endpoint: str) -> str:
     """A bound endpoint as a peer on this host dials it (0.0.0.0 -> 127.0.0.1)."""
     return last_endpoint.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
@@ -178,6 +222,7 @@ class KVEventPublisher:
         self._pub: zmq.Socket[bytes] | None = None
         self._replay: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task[None] | None = None
+        self._bound: list[str] = []  # LAST_ENDPOINTs of the bound sockets
         #: concrete endpoints after :meth:`start` (None when not bound)
         self.endpoint: str | None = None
         self.replay_endpoint: str | None = None
@@ -200,20 +245,32 @@ class KVEventPublisher:
         pub.set_hwm(self._hwm)
         pub.setsockopt(zmq.LINGER, 0)
         if self.binds:
-            pub.bind(self._endpoint_setting)
-            self.endpoint = _dialable(pub.getsockopt_string(zmq.LAST_ENDPOINT))
+            try:
+                pub.bind(self._endpoint_setting)
+            except zmq.ZMQError:
+                pub.close(linger=0)
+                raise
+            self._bound.append(pub.getsockopt_string(zmq.LAST_ENDPOINT))
+            self.endpoint = _dialable(self._bound[-1])
         else:
             pub.connect(self._endpoint_setting)
         self._pub = pub
         if self._replay_setting is not None:
             replay = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
             replay.setsockopt(zmq.LINGER, 0)
-            replay.bind(self._replay_setting)
-            self.replay_endpoint = _dialable(replay.getsockopt_string(zmq.LAST_ENDPOINT))
+            try:
+                replay.bind(self._replay_setting)
+            except zmq.ZMQError:
+                replay.close(linger=0)
+                await self.stop()
+                raise
+            self._bound.append(replay.getsockopt_string(zmq.LAST_ENDPOINT))
+            self.replay_endpoint = _dialable(self._bound[-1])
             self._replay = replay
             self._replay_task = asyncio.create_task(self._serve_replay())
 
     async def stop(self) -> None:
+        """Close both sockets; returns once their TCP ports can be bound again."""
         if self._replay_task is not None:
             self._replay_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -225,6 +282,8 @@ class KVEventPublisher:
         if self._pub is not None:
             self._pub.close(linger=0)
             self._pub = None
+        bound, self._bound = self._bound, []
+        await wait_ports_released(bound)
 
     def publish(self, events: list[KVCacheEvent]) -> int:
         """Send one batch; returns its seq."""
