@@ -604,17 +604,11 @@ class KVEventApplier:
         )
         if not learned or not self._orphan_pods:
             return ops
+        hashes = [h for h, _ in learned]
         for pod in list(self._orphan_pods):
             st = self._pods[pod]
-            if st.model != model:
-                continue
-            for h, _ in learned:
-                if h in st.orphans:
-                    for ev in self._take_orphans(st, h):
-                        self.stats.orphans_linked += len(ev.block_hashes)
-                        self._stored(st, ev, ops, linking=True)
-            if not st.orphans:
-                st.orphan_removed.clear()
+            if st.model == model:
+                self._link_children(st, hashes, ops)
         return ops
 
     # -- BlockRemoved ----------------------------------------------------------------
