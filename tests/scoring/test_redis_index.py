@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -74,6 +74,24 @@ async def round_trips(coro: Awaitable[object]) -> int:
     before = CountingConnection.writes
     await coro
     return CountingConnection.writes - before
+
+
+LoadStores = Callable[..., RedisLoadStore]
+
+
+@pytest.fixture
+async def load_store(redis_url: str, redis_namespace: str) -> AsyncIterator[LoadStores]:
+    """Make load stores (router replicas) on this test's namespace; closed at the end."""
+    stores: list[RedisLoadStore] = []
+
+    def make(**kwargs: Any) -> RedisLoadStore:
+        store = RedisLoadStore.from_url(redis_url, namespace=redis_namespace, **kwargs)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        await store.close()  # idempotent: a test may have closed it already
 
 
 # -- interface and encoding ---------------------------------------------------------------
@@ -556,132 +574,102 @@ async def test_a_read_only_replica_serves_lookups_and_refuses_writes(
 # -- shared load view -----------------------------------------------------------------
 
 
-async def test_load_from_several_replicas_is_summed(redis_url: str, redis_namespace: str) -> None:
-    r1 = RedisLoadStore.from_url(redis_url, namespace=redis_namespace)
-    r2 = RedisLoadStore.from_url(redis_url, namespace=redis_namespace)
-    try:
-        await r1.begin("pod-a", 1000)
-        await r2.begin("pod-a", 500)
-        await r2.begin("pod-b", 64)
-        await r1.prefill_done("pod-a", 1000)
-        assert await r1.snapshot() == {"pod-a": (2, 500), "pod-b": (1, 64)}
-        assert await r2.snapshot(["pod-a", "pod-c"]) == {"pod-a": (2, 500), "pod-c": (0, 0)}
-        await r2.end("pod-b")
-        await r2.prefill_done("pod-b", 64)
-        assert await r1.snapshot() == {"pod-a": (2, 500)}
-    finally:
-        await r1.close()
-        await r2.close()
+async def test_load_from_several_replicas_is_summed(load_store: LoadStores) -> None:
+    r1 = load_store()
+    r2 = load_store()
+    await r1.begin("pod-a", 1000)
+    await r2.begin("pod-a", 500)
+    await r2.begin("pod-b", 64)
+    await r1.prefill_done("pod-a", 1000)
+    assert await r1.snapshot() == {"pod-a": (2, 500), "pod-b": (1, 64)}
+    assert await r2.snapshot(["pod-a", "pod-c"]) == {"pod-a": (2, 500), "pod-c": (0, 0)}
+    await r2.end("pod-b")
+    await r2.prefill_done("pod-b", 64)
+    assert await r1.snapshot() == {"pod-a": (2, 500)}
 
 
-async def test_load_counters_never_go_below_zero(redis_url: str, redis_namespace: str) -> None:
-    store = RedisLoadStore.from_url(redis_url, namespace=redis_namespace)
-    try:
-        await store.end("pod-a")
-        await store.prefill_done("pod-a", 100)
-        await store.begin("pod-a", 10)
-        assert await store.snapshot() == {"pod-a": (1, 10)}
-    finally:
-        await store.close()
+async def test_load_counters_never_go_below_zero(load_store: LoadStores) -> None:
+    store = load_store()
+    await store.end("pod-a")
+    await store.prefill_done("pod-a", 100)
+    await store.begin("pod-a", 10)
+    assert await store.snapshot() == {"pod-a": (1, 10)}
 
 
 async def test_a_replica_that_stops_heartbeating_drops_out(
-    redis_url: str, redis_namespace: str, raw: aioredis.Redis
+    load_store: LoadStores, redis_namespace: str, raw: aioredis.Redis
 ) -> None:
-    alive = RedisLoadStore.from_url(redis_url, namespace=redis_namespace, replica="alive")
-    crashed = RedisLoadStore.from_url(redis_url, namespace=redis_namespace, replica="crashed")
-    try:
-        await alive.begin("pod-a", 10)
-        await crashed.begin("pod-a", 20)
-        assert await alive.snapshot() == {"pod-a": (2, 30)}
-        # the crashed replica's registration runs out (as if ttl_s passed with no beat)
-        zset = b"{" + redis_namespace.encode() + b"}:load:r"
-        await raw.zadd(zset, {b"crashed": 0})
-        assert await alive.snapshot() == {"pod-a": (1, 10)}
-        # its counters also carry a TTL, so nothing outlives it in memory
-        h = b"{" + redis_namespace.encode() + b"}:load:h:crashed"
-        assert 0 < await raw.pttl(h) <= 15_000
-    finally:
-        await alive.close()
-        await crashed.close()
+    alive = load_store(replica="alive")
+    crashed = load_store(replica="crashed")
+    await alive.begin("pod-a", 10)
+    await crashed.begin("pod-a", 20)
+    assert await alive.snapshot() == {"pod-a": (2, 30)}
+    # the crashed replica's registration runs out (as if ttl_s passed with no beat)
+    zset = b"{" + redis_namespace.encode() + b"}:load:r"
+    await raw.zadd(zset, {b"crashed": 0})
+    assert await alive.snapshot() == {"pod-a": (1, 10)}
+    # its counters also carry a TTL, so nothing outlives it in memory
+    h = b"{" + redis_namespace.encode() + b"}:load:h:crashed"
+    assert 0 < await raw.pttl(h) <= 15_000
 
 
 async def test_heartbeat_pushes_the_replica_expiry_forward(
-    redis_url: str, redis_namespace: str, raw: aioredis.Redis
+    load_store: LoadStores, redis_namespace: str, raw: aioredis.Redis
 ) -> None:
-    store = RedisLoadStore.from_url(redis_url, namespace=redis_namespace, replica="r", ttl_s=60)
+    store = load_store(replica="r", ttl_s=60)
     zset = b"{" + redis_namespace.encode() + b"}:load:r"
-    try:
-        await store.begin("pod-a", 1)
-        await raw.zadd(zset, {b"r": 1})
-        await store.heartbeat()
-        assert (await raw.zscore(zset, b"r") or 0) > 1
-        assert await store.snapshot() == {"pod-a": (1, 1)}
-    finally:
-        await store.close()
+    await store.begin("pod-a", 1)
+    await raw.zadd(zset, {b"r": 1})
+    await store.heartbeat()
+    assert (await raw.zscore(zset, b"r") or 0) > 1
+    assert await store.snapshot() == {"pod-a": (1, 1)}
 
 
 async def test_the_background_heartbeat_keeps_a_live_replica_registered(
-    redis_url: str, redis_namespace: str, raw: aioredis.Redis
+    load_store: LoadStores, redis_namespace: str, raw: aioredis.Redis
 ) -> None:
-    store = RedisLoadStore.from_url(redis_url, namespace=redis_namespace, replica="r", ttl_s=0.3)
+    store = load_store(replica="r", ttl_s=0.3)
     zset = b"{" + redis_namespace.encode() + b"}:load:r"
-    try:
-        await store.begin("pod-a", 1)  # starts the heartbeat task (every ttl_s / 3)
-        first = await raw.zscore(zset, b"r") or 0
+    await store.begin("pod-a", 1)  # starts the heartbeat task (every ttl_s / 3)
+    first = await raw.zscore(zset, b"r") or 0
 
-        async def beaten() -> bool:
-            return (await raw.zscore(zset, b"r") or 0) > first
+    async def beaten() -> bool:
+        return (await raw.zscore(zset, b"r") or 0) > first
 
-        await wait_until(beaten, "a heartbeat to move the expiry")
-        assert store.heartbeat_errors == 0
-    finally:
-        await store.close()
+    await wait_until(beaten, "a heartbeat to move the expiry")
+    assert store.heartbeat_errors == 0
+    await store.close()
     assert await raw.zscore(zset, b"r") is None  # close withdrew the replica
 
 
-async def test_close_withdraws_the_replica_load_at_once(
-    redis_url: str, redis_namespace: str
-) -> None:
-    leaving = RedisLoadStore.from_url(redis_url, namespace=redis_namespace)
-    staying = RedisLoadStore.from_url(redis_url, namespace=redis_namespace)
-    try:
-        await leaving.begin("pod-a", 10)
-        await staying.begin("pod-a", 5)
-        await leaving.close()
-        assert await staying.snapshot() == {"pod-a": (1, 5)}
-    finally:
-        await staying.close()
+async def test_close_withdraws_the_replica_load_at_once(load_store: LoadStores) -> None:
+    leaving = load_store()
+    staying = load_store()
+    await leaving.begin("pod-a", 10)
+    await staying.begin("pod-a", 5)
+    await leaving.close()
+    assert await staying.snapshot() == {"pod-a": (1, 5)}
 
 
-async def test_clear_pod_forgets_the_pod_load_of_every_replica(
-    redis_url: str, redis_namespace: str
-) -> None:
-    r1 = RedisLoadStore.from_url(redis_url, namespace=redis_namespace)
-    r2 = RedisLoadStore.from_url(redis_url, namespace=redis_namespace)
-    try:
-        await r1.begin("pod-a", 10)
-        await r2.begin("pod-a", 10)
-        await r2.begin("pod-b", 3)
-        await r1.clear_pod("pod-a")
-        assert await r2.snapshot() == {"pod-b": (1, 3)}
-        await r1.end("pod-a")  # a request finishing after the clear does not go negative
-        await r1.begin("pod-a", 7)
-        assert await r2.snapshot(["pod-a"]) == {"pod-a": (1, 7)}
-    finally:
-        await r1.close()
-        await r2.close()
+async def test_clear_pod_forgets_the_pod_load_of_every_replica(load_store: LoadStores) -> None:
+    r1 = load_store()
+    r2 = load_store()
+    await r1.begin("pod-a", 10)
+    await r2.begin("pod-a", 10)
+    await r2.begin("pod-b", 3)
+    await r1.clear_pod("pod-a")
+    assert await r2.snapshot() == {"pod-b": (1, 3)}
+    await r1.end("pod-a")  # a request finishing after the clear does not go negative
+    await r1.begin("pod-a", 7)
+    assert await r2.snapshot(["pod-a"]) == {"pod-a": (1, 7)}
 
 
-async def test_load_store_rejects_bad_deltas(redis_url: str, redis_namespace: str) -> None:
-    store = RedisLoadStore.from_url(redis_url, namespace=redis_namespace)
-    try:
-        with pytest.raises(ValueError, match="prefill_tokens_delta must be an int"):
-            await store.incr("pod-a", 1, 2.5)  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match="pod must be a non-empty string"):
-            await store.incr("", 1, 0)
-    finally:
-        await store.close()
+async def test_load_store_rejects_bad_deltas(load_store: LoadStores) -> None:
+    store = load_store()
+    with pytest.raises(ValueError, match="prefill_tokens_delta must be an int"):
+        await store.incr("pod-a", 1, 2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pod must be a non-empty string"):
+        await store.incr("", 1, 0)
 
 
 # -- the walk against a reference model ---------------------------------------------------
