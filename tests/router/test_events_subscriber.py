@@ -701,10 +701,12 @@ async def test_a_real_vllm_engine_is_indexed_including_its_replayed_past(
                 deadline = loop.time() + 60
                 while not await seen():
                     assert loop.time() < deadline, "no batch from the engine"
-                await wait_until(lambda: h.sub.stats.pod("p").last_seq >= 0)
-                await asyncio.sleep(1.0)
                 full = len(late) // bs
-                assert await h.blocks_held(late) == full
+
+                async def late_indexed() -> bool:
+                    return await h.blocks_held(late) == full
+
+                await wait_until(late_indexed, "the late prompt's blocks", timeout=60)
                 assert await h.blocks_held(early) == len(early) // bs  # by join replay
                 st = h.sub.stats.pod("p")
                 assert st.replays >= 1 and st.replayed_batches >= 1

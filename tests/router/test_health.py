@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 from typing import Any
 
@@ -14,7 +13,7 @@ from pydantic import ValidationError
 
 from router.health import HealthChecker, HealthSettings
 from router.pods import PodRegistry, PodSpec
-from tests.support.aio import serve_app
+from tests.support.aio import running, serve_app, wait_until
 
 
 class FakePod:
@@ -150,15 +149,8 @@ async def test_run_checks_periodically_until_cancelled() -> None:
     async with serve_app(pod.app) as url:
         reg = one_pod(url)
         checker = HealthChecker(reg, HealthSettings(interval_s=0.01))
-        task = asyncio.create_task(checker.run())
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
-        while checker.checks["p"] < 3:
-            assert loop.time() < deadline, "checker did not run"
-            await asyncio.sleep(0.01)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        async with running(checker.run()):
+            await wait_until(lambda: checker.checks["p"] >= 3, "three periodic checks")
 
 
 async def test_health_metrics_are_exposed_in_the_given_registry() -> None:
