@@ -222,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log_level=settings.log_level,
             access_log=False,
             proxy_headers=False,  # the client address is not used; saves a middleware
+            server_header=False,  # a gateway need not advertise uvicorn (one header less)
             timeout_graceful_shutdown=5,
         )
     except _Stop:
