@@ -65,15 +65,25 @@ class MemoryLoadStore:
         self._inflight: dict[str, int] = {}
         self._prefill: dict[str, int] = {}
 
-    async def begin(self, pod: str, prefill_tokens: int) -> None:
+    # synchronous twins: the proxy calls these directly (no coroutine per update)
+    def begin_now(self, pod: str, prefill_tokens: int) -> None:
         self._inflight[pod] = self._inflight.get(pod, 0) + 1
         self._prefill[pod] = self._prefill.get(pod, 0) + prefill_tokens
 
-    async def prefill_done(self, pod: str, prefill_tokens: int) -> None:
+    def prefill_done_now(self, pod: str, prefill_tokens: int) -> None:
         self._prefill[pod] = max(0, self._prefill.get(pod, 0) - prefill_tokens)
 
-    async def end(self, pod: str) -> None:
+    def end_now(self, pod: str) -> None:
         self._inflight[pod] = max(0, self._inflight.get(pod, 0) - 1)
+
+    async def begin(self, pod: str, prefill_tokens: int) -> None:
+        self.begin_now(pod, prefill_tokens)
+
+    async def prefill_done(self, pod: str, prefill_tokens: int) -> None:
+        self.prefill_done_now(pod, prefill_tokens)
+
+    async def end(self, pod: str) -> None:
+        self.end_now(pod)
 
     async def snapshot(self, pods: Iterable[str]) -> dict[str, tuple[int, int]]:
         return {p: (self._inflight.get(p, 0), self._prefill.get(p, 0)) for p in pods}
@@ -121,14 +131,35 @@ class PendingLoad:
 class RequestLoad:
     """The load one request puts on its pod; guarantees each counter is undone once."""
 
-    __slots__ = ("_ended", "_prefilled", "pod", "prefill_tokens", "store")
+    __slots__ = ("_ended", "_prefilled", "local", "pod", "prefill_tokens", "store")
 
     def __init__(self, store: LoadStore, pod: str, prefill_tokens: int) -> None:
         self.store = store
+        #: the store when it is this process's memory: then the ``*_now`` methods apply
+        #: the counts synchronously (no await, so no pending overlay is needed either)
+        self.local = store if isinstance(store, MemoryLoadStore) else None
         self.pod = pod
         self.prefill_tokens = prefill_tokens
         self._prefilled = False
         self._ended = False
+
+    def begin_now(self) -> None:
+        assert self.local is not None
+        self.local.begin_now(self.pod, self.prefill_tokens)
+
+    def first_token_now(self) -> None:
+        assert self.local is not None
+        if not self._prefilled:
+            self._prefilled = True
+            self.local.prefill_done_now(self.pod, self.prefill_tokens)
+
+    def end_now(self) -> None:
+        assert self.local is not None
+        if self._ended:
+            return
+        self.first_token_now()
+        self._ended = True
+        self.local.end_now(self.pod)
 
     async def begin(self) -> None:
         await self.store.begin(self.pod, self.prefill_tokens)

@@ -335,11 +335,14 @@ class Proxy:
             # the policy hears of the request now (its in-flight bookkeeping must see it
             # while it runs); the pending overlay covers the shared store's round trip
             self.policy.on_routed(routed.route, pod)
-            self.pending.add(pod, tokens)
-            try:
-                await load.begin()
-            finally:
-                self.pending.remove(pod, tokens)
+            if load.local is not None:
+                load.begin_now()
+            else:
+                self.pending.add(pod, tokens)
+                try:
+                    await load.begin()
+                finally:
+                    self.pending.remove(pod, tokens)
             gauge = m.child(m.inflight, pod)
             gauge.inc()
             try:
@@ -403,7 +406,10 @@ class Proxy:
         """An attempt that failed before relaying: undo its load and bookkeeping."""
         gauge.dec()
         self.policy.on_complete(routed.route, pod)
-        await load.end()
+        if load.local is not None:
+            load.end_now()
+        else:
+            await load.end()
 
     def _response_headers(self, resp: _Upstream, pod: str) -> list[tuple[bytes, bytes]]:
         out = [(k, v) for k, v in resp.headers if k.lower() not in _DROP_RESPONSE_B]
@@ -439,7 +445,10 @@ class Proxy:
                 if first and chunk:
                     first = False
                     m.child(m.ttft_seconds, routed.model).observe(time.perf_counter() - started)
-                    await load.first_token()
+                    if load.local is not None:
+                        load.first_token_now()
+                    else:
+                        await load.first_token()
                 yield chunk
         except httpx.HTTPError as exc:
             # bytes may already be out: no retry, no JSON error.  Re-raise so the server
@@ -457,7 +466,10 @@ class Proxy:
 
     async def _complete(self, load: RequestLoad, gauge: Any, routed: Routed, pod: str) -> None:
         gauge.dec()
-        await load.end()
+        if load.local is not None:
+            load.end_now()
+        else:
+            await load.end()
         self.policy.on_complete(routed.route, pod)
 
 

@@ -81,6 +81,21 @@ async def test_request_load_counts_prefill_until_first_token_and_inflight_until_
     assert await store.snapshot(["p"]) == {"p": (0, 0)}
 
 
+async def test_request_load_on_the_memory_store_applies_counts_synchronously_once() -> None:
+    store = MemoryLoadStore()
+    a = RequestLoad(store, "p", 100)
+    assert a.local is store
+    a.begin_now()
+    assert await store.snapshot(["p"]) == {"p": (1, 100)}  # visible without an await
+    a.first_token_now()
+    a.first_token_now()  # idempotent
+    assert await store.snapshot(["p"]) == {"p": (1, 0)}
+    a.end_now()
+    a.end_now()
+    await a.end()  # the async twin agrees it already ended
+    assert await store.snapshot(["p"]) == {"p": (0, 0)}
+
+
 def _metrics_app(text: list[str]) -> Starlette:
     async def metrics(request: Request) -> Response:
         return Response(text[0].encode())
