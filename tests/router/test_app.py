@@ -28,7 +28,8 @@ class Rig:
 
     @property
     def gateway(self) -> Gateway:
-        g: Gateway = self.router.server.config.app.state.gateway  # type: ignore[attr-defined]
+        app: Any = self.router.server.config.app
+        g: Gateway = app.state.gateway
         return g
 
     async def metrics(self) -> str:
