@@ -9,7 +9,11 @@ once, so the pod's own time is a small constant), then, on free loopback ports:
 * ``kvroute w1/w2``   — ``kvroute serve`` with 1 and 2 uvicorn worker processes, default
                         policy (cost), KV events on, in front of all pods;
 * ``sglang rr/ca``    — ``sglang-router`` round_robin / cache_aware (if installed);
-* ``vllm-router rr``  — ``vllm-router`` round_robin (if installed).
+* ``vllm-router rr``  — ``vllm-router`` round_robin (if installed);
+* ``python floor``    — with ``--floor``: uvicorn (kvroute's protocol) + kvroute's pod
+                        transport relaying round robin, no routing, no metrics: the
+                        cost of Python HTTP in and out alone, the part of kvroute's
+                        CPU per request that routing code cannot remove.
 
 The load generator is a small raw-socket HTTP/1.1 keep-alive client on its own event
 loop (one process), so it costs the same for every target.  For each target:
@@ -316,6 +320,63 @@ def start_kvroute(urls: list[str], workers: int) -> tuple[Proc, int]:
 
 PEER_ENV = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
 
+#: the ``--floor`` target: a bare ASGI relay (round robin) on kvroute's server protocol
+#: and pod transport
+FLOOR_APP = """
+import itertools, json, sys
+import uvicorn
+from router.proxy import PodTransport
+from router.serve import OneWriteHttpToolsProtocol
+
+port, urls = int(sys.argv[1]), json.loads(sys.argv[2])
+hosts = [u.split("//")[1].rsplit(":", 1) for u in urls]
+pods = itertools.cycle([(h, int(p)) for h, p in hosts])
+transport = PodTransport()
+DROP = {b"content-length", b"date", b"server", b"connection", b"transfer-encoding"}
+
+async def app(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    body = (await receive()).get("body", b"")
+    host, pod_port = next(pods)
+    head = (
+        b"POST %s HTTP/1.1\\r\\nhost: %s:%d\\r\\ncontent-type: application/json\\r\\n"
+        b"content-length: %d\\r\\n\\r\\n"
+        % (scope["path"].encode(), host.encode(), pod_port, len(body))
+    )
+    up = await transport.send_raw(host, pod_port, head, body, 2.0, 600.0)
+    headers = [(k, v) for k, v in up.headers if k.lower() not in DROP]
+    if up.is_event_stream:
+        await send({"type": "http.response.start", "status": up.status, "headers": headers})
+        async for chunk in up.stream:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        await up.stream.aclose()
+        return
+    content = await up.stream.read_all()
+    await up.stream.aclose()
+    headers.append((b"content-length", b"%d" % len(content)))
+    await send({"type": "http.response.start", "status": up.status, "headers": headers})
+    await send({"type": "http.response.body", "body": content})
+
+uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http=OneWriteHttpToolsProtocol,
+            log_level="warning", access_log=False, server_header=False)
+"""
+
+
+def start_floor(urls: list[str]) -> tuple[Proc, int]:
+    port = free_port()
+    p = subprocess.Popen(
+        [sys.executable, "-c", FLOOR_APP, str(port), json.dumps(urls)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_completion(port)
+    return Proc("python floor", p), port
+
 
 def start_sglang(urls: list[str], policy: str) -> tuple[Proc, int] | None:
     try:
@@ -375,6 +436,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--no-peers", action="store_true", help="skip sglang-router / vllm-router")
+    ap.add_argument(
+        "--floor", action="store_true", help="add the bare Python relay (no routing) target"
+    )
     args = ap.parse_args()
 
     try:
@@ -396,6 +460,11 @@ def main() -> int:
         target_pids: dict[str, list[int]] = {"direct": []}
         for w in (1, 2):
             proc, port = start_kvroute(urls, w)
+            procs.append(proc)
+            targets.append((proc.name, port))
+            target_pids[proc.name] = [proc.popen.pid]
+        if args.floor:
+            proc, port = start_floor(urls)
             procs.append(proc)
             targets.append((proc.name, port))
             target_pids[proc.name] = [proc.popen.pid]
