@@ -339,8 +339,10 @@ class RedisIndex:
             try:
                 self.swept += await self.sweep()
             except (aioredis.RedisError, OSError) as exc:
+                _raise_if_cancelled(exc)
                 self.sweep_errors += 1
                 log.warning("sweep of redis index %r failed: %s", self.namespace, exc)
+            _raise_if_cancelled()
 
     async def block_keys(self) -> int:
         """Number of block keys stored in this namespace (SCAN; for tests and benchmarks)."""
@@ -349,6 +351,20 @@ class RedisIndex:
         async for _ in self._r.scan_iter(match=pattern, count=1000):
             n += 1
         return n
+
+
+def _raise_if_cancelled(cause: BaseException | None = None) -> None:
+    """Raise ``CancelledError`` when the current task was asked to stop.
+
+    redis-py can swallow a ``CancelledError`` delivered while a command is in flight
+    (the command then returns, or fails with a connection error), so a background loop
+    that must end when cancelled checks this after every call; otherwise
+    ``task.cancel(); await task`` would wait forever.
+    """
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python >= 3.11
+    if cancelling is not None and cancelling() > 0:
+        raise asyncio.CancelledError() from cause
 
 
 def _glob_escape(raw: bytes) -> bytes:
@@ -474,8 +490,10 @@ class RedisLoadStore:
             try:
                 await self.heartbeat()
             except (aioredis.RedisError, OSError) as exc:
+                _raise_if_cancelled(exc)
                 self.heartbeat_errors += 1
                 log.warning("load store heartbeat of replica %s failed: %s", self.replica, exc)
+            _raise_if_cancelled()
 
     async def close(self) -> None:
         """Stop heartbeating and withdraw this replica's counters at once."""

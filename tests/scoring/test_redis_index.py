@@ -9,6 +9,7 @@ shared load view.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -372,6 +373,56 @@ async def test_sweep_forever_cleans_retired_ids_in_the_background(
     assert index.sweep_errors == 0
     with pytest.raises(ValueError, match="interval_s must be positive"):
         await index.sweep_forever(interval_s=0)
+
+
+class _SwallowsCancel:
+    """Fault injection: a command in flight that swallows the task's cancellation, as
+    redis-py can do (the command returns instead of raising CancelledError)."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self._released = asyncio.Event()
+
+    async def call(self, *args: object, **kwargs: object) -> int:
+        self.entered.set()
+        if self._released.is_set():
+            raise asyncio.CancelledError()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._released.wait()
+        return 0
+
+    def release(self) -> None:
+        """End the fault: later calls raise, so a loop that lost its cancel ends too."""
+        self._released.set()
+
+
+async def test_the_sweep_loop_ends_when_cancelled_even_if_the_client_swallows_it(
+    index: RedisIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    swallow = _SwallowsCancel()
+    monkeypatch.setattr(index, "sweep", swallow.call)
+    task = asyncio.get_running_loop().create_task(index.sweep_forever(interval_s=0.001))
+    await asyncio.wait_for(swallow.entered.wait(), 10)
+    task.cancel()
+    await asyncio.wait({task}, timeout=10)  # a deadline against hangs only
+    swallow.release()
+    assert task.done(), "the sweep loop went on after it was cancelled"
+    await asyncio.wait({task}, timeout=10)
+
+
+async def test_the_heartbeat_loop_ends_on_close_even_if_the_client_swallows_the_cancel(
+    redis_url: str, redis_namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = RedisLoadStore.from_url(redis_url, namespace=redis_namespace, ttl_s=0.003)
+    swallow = _SwallowsCancel()
+    monkeypatch.setattr(store, "heartbeat", swallow.call)
+    await store.begin("pod-a", 1)  # starts the heartbeat task
+    await asyncio.wait_for(swallow.entered.wait(), 10)
+    closing = asyncio.ensure_future(store.close())
+    await asyncio.wait({closing}, timeout=10)  # a deadline against hangs only
+    swallow.release()
+    assert closing.done(), "close() waited for a heartbeat loop that lost its cancel"
+    await closing
 
 
 async def test_add_sets_and_refreshes_the_slot_ttl(
