@@ -315,7 +315,7 @@ def config_rows(
                 ".".join(path),
                 "KVROUTE_" + "__".join(p.upper() for p in path),
                 "--" + ".".join(p.replace("_", "-") for p in path),
-                "`" + repr(default).replace("|", "\\|") + "`",
+                "required" if info.is_required() else "`" + repr(default).replace("|", "\\|") + "`",
                 f"{_type_name(ann)}; {meaning}".rstrip("; ").replace("\n", " "),
             )
         )

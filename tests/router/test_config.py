@@ -126,5 +126,9 @@ def test_docs_config_table_lists_every_setting_as_the_model_does() -> None:
 
     doc = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
     assert config_table() in doc, "docs/config.md is stale: run `python -m router.config`"
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert config_table() in readme, (
+        "README.md's config table is stale: paste `python -m router.config`"
+    )
     names = [r[0] for r in config_rows()]
     assert {"port", "proxy.read_timeout_s", "events.mode", "discovery.static"} <= set(names)
