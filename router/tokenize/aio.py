@@ -9,7 +9,8 @@ from typing import Any, cast
 from router.tokenize.base import AsyncPromptTokenizer, PromptTokenizer
 
 
-def _chars(messages: Sequence[Any]) -> int:
+def chat_chars(messages: Sequence[Any]) -> int:
+    """Characters of text content in ``messages`` (decides inline vs thread)."""
     total = 0
     for msg in messages:
         content = msg.get("content") if isinstance(msg, Mapping) else None
@@ -43,7 +44,7 @@ class ThreadedTokenizer:
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
         )
-        if isinstance(messages, Sequence) and _chars(messages) > self.offload_chars:
+        if isinstance(messages, Sequence) and chat_chars(messages) > self.offload_chars:
             return await asyncio.to_thread(self.tokenizer.encode_chat, messages, **kwargs)
         return self.tokenizer.encode_chat(messages, **kwargs)
 

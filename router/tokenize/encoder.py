@@ -49,6 +49,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import xxhash
 
+from router.tokenize.aio import chat_chars
 from router.tokenize.base import PromptTokenizer, TokenizeError
 from scoring.blocks import BlockHasher
 
@@ -151,17 +152,6 @@ def _message_digest(msg: Any) -> int:
         )
         return _h64(_digest(rest) + b"\x00" + body)
     return _h64(_digest(msg))
-
-
-def _chat_chars(messages: Sequence[Any]) -> int:
-    total = 0
-    for msg in messages:
-        content = msg.get("content") if isinstance(msg, Mapping) else None
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(str(p.get("text", ""))) for p in content if isinstance(p, Mapping))
-    return total
 
 
 class ChatEncoder:
@@ -281,7 +271,7 @@ class ChatEncoder:
             lora=lora,
             cache_salt=cache_salt,
         )
-        if isinstance(messages, Sequence) and _chat_chars(messages) > self.offload_chars:
+        if isinstance(messages, Sequence) and chat_chars(messages) > self.offload_chars:
             return await asyncio.to_thread(self.encode_chat, messages, **kwargs)
         return self.encode_chat(messages, **kwargs)
 
