@@ -77,11 +77,13 @@ class Gateway:
         )
         self.pending = PendingLoad()
         self.subscriber: KVEventSubscriber | None = None
+        self.sink: Any = None
         if settings.events.enabled and (settings.redis_url is None or settings.index_writer):
+            self.sink = _make_sink(self.index, settings)
             self.subscriber = KVEventSubscriber(
                 settings.events,
                 self.registry,
-                _make_sink(self.index, settings),
+                self.sink,
                 metrics_registry=self.metrics.registry,
             )
         self.router = RequestRouter(
@@ -95,6 +97,9 @@ class Gateway:
             self.metrics,
             self.pending,
         )
+        if self.sink is not None and self.sink.applier.hasher is not None:
+            # engine-hash mode, and this process applies events: learn routed chains
+            self.router.on_routed = self.sink.learn_later
         self.proxy = Proxy(
             self.client,
             settings.proxy,
@@ -234,6 +239,8 @@ class Gateway:
             self._tasks.append(asyncio.create_task(self.health.run(), name="health"))
         if self.subscriber is not None:
             await self.subscriber.start()
+        if self.sink is not None:
+            self.sink.start_learning()
         with contextlib.suppress(Exception):
             await self.scraper.scrape_all()
         self.scraper.start()
@@ -242,6 +249,9 @@ class Gateway:
     async def stop(self) -> None:
         self._running = False
         await self.scraper.stop()
+        if self.sink is not None:
+            with contextlib.suppress(Exception):
+                await self.sink.stop_learning()
         if self.subscriber is not None:
             with contextlib.suppress(Exception):
                 await self.subscriber.stop()
@@ -291,10 +301,11 @@ def _make_load_store(settings: Settings) -> LoadStore:
 
 def _make_sink(index: BlockIndex, settings: Settings) -> Any:
     # router.events.IndexSink: also forgets departed pods in the applier and asks the
-    # subscriber to resync a pod whose events the applier had to skip
-    from router.events import IndexSink
+    # subscriber to resync a pod whose events the applier had to skip; engine-hash mode
+    # (events.engine_hash_*) learns routed requests' chains to link orphans
+    from router.events.sink import make_sink
 
-    return IndexSink(index, block_size=settings.block_size or settings.events.block_size_fallback)
+    return make_sink(index, settings)
 
 
 # -- the app ---------------------------------------------------------------------------

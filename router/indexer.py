@@ -44,14 +44,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from router.config import Settings
 from router.discovery import DiscoveryError, build_discovery
 from router.events import IndexSink, KVEventSubscriber
+from router.events.sink import make_sink as _make_sink
 from router.pods import PodRegistry
 
 log = logging.getLogger(__name__)
 
 
 def make_sink(index: Any, settings: Settings) -> IndexSink:
-    """``scoring.events``' decoder + applier bound to ``index``."""
-    return IndexSink(index, block_size=settings.block_size or settings.events.block_size_fallback)
+    """``scoring.events``' decoder + applier bound to ``index`` (engine-hash mode: see
+    :func:`router.events.sink.make_sink`)."""
+    return _make_sink(index, settings)
 
 
 #: default seconds between two sweeps of retired slot ids (``--sweep-interval``)

@@ -23,6 +23,7 @@ are chained from the base model's root with the adapter name folded into every b
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +41,8 @@ from router.tokenize import ChatEncoder, EncodedPrompt, PromptTokenizer, Tokeniz
 from scoring.blocks import BlockHasher
 from scoring.index.base import BlockIndex
 from scoring.policies.base import Decision, PodView, Policy, RouteRequest
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["chat", "completion", "embedding"]
 
@@ -151,6 +154,10 @@ class RequestRouter:
         self._rr = 0
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:12]
+        #: engine-hash mode: called with each routed request's chain
+        #: ``(base model, token ids, block size, block keys, *, lora, cache_salt)``; must
+        #: not block (``router.events.IndexSink.learn_later`` only queues it)
+        self.on_routed: Callable[..., None] | None = None
 
     def _next_id(self) -> str:
         """A request id unique across replicas (random prefix + counter; cheaper than
@@ -325,6 +332,19 @@ class RequestRouter:
         decision = self.policy.pick(route, list(views.values()))
         ranking = _rank(decision, names)
         self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+        if self.on_routed is not None and keys and not enc.approximate:
+            salt = body.get("cache_salt")
+            try:
+                self.on_routed(
+                    base,
+                    ids,
+                    bs,
+                    keys,
+                    lora=lora,
+                    cache_salt=salt if isinstance(salt, str) and salt else None,
+                )
+            except Exception as exc:  # never fails the request
+                log.debug("engine-hash learn hook: %s", exc)
         return Routed(
             kind=kind,
             body=body,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class EventsSettings(BaseModel):
@@ -67,3 +67,35 @@ class EventsSettings(BaseModel):
     model_fallback: str = Field(
         default="", description="model of a pod named neither by its topic nor its discovery entry"
     )
+    engine_hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] | None = Field(
+        default=None,
+        description="engine-hash mode (off when unset): the pods' prefix_caching_hash_algo; "
+        "the router learns routed requests' vLLM block hashes to link orphaned events",
+    )
+    engine_hash_seed: str | None = Field(
+        default=None,
+        description="engine-hash mode: the pods' PYTHONHASHSEED (required for xxhash*; "
+        "unset: 'vllm-none-hash' for sha256*)",
+    )
+    engine_hash_int: bool = Field(
+        default=True,
+        description="engine-hash mode: published hashes are ints (false when the pods set "
+        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
+    )
+    engine_hash_queue: int = Field(
+        default=1024,
+        ge=1,
+        description="engine-hash mode: routed requests waiting to be learned; beyond, one "
+        "is dropped and counted",
+    )
+
+    @model_validator(mode="after")
+    def _check_engine_hash(self) -> EventsSettings:
+        algo = self.engine_hash_algo
+        if algo is not None and algo.startswith("xxhash") and not self.engine_hash_seed:
+            raise ValueError(
+                f"events.engine_hash_seed is required with events.engine_hash_algo={algo!r}: "
+                "vLLM seeds xxhash with a random per-process value unless PYTHONHASHSEED is "
+                "set on the pods; set it there and pass the same value here"
+            )
+        return self

@@ -1,4 +1,4 @@
-"""The sink the subscriber feeds: ``scoring.events.IndexSink`` plus one extension.
+"""The sink the subscriber feeds: ``scoring.events.IndexSink`` plus router extensions.
 
 ``scoring.events.IndexSink`` decodes vLLM batches and applies them to a
 :class:`~scoring.index.base.BlockIndex` through a ``KVEventApplier`` (engine hash ->
@@ -9,14 +9,156 @@ subclass adds what else the subscriber uses when present (see
 
 * :meth:`lost_events` — the applier had to skip some of the pod's events, so the
   subscriber resyncs it.
+* :meth:`extra_stats` / :meth:`gauges` — engine-hash mode counters, exported next to
+  the applier's.
+
+and, in engine-hash mode (``events.engine_hash_algo``), :meth:`learn_later`: the router
+hands it each routed request's chain; one background task learns the chains
+(``KVEventApplier.learn``, ~2-3 us per block: off the request's path) and applies the
+index writes of the orphans they link.  The queue is bounded: when full, the request is
+dropped and counted.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
 from scoring.events import IndexSink as _ScoringIndexSink
+from scoring.events.engine_hash import DEFAULT_SEED, EngineHasher
+
+if TYPE_CHECKING:
+    from router.config import Settings
+    from router.events.settings import EventsSettings
+
+log = logging.getLogger(__name__)
+
+_Chain = tuple[str, Sequence[int], int, Sequence[int], str | None, str | None]
+
+
+def build_engine_hasher(events: EventsSettings) -> EngineHasher | None:
+    """The :class:`EngineHasher` configured by ``events.engine_hash_*`` (None: off)."""
+    algo = events.engine_hash_algo
+    if algo is None:
+        return None
+    seed = events.engine_hash_seed
+    if seed is None and not algo.startswith("xxhash"):
+        seed = DEFAULT_SEED  # not the router's own PYTHONHASHSEED: the pods' is what counts
+    return EngineHasher(algo, seed, int_hashes=events.engine_hash_int)
+
+
+def make_sink(index: Any, settings: Settings) -> IndexSink:
+    """``scoring.events``' decoder + applier bound to ``index`` (the router app and the
+    standalone indexer both build their sink here)."""
+    return IndexSink(
+        index,
+        block_size=settings.block_size or settings.events.block_size_fallback,
+        engine_hasher=build_engine_hasher(settings.events),
+        learn_queue=settings.events.engine_hash_queue,
+    )
 
 
 class IndexSink(_ScoringIndexSink):
+    def __init__(self, index: Any, *, learn_queue: int = 1024, **applier_kwargs: Any) -> None:
+        super().__init__(index, **applier_kwargs)
+        self._learn_max = learn_queue
+        self._learn_q: asyncio.Queue[_Chain] | None = None
+        self._learn_task: asyncio.Task[None] | None = None
+        self.learn_requests = 0
+        self.learn_dropped = 0
+        self.learn_errors = 0
+
     def lost_events(self, pod: str) -> bool:
         st = self.applier.pod(pod)
         return bool(st is not None and st.lost)
+
+    # -- engine-hash mode ------------------------------------------------------------
+
+    @property
+    def learning(self) -> bool:
+        """Engine-hash mode is configured and has not switched itself off."""
+        h = self.applier.hasher
+        return h is not None and h.enabled
+
+    def start_learning(self) -> None:
+        """Start the task that learns routed chains (no-op unless engine-hash mode)."""
+        if self.applier.hasher is None or self._learn_task is not None:
+            return
+        self._learn_q = asyncio.Queue(self._learn_max)
+        self._learn_task = asyncio.create_task(self._learn_loop(), name="engine-hash-learn")
+
+    async def stop_learning(self) -> None:
+        task, self._learn_task = self._learn_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._learn_q = None
+
+    def learn_later(
+        self,
+        model: str,
+        token_ids: Sequence[int],
+        block_size: int,
+        our_keys: Sequence[int],
+        *,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a routed request's chain to be learned; never raises, never blocks."""
+        q = self._learn_q
+        if q is None or not our_keys or not self.learning:
+            return
+        try:
+            # references, not copies: the request path pays only the put
+            q.put_nowait((model, token_ids, block_size, our_keys, lora, cache_salt))
+        except asyncio.QueueFull:
+            self.learn_dropped += 1
+
+    async def _learn_loop(self) -> None:
+        q = self._learn_q
+        assert q is not None
+        while True:
+            model, ids, bs, keys, lora, salt = await q.get()
+            try:
+                ops = self.applier.learn(
+                    model, list(ids), bs, our_keys=list(keys), lora=lora, cache_salt=salt
+                )
+                self.learn_requests += 1
+                if ops:
+                    await self._run(ops)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.learn_errors += 1
+                log.warning("engine-hash learn failed: %s", exc)
+            await asyncio.sleep(0)  # a burst of learning never holds the loop
+
+    def extra_stats(self) -> dict[str, int]:
+        """Counters exported as ``kvroute_event_applier_*`` next to the applier's."""
+        h = self.applier.hasher
+        if h is None:
+            return {}
+        return {
+            "engine_hash_matches": h.matches,
+            "engine_hash_mismatches": h.mismatches,
+            "engine_hash_unverifiable": h.unverifiable,
+            "engine_hash_learned_requests": self.learn_requests,
+            "engine_hash_learn_dropped": self.learn_dropped,
+            "engine_hash_learn_errors": self.learn_errors,
+        }
+
+    def gauges(self) -> dict[str, float]:
+        """Gauges exported as ``kvroute_event_*``."""
+        h = self.applier.hasher
+        if h is None:
+            return {}
+        q = self._learn_q
+        return {
+            "engine_hash_enabled": 1.0 if h.enabled else 0.0,
+            "engine_hash_learned_blocks": float(h.learned_blocks),
+            "engine_hash_learn_queue_depth": float(q.qsize() if q is not None else 0),
+        }

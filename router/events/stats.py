@@ -65,6 +65,8 @@ class EventStats:
     queue_depth: Callable[[], int] = lambda: 0
     #: the sink's own counters (``scoring.events.ApplierStats``: orphans, bad events...)
     sink_stats: Callable[[], dict[str, Any]] = dict
+    #: the sink's gauges (engine-hash mode: enabled, learned blocks, learn queue depth)
+    sink_gauges: Callable[[], dict[str, float]] = dict
 
     def pod(self, name: str) -> PodEventStats:
         return self.pods[name]
@@ -136,6 +138,12 @@ class EventStatsCollector(Collector):
                     f"KV-event applier counter {key} (scoring.events.ApplierStats)",
                     value=value,
                 )
+        for key, gauge in self._stats.sink_gauges().items():
+            yield GaugeMetricFamily(
+                f"kvroute_event_{key}",
+                f"KV-event sink gauge {key} (router.events.IndexSink)",
+                value=gauge,
+            )
         yield GaugeMetricFamily(
             "kvroute_event_queue_depth",
             "batches waiting between the socket readers and the index writer",

@@ -79,8 +79,9 @@ class EventSink(Protocol):
     Optional extensions, used when the sink has them (:class:`router.events.IndexSink`
     does): ``async remove_pod(pod)`` (the pod left: forget it entirely; else
     ``clear_pod``), ``lost_events(pod) -> bool`` (some events had to be skipped:
-    resync), and ``stats`` (an object with ``as_dict()``, or a callable returning a
-    dict: exported as ``kvroute_event_applier_*``).
+    resync), ``stats`` (an object with ``as_dict()``, or a callable returning a
+    dict: exported as ``kvroute_event_applier_*``), ``extra_stats() -> dict`` (more
+    such counters) and ``gauges() -> dict`` (exported as ``kvroute_event_*`` gauges).
     """
 
     def decode(self, payload: bytes) -> DecodedBatch:
@@ -171,6 +172,7 @@ class KVEventSubscriber:
         self._queue: asyncio.Queue[_Batch | _Clear | _Reconnect] = asyncio.Queue()
         self.stats.queue_depth = self._queue.qsize
         self.stats.sink_stats = self._sink_stats
+        self.stats.sink_gauges = self._sink_gauges
         self._feeds: dict[str, _Feed] = {}
         self._gen = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -192,13 +194,21 @@ class KVEventSubscriber:
 
     def _sink_stats(self) -> dict[str, Any]:
         raw = getattr(self.sink, "stats", None)
+        out: dict[str, Any] = {}
         if raw is None:
-            return {}
-        if hasattr(raw, "as_dict"):
-            return dict(raw.as_dict())
-        if callable(raw):
-            return dict(raw())
-        return {}
+            pass
+        elif hasattr(raw, "as_dict"):
+            out = dict(raw.as_dict())
+        elif callable(raw):
+            out = dict(raw())
+        extra = getattr(self.sink, "extra_stats", None)
+        if callable(extra):
+            out.update(extra())
+        return out
+
+    def _sink_gauges(self) -> dict[str, float]:
+        fn = getattr(self.sink, "gauges", None)
+        return dict(fn()) if callable(fn) else {}
 
     def _lost_events(self, pod: str) -> bool:
         fn = getattr(self.sink, "lost_events", None)

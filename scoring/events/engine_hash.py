@@ -211,6 +211,11 @@ class EngineHasher:
         self._bound()
         return out
 
+    @property
+    def learned_blocks(self) -> int:
+        """Published hashes currently remembered from learned requests."""
+        return len(self._learned)
+
     def resolve(self, model: str, engine_hash: EngineHash) -> int | None:
         """Our key for a published hash learned from a request of ``model``."""
         if not self.enabled:
