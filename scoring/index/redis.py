@@ -81,7 +81,7 @@ class _Layout:
         if b"{" in raw or b"}" in raw:
             raise ValueError(f"namespace must not contain braces, got {namespace!r}")
         self.prefix = b"{" + raw + b"}:"
-        self.block = self.prefix + b"b"
+        self.hints = self.prefix + b"h"  # HASH block key -> holder hint
         self.pods = self.prefix + b"p:"  # + tier: pod -> slot id
         self.ids = self.prefix + b"ids"
         self.next = self.prefix + b"next"
@@ -207,14 +207,14 @@ class RedisIndex:
         p = _check_name("pod", pod)
         t = self._tier(tier)
         k = self._k
-        skeys = [self._tier_keys[tier], k.ids, k.next, k.seen]
+        skeys = [self._tier_keys[tier], k.ids, k.next, k.seen, k.hints]
         return [(self._add, skeys, [k.prefix, p, t, self._ttl_arg, c]) for c in self._chunks(keys)]
 
     def _remove_calls(self, pod: str, keys: Sequence[int], tier: str) -> list[_Call]:
         p = _check_name("pod", pod)
         t = self._tier(tier)
         k = self._k
-        tk = [self._tier_keys[tier]]
+        tk = [self._tier_keys[tier], k.hints]
         return [(self._remove, tk, [k.prefix, p, t, c]) for c in self._chunks(keys)]
 
     def _clear_calls(self, pod: str, tier: str | None) -> list[_Call]:
@@ -279,7 +279,7 @@ class RedisIndex:
                 return {}
             args.extend(cands)
         k = self._k
-        keys_ = [k.ids, k.seen, *self._tier_keys.values()]
+        keys_ = [k.ids, k.seen, k.hints, *self._tier_keys.values()]
         reply = await self._lookup(keys=keys_, args=args)
         if not reply:
             return {}
@@ -306,21 +306,24 @@ class RedisIndex:
     # -- maintenance -------------------------------------------------------------------
 
     async def sweep(self, count: int = 1000) -> int:
-        """Delete retired (cleared) slot ids from every block hash; returns how many.
+        """Delete retired (cleared) and stale slot ids from the holder hints; returns how many.
 
-        Not on any request path: it SCANs this namespace's block keys in pages of
+        Not on any request path: it HSCANs this namespace's hint hash in pages of
         ``count`` and cleans each page with one script.  Needed only when ``ttl_s`` is
         disabled, or to reclaim memory before the TTL does.
         """
-        pattern = _glob_escape(self._k.block) + b"*"
         k = self._k
         removed = 0
         cursor: int = 0
         while True:
-            cursor, names = await self._r.scan(cursor=cursor, match=pattern, count=count)
-            if names:
+            # fields and values (HSCAN NOVALUES needs Redis 7.4 / Valkey 8)
+            cursor, found = await self._r.hscan(k.hints, cursor=cursor, count=count)
+            page = list(found)
+            if page:
                 removed += int(
-                    await self._sweep(keys=[k.ids, k.seen], args=[k.prefix, self._ttl_arg, *names])
+                    await self._sweep(
+                        keys=[k.ids, k.seen, k.hints], args=[k.prefix, self._ttl_arg, *page]
+                    )
                 )
             if cursor == 0:
                 return removed
@@ -345,12 +348,8 @@ class RedisIndex:
             _raise_if_cancelled()
 
     async def block_keys(self) -> int:
-        """Number of block keys stored in this namespace (SCAN; for tests and benchmarks)."""
-        pattern = _glob_escape(self._k.block) + b"*"
-        n = 0
-        async for _ in self._r.scan_iter(match=pattern, count=1000):
-            n += 1
-        return n
+        """Number of distinct blocks held by any slot in this namespace (hint fields)."""
+        return int(await self._r.hlen(self._k.hints))
 
 
 def _raise_if_cancelled(cause: BaseException | None = None) -> None:
@@ -365,15 +364,6 @@ def _raise_if_cancelled(cause: BaseException | None = None) -> None:
     cancelling = getattr(task, "cancelling", None)  # Python >= 3.11
     if cancelling is not None and cancelling() > 0:
         raise asyncio.CancelledError() from cause
-
-
-def _glob_escape(raw: bytes) -> bytes:
-    out = bytearray()
-    for b in raw:
-        if b in b"*?[]\\":
-            out.append(0x5C)
-        out.append(b)
-    return bytes(out)
 
 
 class RedisLoadStore:

@@ -65,29 +65,29 @@ local function hint_find(s, v)
   end
   return lo, lo < #s / 4 and struct.unpack('>I4', s, lo * 4 + 1) == v
 end
-local function hint_insert(key, id)
+local function hint_insert(hk, kb, id)
   local v = tonumber(id)
-  local s = redis.call('GET', key)
+  local s = redis.call('HGET', hk, kb)
   if not s then
-    redis.call('SET', key, struct.pack('>I4', v))
+    redis.call('HSET', hk, kb, struct.pack('>I4', v))
     return
   end
   local at, found = hint_find(s, v)
   if not found then
     local rec = struct.pack('>I4', v)
-    redis.call('SET', key, string.sub(s, 1, at * 4) .. rec .. string.sub(s, at * 4 + 1))
+    redis.call('HSET', hk, kb, string.sub(s, 1, at * 4) .. rec .. string.sub(s, at * 4 + 1))
   end
 end
-local function hint_delete(key, id)
+local function hint_delete(hk, kb, id)
   local v = tonumber(id)
-  local s = redis.call('GET', key)
+  local s = redis.call('HGET', hk, kb)
   if not s then return end
   local at, found = hint_find(s, v)
   if found then
     if #s == 4 then
-      redis.call('DEL', key)
+      redis.call('HDEL', hk, kb)
     else
-      redis.call('SET', key, string.sub(s, 1, at * 4) .. string.sub(s, at * 4 + 5))
+      redis.call('HSET', hk, kb, string.sub(s, 1, at * 4) .. string.sub(s, at * 4 + 5))
     end
   end
 end
@@ -98,7 +98,7 @@ local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 """
 
-#: KEYS: p:<tier>, ids, next, seen.  ARGV: prefix P, pod, tier, ttl seconds (0 = none),
+#: KEYS: p:<tier>, ids, next, seen, hints.  ARGV: prefix P, pod, tier, ttl seconds (0 = none),
 #: packed keys (8 bytes each).  Counts one more copy of each key, writes the holder
 #: hint of new entries, stamps ``seen`` and refreshes the slot's TTL.
 #: Returns the number of new entries.
@@ -131,14 +131,13 @@ else
   redis.call('HSET', KEYS[1], field, id)
   redis.call('HSET', KEYS[2], id, ARGV[3] .. '\\0' .. ARGV[2])
 end
-local bprefix = P .. 'b'
 local ttl = tonumber(ARGV[4])
 local packed = ARGV[5]
 local new = 0
 for off = 1, #packed, 8 do
   local kb = string.sub(packed, off, off + 7)
   if redis.call('HINCRBY', slot, kb, 1) == 1 then
-    hint_insert(bprefix .. kb, id)
+    hint_insert(KEYS[5], kb, id)
     new = new + 1
   end
 end
@@ -150,7 +149,7 @@ return new
 """
 )
 
-#: KEYS: p:<tier>.  ARGV: prefix P, pod, tier, packed keys.  Counts one copy fewer; an
+#: KEYS: p:<tier>, hints.  ARGV: prefix P, pod, tier, packed keys.  Counts one copy fewer; an
 #: entry reaching 0 is deleted with its hint.  Returns the number of entries deleted.
 REMOVE = (
     """#!lua
@@ -161,7 +160,6 @@ local P = ARGV[1]
 local id = redis.call('HGET', KEYS[1], ARGV[2])
 if not id then return 0 end
 local slot = P .. 's' .. id
-local bprefix = P .. 'b'
 local packed = ARGV[4]
 local gone = 0
 for off = 1, #packed, 8 do
@@ -170,7 +168,7 @@ for off = 1, #packed, 8 do
   if v then
     if tonumber(v) <= 1 then
       redis.call('HDEL', slot, kb)
-      hint_delete(bprefix .. kb, id)
+      hint_delete(KEYS[2], kb, id)
       gone = gone + 1
     else
       redis.call('HINCRBY', slot, kb, -1)
@@ -199,7 +197,7 @@ end
 return retired
 """
 
-#: KEYS: ids, seen, then p:<tier> for the T tiers, fastest first.  ARGV: prefix P,
+#: KEYS: ids, seen, hints, then p:<tier> for the T tiers, fastest first.  ARGV: prefix P,
 #: packed keys, ttl seconds (0 = none), then candidate pods (none = every pod holding
 #: block 0).
 #:
@@ -208,10 +206,10 @@ return retired
 #: 2. Each followed pod has per-tier counters c[1..T]; block i extends c[t] when
 #:    c[t] == i-1 and the pod holds block i in a tier <= t (so c is cumulative over
 #:    tiers, c[T] the longest); a pod leaves at its first block held in no tier.
-#:    Phase A, while more than FAN pods are in: one HMGET per block on the block's
-#:    holder hint, asking only the ids of pods still in.  Phase B, once FAN or fewer
-#:    are left: each pod alone, one HMGET per slot per chunk of blocks (16, 32, 64, ...)
-#:    on its own slot hash.  Every pod is checked block by block: the answer is exact.
+#:    The walk reads the blocks' holder hints with one HMGET per chunk of blocks (16,
+#:    32, ... 512) and stops at the first block no followed pod holds.  A hint equal
+#:    to the previous one (a pointer comparison: Lua interns strings) is not decoded.
+#:    Every pod is checked block by block: the answer is exact.
 #: Returns {} or two strings (a compact reply: parsing thousands of RESP elements costs
 #: the client more than the walk): the pods with c[T] > 0 joined by NUL, and their
 #: counters c[1..T] pod after pod, in decimal, joined by ','.
@@ -220,16 +218,15 @@ LOOKUP = (
 """
     + _NOW_MS
     + """
-local FAN = 8
+local HINT_MAX = 512
 local CHUNK_MAX = 4000
 local P = ARGV[1]
 local packed = ARGV[2]
 local ttl_ms = tonumber(ARGV[3]) * 1000
-local nt = #KEYS - 2
+local nt = #KEYS - 3
+local HK = KEYS[3]
 local nblocks = math.floor(#packed / 8)
 if nblocks == 0 then return {} end
-local bprefix = P .. 'b'
-local sprefix = P .. 's'
 
 local kb = {}
 local built = 0
@@ -254,7 +251,7 @@ end
 -- block few pods hold costs little however many candidates; else the candidates
 -- (phase A drops those missing from block 0's hint at once).
 keys_upto(1)
-local hint0 = redis.call('GET', bprefix .. kb[1])
+local hint0 = redis.call('HGET', HK, kb[1])
 if not hint0 then return {} end
 local ncand = #ARGV - 3
 local names = {}
@@ -289,7 +286,7 @@ if #names == 0 then return {} end
 -- below tier t1 and n1 from t1 on); a pod with several keeps pslots[p] / ptiers[p] and
 -- per-tier counters pc[p][1..T].
 local by_tier = {}
-for t = 1, nt do by_tier[t] = hmget(KEYS[2 + t], names) end
+for t = 1, nt do by_tier[t] = hmget(KEYS[3 + t], names) end
 local cand_ids, cand_pod, cand_tier = {}, {}, {}
 for c = 1, #names do
   for t = 1, nt do
@@ -339,34 +336,46 @@ for g = 1, #cand_ids do
 end
 if np == 0 then return {} end
 
--- pod p holds block i at fastest tier b: extend its counters (pod still in)
-local function extend(p, i, b)
-  local c = pc[p]
-  if c then
-    for t = b, nt do
-      if c[t] == i - 1 then c[t] = i end
-    end
-  else
-    n1[p] = i
-  end
-end
-
--- phase A: block by block on the holder hints (always for block 0).  A hint equal to
--- the previous block's names the same holders: every pod still in stays in, with the
--- same fastest tier, without decoding anything.  Single-slot pods' counters are set
--- when they drop out (n1 = i - 1) or when phase A ends.
+-- the walk: block by block on the holder hints, fetched with one HMGET per chunk of
+-- blocks (16, 32, ... HINT_MAX).  A hint equal to the previous block's names the same
+-- holders: every pod still in stays in, with the same fastest tier.  Lua interns
+-- strings, so that test is a pointer comparison, made in a tight loop over the run;
+-- only a hint that differs is decoded.  Single-slot pods' counters are set when they
+-- drop out (n1 = i - 1) or when the walk ends.
 local act = {}
 for p = 1, np do act[p] = p end
 local multi = {}  -- multi-slot pods still in
 for p = 1, np do if pc[p] then multi[#multi + 1] = p end end
+-- multi-slot pod p holds blocks s..e at fastest tier b (it held block s - 1)
+local function extend_run(p, s, e, b)
+  local c = pc[p]
+  for t = b, nt do
+    if c[t] == s - 1 then c[t] = e end
+  end
+end
 local prev, prev_best = nil, nil
+local hints, hs, he, hsize = nil, 1, 0, 16
 local i = 1
-while i <= nblocks and #act > 0 and (i == 1 or #act > FAN) do
-  keys_upto(i)
-  local h = redis.call('GET', bprefix .. kb[i]) or ''
-  if h == prev then
-    for m = 1, #multi do extend(multi[m], i, prev_best[multi[m]]) end
-  else
+while i <= nblocks and #act > 0 do
+  if i > he then
+    hs = i
+    he = math.min(i + hsize - 1, nblocks)
+    hsize = math.min(hsize * 2, HINT_MAX)
+    keys_upto(he)
+    hints = redis.call('HMGET', HK, unpack(kb, hs, he))
+  end
+  local k, n = i - hs + 1, he - hs + 1
+  if prev then
+    local k0 = k
+    while k <= n and hints[k] == prev do k = k + 1 end
+    if k > k0 then
+      local e = hs + k - 2
+      for m = 1, #multi do extend_run(multi[m], i, e, prev_best[multi[m]]) end
+      i = e + 1
+    end
+  end
+  if k <= n then
+    local h = hints[k] or ''
     local best = {}
     for off = 1, #h, 4 do
       local r = string.sub(h, off, off + 3)
@@ -384,7 +393,7 @@ while i <= nblocks and #act > 0 and (i == 1 or #act > FAN) do
       if b then
         still[#still + 1] = p
         if pc[p] then
-          extend(p, i, b)
+          extend_run(p, i, i, b)
           smulti[#smulti + 1] = p
         end
       elseif not pc[p] then
@@ -393,54 +402,11 @@ while i <= nblocks and #act > 0 and (i == 1 or #act > FAN) do
     end
     act, multi = still, smulti
     prev, prev_best = h, best
+    i = i + 1
   end
-  i = i + 1
 end
 for a = 1, #act do
   if not pc[act[a]] then n1[act[a]] = i - 1 end
-end
-
--- phase B: each remaining pod alone, chunk by chunk on its slot hashes
-for a = 1, #act do
-  local p = act[a]
-  local sl, tl = pslots[p] or {s1[p]}, ptiers[p] or {t1[p]}
-  local s = i
-  local size = 16
-  local going = true
-  while going and s <= nblocks do
-    local e = math.min(s + size - 1, nblocks)
-    keys_upto(e)
-    if #sl == 1 then
-      -- one slot: the run of present blocks is the pod's new count
-      local vals = redis.call('HMGET', sprefix .. sl[1], unpack(kb, s, e))
-      local run = 0
-      while run < #vals and vals[run + 1] do run = run + 1 end
-      n1[p] = s - 1 + run
-      going = run == e - s + 1
-    else
-      local best = {}
-      for j = 1, #sl do
-        local t = tl[j]
-        local vals = redis.call('HMGET', sprefix .. sl[j], unpack(kb, s, e))
-        for k = 1, #vals do
-          if vals[k] then
-            local b = best[k]
-            if b == nil or t < b then best[k] = t end
-          end
-        end
-      end
-      for k = 1, e - s + 1 do
-        local b = best[k]
-        if not b then
-          going = false
-          break
-        end
-        extend(p, s + k - 1, b)
-      end
-    end
-    s = e + 1
-    size = math.min(size * 2, CHUNK_MAX)
-  end
 end
 
 local onames, ocounts = {}, {}
@@ -499,7 +465,7 @@ return out
 """
 )
 
-#: KEYS: ids, seen.  ARGV: prefix P, ttl seconds, then holder-hint key names.
+#: KEYS: ids, seen, hints.  ARGV: prefix P, ttl seconds, then block keys (hint fields).
 #: A slot id is dead when unregistered, stale (``seen`` older than ttl) or its hash is
 #: gone: it is dropped from the hints, and a registered dead slot is retired (as by
 #: ``clear_pod``).  Returns the number of hint entries deleted.
@@ -536,7 +502,7 @@ local function live(id)
 end
 local gone = 0
 for a = 3, #ARGV do
-  local h = redis.call('GET', ARGV[a])
+  local h = redis.call('HGET', KEYS[3], ARGV[a])
   if h then
     local kept = {}
     for off = 1, #h, 4 do
@@ -548,9 +514,9 @@ for a = 3, #ARGV do
       end
     end
     if #kept == 0 then
-      redis.call('DEL', ARGV[a])
+      redis.call('HDEL', KEYS[3], ARGV[a])
     elseif #kept * 4 < #h then
-      redis.call('SET', ARGV[a], table.concat(kept))
+      redis.call('HSET', KEYS[3], ARGV[a], table.concat(kept))
     end
   end
 end

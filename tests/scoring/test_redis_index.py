@@ -47,9 +47,16 @@ async def index(redis_url: str, redis_namespace: str) -> AsyncIterator[RedisInde
     await idx.close()
 
 
-def block_name(namespace: str, key: int) -> bytes:
-    """The holder hint of one block."""
-    return b"{" + namespace.encode() + b"}:b" + struct.pack(">Q", key)
+def hints_name(namespace: str) -> bytes:
+    """The namespace's hash of holder hints (field: a block key as 8 big-endian bytes)."""
+    return b"{" + namespace.encode() + b"}:h"
+
+
+async def hint(raw: aioredis.Redis, namespace: str, key: int) -> bytes | None:
+    """The holder hint of one block (None when no slot holds it)."""
+    value = await raw.hget(hints_name(namespace), struct.pack(">Q", key))
+    assert value is None or isinstance(value, bytes)
+    return value
 
 
 async def slot_name(raw: aioredis.Redis, namespace: str, pod: str, tier: str = "GPU") -> bytes:
@@ -102,12 +109,12 @@ def test_redis_index_satisfies_the_block_index_protocol(index: RedisIndex) -> No
     assert isinstance(index, BlockIndex)
 
 
-async def test_keys_are_stored_as_8_byte_big_endian_names(
+async def test_keys_are_stored_as_8_byte_big_endian_hint_fields(
     index: RedisIndex, raw: aioredis.Redis, redis_namespace: str
 ) -> None:
     await index.add("pod-a", [0x0102030405060708, 0, (1 << 64) - 1])
     for key in (0x0102030405060708, 0, (1 << 64) - 1):
-        assert await raw.exists(block_name(redis_namespace, key)) == 1
+        assert await hint(raw, redis_namespace, key) is not None
     assert await index.lookup([0x0102030405060708]) == {"pod-a": {"GPU": 1, "CPU": 1, "DISK": 1}}
 
 
@@ -280,7 +287,7 @@ async def test_an_entry_removed_to_zero_deletes_its_slot_field_and_hint(
     assert await raw.hget(slot, struct.pack(">Q", 7)) == b"1"
     await index.remove("pod-a", [7])
     assert not await raw.hexists(slot, struct.pack(">Q", 7))
-    assert await raw.exists(block_name(redis_namespace, 7)) == 0
+    assert await hint(raw, redis_namespace, 7) is None
     await index.remove("pod-a", [7])  # unknown now: ignored, never negative
     assert not await raw.hexists(slot, struct.pack(">Q", 7))
     assert await index.lookup([7]) == {}
@@ -318,7 +325,7 @@ async def test_clear_pod_hides_entries_at_once_without_scanning(
     assert await index.pod_entries() == {"pod-b": 10}
     assert await raw.exists(slot) == 0  # the slot's hash is unlinked
     # its holder hints (4 bytes per holder) stay until a sweep, invisible meanwhile
-    assert await raw.strlen(block_name(redis_namespace, 400)) == 4
+    assert len(await hint(raw, redis_namespace, 400) or b"") == 4
 
 
 async def test_a_cleared_pod_starts_a_fresh_generation(index: RedisIndex) -> None:
@@ -346,7 +353,7 @@ async def test_sweep_deletes_only_retired_generations(
     await index.clear_pod("pod-a")
     assert await index.sweep(count=50) == 300
     assert await index.block_keys() == 100  # keys held only by pod-a are gone
-    assert await raw.strlen(block_name(redis_namespace, 5)) == 4  # pod-b's id only
+    assert len(await hint(raw, redis_namespace, 5) or b"") == 4  # pod-b's id only
     assert await index.lookup(list(range(100))) == {"pod-b": {"GPU": 100, "CPU": 100, "DISK": 100}}
     assert await index.sweep() == 0
 
@@ -368,8 +375,8 @@ async def test_sweep_forever_cleans_retired_ids_in_the_background(
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    assert await raw.strlen(block_name(redis_namespace, 1)) == 4  # pod-b only
-    assert await raw.exists(block_name(redis_namespace, 2)) == 0
+    assert len(await hint(raw, redis_namespace, 1) or b"") == 4  # pod-b only
+    assert await hint(raw, redis_namespace, 2) is None
     assert index.sweep_errors == 0
     with pytest.raises(ValueError, match="interval_s must be positive"):
         await index.sweep_forever(interval_s=0)
@@ -439,7 +446,7 @@ async def test_add_sets_and_refreshes_the_slot_ttl(
         await idx.remove("pod-a", [10])  # a remove does not extend it
         assert 0 < await raw.pttl(slot) <= 5_000
         # hints carry no TTL: a block stored once and then only hit stays findable
-        assert await raw.pttl(block_name(redis_namespace, 9)) == -1
+        assert await raw.pttl(hints_name(redis_namespace)) == -1
     finally:
         await idx.close()
 
@@ -510,13 +517,13 @@ async def test_holder_hints_are_sorted_ids_so_equal_sets_give_equal_hints(
         await index.add(pod, [1])
     for pod in reversed(pods):
         await index.add(pod, [2])
-    one = await raw.get(block_name(redis_namespace, 1))
+    one = await hint(raw, redis_namespace, 1)
     assert isinstance(one, bytes)
-    assert one == await raw.get(block_name(redis_namespace, 2))
+    assert one == await hint(raw, redis_namespace, 2)
     ids = struct.unpack(">5I", one)
     assert list(ids) == sorted(ids)
     await index.remove("pod-2", [2])
-    assert await raw.strlen(block_name(redis_namespace, 2)) == 16
+    assert len(await hint(raw, redis_namespace, 2) or b"") == 16
 
 
 # -- several replicas -----------------------------------------------------------------
@@ -567,9 +574,10 @@ async def test_the_lookup_script_is_read_only(
     ns = b"{" + redis_namespace.encode() + b"}:"
     reply = await raw.eval_ro(
         redis_lua.LOOKUP,
-        5,
+        6,
         ns + b"ids",
         ns + b"seen",
+        ns + b"h",
         ns + b"p:GPU",
         ns + b"p:CPU",
         ns + b"p:DISK",
@@ -581,11 +589,12 @@ async def test_the_lookup_script_is_read_only(
     with pytest.raises(aioredis.ResponseError, match=r"(?i)write"):
         await raw.eval_ro(
             redis_lua.ADD,
-            4,
+            5,
             ns + b"p:GPU",
             ns + b"ids",
             ns + b"next",
             ns + b"seen",
+            ns + b"h",
             ns,
             b"pod-x",
             b"GPU",
@@ -750,10 +759,8 @@ def reference_lookup(
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
-async def test_lookup_matches_the_reference_model_through_both_walk_phases(
-    index: RedisIndex, seed: int
-) -> None:
-    """More than 8 pods share a prefix (block-hint phase), fewer go on (slot phase);
+async def test_lookup_matches_the_reference_model(index: RedisIndex, seed: int) -> None:
+    """Many pods share a prefix (runs of equal hints, whole chunks skipped), fewer go on;
     tiers mix, holes appear from removes, copies are counted."""
     import random
 
@@ -803,3 +810,41 @@ async def test_lookup_matches_the_reference_model_through_both_walk_phases(
     for tier in tiers:
         held.pop((pods[0], tier), None)
     assert await index.lookup(chain) == reference_lookup(held, tiers, chain, None)
+
+
+@pytest.mark.parametrize("hole", [0, 15, 16, 47, 48, 499, 1000, 1999])
+async def test_long_runs_of_equal_hints_are_passed_by_chunk_yet_every_hole_is_found(
+    index: RedisIndex, hole: int
+) -> None:
+    """A 2,000-block chain whose holder sets stay equal for hundreds of blocks (the walk
+    passes whole chunks with one comparison); a single missing block anywhere -- first
+    block of a chunk, last, middle -- still ends that pod's run, per tier."""
+    chain = list(range(10_000, 12_000))
+    held: dict[tuple[str, str], dict[int, int]] = {}
+
+    async def add(pod: str, keys: list[int], tier: str) -> None:
+        await index.add(pod, keys, tier)
+        d = held.setdefault((pod, tier), {})
+        for k in keys:
+            d[k] = d.get(k, 0) + 1
+
+    await add("gpu-all", chain, "GPU")
+    await add("holed", chain, "GPU")
+    await add("two-tiers", chain[:1500], "GPU")  # one pod, two slots
+    await add("two-tiers", chain, "CPU")
+    await add("cpu-only", chain, "CPU")
+    await index.remove("holed", [chain[hole]])
+    held[("holed", "GPU")][chain[hole]] = 0
+    await index.remove("two-tiers", [chain[hole]], "CPU")  # the GPU copy still covers it
+    held[("two-tiers", "CPU")][chain[hole]] = 0
+    expected = reference_lookup(held, index.tiers, chain, None)
+    assert expected.get("holed", {}).get("GPU", 0) == hole
+    assert expected["two-tiers"] == {
+        "GPU": 1500,
+        "CPU": 2000 if hole < 1500 else hole,
+        "DISK": 2000 if hole < 1500 else hole,
+    }
+    assert await index.lookup(chain) == expected
+    assert await index.lookup(chain, ["holed", "two-tiers"]) == {
+        p: expected[p] for p in ("holed", "two-tiers") if p in expected
+    }
