@@ -283,13 +283,13 @@ class RedisIndex:
         reply = await self._lookup(keys=keys_, args=args)
         if not reply:
             return {}
-        names = reply[0].split(b"\0")
-        counts = [int(c) for c in reply[1].split(b",")]
-        nt = len(self.tiers)
+        names = reply[0].decode().split("\0")
+        counts = iter(map(int, reply[1].split(b",")))
         tiers = self.tiers
+        # one row of len(tiers) counts per pod (zip of one iterator with itself)
+        rows = zip(*([counts] * len(tiers)), strict=True)
         return {
-            name.decode(): dict(zip(tiers, counts[i * nt : i * nt + nt], strict=True))
-            for i, name in enumerate(names)
+            name: dict(zip(tiers, row, strict=True)) for name, row in zip(names, rows, strict=True)
         }
 
     async def pod_entries(self) -> dict[str, int]:

@@ -246,95 +246,113 @@ local function hmget(key, fields)
   return out
 end
 
--- pods to follow.  With fewer holders of block 0 than candidates (or no candidates):
--- the pods named by block 0's hint (among the candidates), so a chain whose first
--- block few pods hold costs little however many candidates; else the candidates
--- (phase A drops those missing from block 0's hint at once).
+-- Followed pods and their live slots (registered, and ``seen`` within ``ttl``).  A pod
+-- with one live slot keeps t1[p] and one counter n1[p] (its hits are 0 below tier t1
+-- and n1 from t1 on); a pod with several keeps per-tier counters pc[p][1..T].
+-- rec_p / rec_t: a slot id as found in hints (4 packed bytes) -> pod index / tier;
+-- false for a slot known not to count.
 keys_upto(1)
 local hint0 = redis.call('HGET', HK, kb[1])
 if not hint0 then return {} end
 local ncand = #ARGV - 3
-local names = {}
+local np = 0
+local pindex, pname, t1, n1, pc = {}, {}, {}, {}, {}
+local rec_p, rec_t = {}, {}
+local tier_of = {}  -- tier name -> 1..T
+for t = 1, nt do tier_of[string.sub(KEYS[3 + t], #P + 3)] = t end
+local function fresh(stamp)
+  stamp = tonumber(stamp)
+  return stamp ~= nil and (ttl_ms <= 0 or now_ms - stamp < ttl_ms)
+end
+-- slot (packed r) of followed pod name in tier t, live; at block i (the pod held
+-- blocks 1..i-1, so a single-slot pod becoming multi-slot starts from that)
+local function follow(r, name, t, i)
+  local p = pindex[name]
+  if not p then
+    np = np + 1
+    p = np
+    pindex[name] = p
+    pname[p] = name
+    t1[p] = t
+    n1[p] = 0
+  elseif not pc[p] then
+    local cc = {}
+    for u = 1, nt do
+      if u >= t1[p] then cc[u] = i - 1 else cc[u] = 0 end
+    end
+    pc[p] = cc
+  end
+  rec_p[r] = p
+  rec_t[r] = t
+  return p
+end
+local lazy = false  -- slots missing from block 0 resolved when met in a later hint
+local gone = {}  -- pods whose run has ended
 if ncand > 0 and #hint0 / 4 >= ncand then
+  -- more holders of block 0 than candidates: the candidates' slots, one HMGET per tier
+  local names = {}
   for c = 4, #ARGV do names[#names + 1] = ARGV[c] end
+  local g_id, g_name, g_tier = {}, {}, {}
+  for t = 1, nt do
+    local ids = hmget(KEYS[3 + t], names)
+    for c = 1, #names do
+      if ids[c] then
+        g_id[#g_id + 1] = ids[c]
+        g_name[#g_name + 1] = names[c]
+        g_tier[#g_tier + 1] = t
+      end
+    end
+  end
+  if #g_id == 0 then return {} end
+  local stamps = hmget(KEYS[2], g_id)
+  for g = 1, #g_id do
+    if fresh(stamps[g]) then
+      follow(struct.pack('>I4', tonumber(g_id[g])), g_name[g], g_tier[g], 1)
+    end
+  end
 else
+  -- the pods holding block 0 (among the candidates): a chain whose first block few pods
+  -- hold costs little however many candidates.  Their slots not holding block 0 (a
+  -- pod's other tiers) are resolved when a later hint names them.
   local wanted = nil
   if ncand > 0 then
     wanted = {}
     for c = 4, #ARGV do wanted[ARGV[c]] = true end
   end
-  local ids = {}
-  for off = 1, #hint0, 4 do ids[#ids + 1] = tostring(struct.unpack('>I4', hint0, off)) end
+  local ids, recs = {}, {}
+  for off = 1, #hint0, 4 do
+    recs[#recs + 1] = string.sub(hint0, off, off + 3)
+    ids[#ids + 1] = tostring(struct.unpack('>I4', hint0, off))
+  end
   local infos = hmget(KEYS[1], ids)
-  local seen_pod = {}
+  local stamps = hmget(KEYS[2], ids)
   for j = 1, #ids do
     local info = infos[j]
-    if info then
+    rec_p[recs[j]] = false
+    if info and fresh(stamps[j]) then
       local z = string.find(info, '\\0', 1, true)
-      local pod = string.sub(info, z + 1)
-      if not seen_pod[pod] and (wanted == nil or wanted[pod]) then
-        seen_pod[pod] = true
-        names[#names + 1] = pod
-      end
+      local name = string.sub(info, z + 1)
+      local t = tier_of[string.sub(info, 1, z - 1)]
+      if t and (wanted == nil or wanted[name]) then follow(recs[j], name, t, 1) end
     end
   end
-end
-if #names == 0 then return {} end
-
--- live slot ids of the followed pods, per tier: one HMGET per tier over the names.
--- A pod with one live slot keeps s1[p] / t1[p] and one counter n1[p] (its hits are 0
--- below tier t1 and n1 from t1 on); a pod with several keeps pslots[p] / ptiers[p] and
--- per-tier counters pc[p][1..T].
-local by_tier = {}
-for t = 1, nt do by_tier[t] = hmget(KEYS[3 + t], names) end
-local cand_ids, cand_pod, cand_tier = {}, {}, {}
-for c = 1, #names do
-  for t = 1, nt do
-    local id = by_tier[t][c]
-    if id then
-      local g = #cand_ids + 1
-      cand_ids[g] = id
-      cand_pod[g] = c
-      cand_tier[g] = t
-    end
-  end
-end
-if #cand_ids == 0 then return {} end
-local stamps = hmget(KEYS[2], cand_ids)
-local np = 0
-local index_of, pname, s1, t1, n1, pslots, ptiers, pc = {}, {}, {}, {}, {}, {}, {}, {}
-local rec_p, rec_t = {}, {}  -- packed slot id -> pod index, tier
-for g = 1, #cand_ids do
-  local stamp = tonumber(stamps[g])
-  if stamp and (ttl_ms <= 0 or now_ms - stamp < ttl_ms) then
-    local c = cand_pod[g]
-    local id, t = cand_ids[g], cand_tier[g]
-    local p = index_of[c]
-    if not p then
-      np = np + 1
-      p = np
-      index_of[c] = p
-      pname[p] = names[c]
-      s1[p] = id
-      t1[p] = t
-      n1[p] = 0
-    else
-      if not pslots[p] then
-        pslots[p] = {s1[p]}
-        ptiers[p] = {t1[p]}
-        local cc = {}
-        for u = 1, nt do cc[u] = 0 end
-        pc[p] = cc
-      end
-      pslots[p][#pslots[p] + 1] = id
-      ptiers[p][#ptiers[p] + 1] = t
-    end
-    local r = struct.pack('>I4', tonumber(id))
-    rec_p[r] = p
-    rec_t[r] = t
-  end
+  lazy = true
 end
 if np == 0 then return {} end
+-- a slot id met in a hint and not yet known (lazy mode): followed pod's live slot?
+local function resolve(r, i)
+  local id = tostring(struct.unpack('>I4', r))
+  local info = redis.call('HGET', KEYS[1], id)
+  if info and fresh(redis.call('HGET', KEYS[2], id)) then
+    local z = string.find(info, '\\0', 1, true)
+    local name = string.sub(info, z + 1)
+    local t = tier_of[string.sub(info, 1, z - 1)]
+    local p = pindex[name]
+    if t and p and not gone[p] then return follow(r, name, t, i) end
+  end
+  rec_p[r] = false
+  return false
+end
 
 -- the walk: block by block on the holder hints, fetched with one HMGET per chunk of
 -- blocks (16, 32, ... HINT_MAX).  A hint equal to the previous block's names the same
@@ -380,6 +398,9 @@ while i <= nblocks and #act > 0 do
     for off = 1, #h, 4 do
       local r = string.sub(h, off, off + 3)
       local p = rec_p[r]
+      if p == nil then
+        if lazy then p = resolve(r, i) else p = false end
+      end
       if p then
         local t = rec_t[r]
         local b = best[p]
@@ -396,8 +417,9 @@ while i <= nblocks and #act > 0 do
           extend_run(p, i, i, b)
           smulti[#smulti + 1] = p
         end
-      elseif not pc[p] then
-        n1[p] = i - 1
+      else
+        gone[p] = true
+        if not pc[p] then n1[p] = i - 1 end
       end
     end
     act, multi = still, smulti

@@ -848,3 +848,22 @@ async def test_long_runs_of_equal_hints_are_passed_by_chunk_yet_every_hole_is_fo
     assert await index.lookup(chain, ["holed", "two-tiers"]) == {
         p: expected[p] for p in ("holed", "two-tiers") if p in expected
     }
+
+
+@pytest.mark.parametrize("candidates", [None, ["pod-a"], ["pod-a", "pod-b", "pod-c", "pod-d"]])
+async def test_a_slower_tier_lacking_block_0_still_extends_that_tiers_run(
+    index: RedisIndex, candidates: list[str] | None
+) -> None:
+    """Block 0 only in GPU, blocks 1-9 only in CPU: the CPU (and DISK) run is 10 blocks,
+    the GPU run 1 -- the CPU slot is found although block 0's hint does not name it.
+    A pod whose run ended is not revived by a slot of it met further on."""
+    chain = list(range(100, 110))
+    await index.add("pod-a", chain[:1], "GPU")
+    await index.add("pod-a", chain[1:], "CPU")
+    await index.add("pod-b", chain[:2], "GPU")
+    await index.add("pod-b", chain[3:], "CPU")  # block 2 held nowhere: run ends at 2
+    hits = await index.lookup(chain, candidates)
+    assert hits["pod-a"] == {"GPU": 1, "CPU": 10, "DISK": 10}
+    if candidates is None or "pod-b" in candidates:
+        assert hits["pod-b"] == {"GPU": 2, "CPU": 2, "DISK": 2}
+    assert set(hits) <= {"pod-a", "pod-b"}
