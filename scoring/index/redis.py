@@ -82,6 +82,7 @@ class _Layout:
             raise ValueError(f"namespace must not contain braces, got {namespace!r}")
         self.prefix = b"{" + raw + b"}:"
         self.hints = self.prefix + b"h"  # HASH block key -> holder hint
+        self.digests = self.prefix + b"d"  # HASH block key -> digest of its hint
         self.pods = self.prefix + b"p:"  # + tier: pod -> slot id
         self.ids = self.prefix + b"ids"
         self.next = self.prefix + b"next"
@@ -207,14 +208,14 @@ class RedisIndex:
         p = _check_name("pod", pod)
         t = self._tier(tier)
         k = self._k
-        skeys = [self._tier_keys[tier], k.ids, k.next, k.seen, k.hints]
+        skeys = [self._tier_keys[tier], k.ids, k.next, k.seen, k.hints, k.digests]
         return [(self._add, skeys, [k.prefix, p, t, self._ttl_arg, c]) for c in self._chunks(keys)]
 
     def _remove_calls(self, pod: str, keys: Sequence[int], tier: str) -> list[_Call]:
         p = _check_name("pod", pod)
         t = self._tier(tier)
         k = self._k
-        tk = [self._tier_keys[tier], k.hints]
+        tk = [self._tier_keys[tier], k.hints, k.digests]
         return [(self._remove, tk, [k.prefix, p, t, c]) for c in self._chunks(keys)]
 
     def _clear_calls(self, pod: str, tier: str | None) -> list[_Call]:
@@ -279,7 +280,7 @@ class RedisIndex:
                 return {}
             args.extend(cands)
         k = self._k
-        keys_ = [k.ids, k.seen, k.hints, *self._tier_keys.values()]
+        keys_ = [k.ids, k.seen, k.hints, k.digests, *self._tier_keys.values()]
         reply = await self._lookup(keys=keys_, args=args)
         if not reply:
             return {}
@@ -322,7 +323,8 @@ class RedisIndex:
             if page:
                 removed += int(
                     await self._sweep(
-                        keys=[k.ids, k.seen, k.hints], args=[k.prefix, self._ttl_arg, *page]
+                        keys=[k.ids, k.seen, k.hints, k.digests],
+                        args=[k.prefix, self._ttl_arg, *page],
                     )
                 )
             if cursor == 0:

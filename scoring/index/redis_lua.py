@@ -56,7 +56,34 @@ _FORCE_HASHTABLE = (
 
 #: Lua helpers for holder hints (sorted 4-byte big-endian slot ids in one string).
 #: Comparisons are numeric (struct.unpack), never on strings (collation-dependent).
+#: Lua helpers for holder hints (sorted 4-byte big-endian slot ids in one string) and
+#: their digests.  Comparisons are numeric (struct.unpack), never on strings
+#: (collation-dependent).  The digest of a holder set is ``count:a:b`` with a and b the
+#: sums, mod 2^40, of two 40-bit slices of SHA-1(slot id) over its ids: kept
+#: incrementally (O(1) per insert or delete), equal for equal sets whatever the order
+#: of writes.
 _HINT_OPS = """
+local M40 = 1099511627776
+local function fid(id)
+  local h = redis.sha1hex(tostring(id))
+  return tonumber(string.sub(h, 1, 10), 16), tonumber(string.sub(h, 11, 20), 16)
+end
+local function digest_add(dk, kb, sign, f)
+  local c, a, b = 0, 0, 0
+  local d = redis.call('HGET', dk, kb)
+  if d then
+    local x, y, z = string.match(d, '^(%d+):(%d+):(%d+)$')
+    c, a, b = tonumber(x), tonumber(y), tonumber(z)
+  end
+  c = c + sign
+  if c <= 0 then
+    redis.call('HDEL', dk, kb)
+  else
+    a = (a + sign * f[1]) % M40
+    b = (b + sign * f[2]) % M40
+    redis.call('HSET', dk, kb, string.format('%d:%d:%d', c, a, b))
+  end
+end
 local function hint_find(s, v)
   local lo, hi = 0, #s / 4
   while lo < hi do
@@ -65,20 +92,23 @@ local function hint_find(s, v)
   end
   return lo, lo < #s / 4 and struct.unpack('>I4', s, lo * 4 + 1) == v
 end
-local function hint_insert(hk, kb, id)
+-- f: {fid(id)}
+local function hint_insert(hk, dk, kb, id, f)
   local v = tonumber(id)
   local s = redis.call('HGET', hk, kb)
   if not s then
     redis.call('HSET', hk, kb, struct.pack('>I4', v))
+    digest_add(dk, kb, 1, f)
     return
   end
   local at, found = hint_find(s, v)
   if not found then
     local rec = struct.pack('>I4', v)
     redis.call('HSET', hk, kb, string.sub(s, 1, at * 4) .. rec .. string.sub(s, at * 4 + 1))
+    digest_add(dk, kb, 1, f)
   end
 end
-local function hint_delete(hk, kb, id)
+local function hint_delete(hk, dk, kb, id, f)
   local v = tonumber(id)
   local s = redis.call('HGET', hk, kb)
   if not s then return end
@@ -89,6 +119,7 @@ local function hint_delete(hk, kb, id)
     else
       redis.call('HSET', hk, kb, string.sub(s, 1, at * 4) .. string.sub(s, at * 4 + 5))
     end
+    digest_add(dk, kb, -1, f)
   end
 end
 """
@@ -98,9 +129,10 @@ local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 """
 
-#: KEYS: p:<tier>, ids, next, seen, hints.  ARGV: prefix P, pod, tier, ttl seconds (0 = none),
-#: packed keys (8 bytes each).  Counts one more copy of each key, writes the holder
-#: hint of new entries, stamps ``seen`` and refreshes the slot's TTL.
+#: KEYS: p:<tier>, ids, next, seen, hints, digests.  ARGV: prefix P, pod, tier, ttl
+#: seconds (0 = none), packed keys (8 bytes each).  Counts one more copy of each key,
+#: writes the holder hint and digest of new entries, stamps ``seen`` and refreshes the
+#: slot's TTL.
 #: Returns the number of new entries.
 ADD = (
     """#!lua
@@ -133,11 +165,12 @@ else
 end
 local ttl = tonumber(ARGV[4])
 local packed = ARGV[5]
+local f = {fid(id)}
 local new = 0
 for off = 1, #packed, 8 do
   local kb = string.sub(packed, off, off + 7)
   if redis.call('HINCRBY', slot, kb, 1) == 1 then
-    hint_insert(KEYS[5], kb, id)
+    hint_insert(KEYS[5], KEYS[6], kb, id, f)
     new = new + 1
   end
 end
@@ -149,8 +182,9 @@ return new
 """
 )
 
-#: KEYS: p:<tier>, hints.  ARGV: prefix P, pod, tier, packed keys.  Counts one copy fewer; an
-#: entry reaching 0 is deleted with its hint.  Returns the number of entries deleted.
+#: KEYS: p:<tier>, hints, digests.  ARGV: prefix P, pod, tier, packed keys.  Counts one
+#: copy fewer; an entry reaching 0 is deleted with its hint (and digest).  Returns the
+#: number of entries deleted.
 REMOVE = (
     """#!lua
 """
@@ -161,6 +195,7 @@ local id = redis.call('HGET', KEYS[1], ARGV[2])
 if not id then return 0 end
 local slot = P .. 's' .. id
 local packed = ARGV[4]
+local f = {fid(id)}
 local gone = 0
 for off = 1, #packed, 8 do
   local kb = string.sub(packed, off, off + 7)
@@ -168,7 +203,7 @@ for off = 1, #packed, 8 do
   if v then
     if tonumber(v) <= 1 then
       redis.call('HDEL', slot, kb)
-      hint_delete(KEYS[2], kb, id)
+      hint_delete(KEYS[2], KEYS[3], kb, id, f)
       gone = gone + 1
     else
       redis.call('HINCRBY', slot, kb, -1)
@@ -197,7 +232,7 @@ end
 return retired
 """
 
-#: KEYS: ids, seen, hints, then p:<tier> for the T tiers, fastest first.  ARGV: prefix P,
+#: KEYS: ids, seen, hints, digests, then p:<tier> for the T tiers, fastest first.  ARGV: prefix P,
 #: packed keys, ttl seconds (0 = none), then candidate pods (none = every pod holding
 #: block 0).
 #:
@@ -220,18 +255,19 @@ LOOKUP = (
     + """
 local HINT_MAX = 512
 local CHUNK_MAX = 4000
+local ssub, sfind, unpack4, pack4 = string.sub, string.find, struct.unpack, struct.pack
 local P = ARGV[1]
 local packed = ARGV[2]
 local ttl_ms = tonumber(ARGV[3]) * 1000
-local nt = #KEYS - 3
-local HK = KEYS[3]
+local nt = #KEYS - 4
+local HK, DK = KEYS[3], KEYS[4]
 local nblocks = math.floor(#packed / 8)
 if nblocks == 0 then return {} end
 
 local kb = {}
 local built = 0
 local function keys_upto(e)
-  for i = built + 1, e do kb[i] = string.sub(packed, 8 * i - 7, 8 * i) end
+  for i = built + 1, e do kb[i] = ssub(packed, 8 * i - 7, 8 * i) end
   if e > built then built = e end
 end
 
@@ -259,7 +295,7 @@ local np = 0
 local pindex, pname, t1, n1, pc = {}, {}, {}, {}, {}
 local rec_p, rec_t = {}, {}
 local tier_of = {}  -- tier name -> 1..T
-for t = 1, nt do tier_of[string.sub(KEYS[3 + t], #P + 3)] = t end
+for t = 1, nt do tier_of[ssub(KEYS[4 + t], #P + 3)] = t end
 local function fresh(stamp)
   stamp = tonumber(stamp)
   return stamp ~= nil and (ttl_ms <= 0 or now_ms - stamp < ttl_ms)
@@ -294,7 +330,7 @@ if ncand > 0 and #hint0 / 4 >= ncand then
   for c = 4, #ARGV do names[#names + 1] = ARGV[c] end
   local g_id, g_name, g_tier = {}, {}, {}
   for t = 1, nt do
-    local ids = hmget(KEYS[3 + t], names)
+    local ids = hmget(KEYS[4 + t], names)
     for c = 1, #names do
       if ids[c] then
         g_id[#g_id + 1] = ids[c]
@@ -307,7 +343,7 @@ if ncand > 0 and #hint0 / 4 >= ncand then
   local stamps = hmget(KEYS[2], g_id)
   for g = 1, #g_id do
     if fresh(stamps[g]) then
-      follow(struct.pack('>I4', tonumber(g_id[g])), g_name[g], g_tier[g], 1)
+      follow(pack4('>I4', tonumber(g_id[g])), g_name[g], g_tier[g], 1)
     end
   end
 else
@@ -321,8 +357,8 @@ else
   end
   local ids, recs = {}, {}
   for off = 1, #hint0, 4 do
-    recs[#recs + 1] = string.sub(hint0, off, off + 3)
-    ids[#ids + 1] = tostring(struct.unpack('>I4', hint0, off))
+    recs[#recs + 1] = ssub(hint0, off, off + 3)
+    ids[#ids + 1] = tostring(unpack4('>I4', hint0, off))
   end
   local infos = hmget(KEYS[1], ids)
   local stamps = hmget(KEYS[2], ids)
@@ -330,9 +366,9 @@ else
     local info = infos[j]
     rec_p[recs[j]] = false
     if info and fresh(stamps[j]) then
-      local z = string.find(info, '\\0', 1, true)
-      local name = string.sub(info, z + 1)
-      local t = tier_of[string.sub(info, 1, z - 1)]
+      local z = sfind(info, '\\0', 1, true)
+      local name = ssub(info, z + 1)
+      local t = tier_of[ssub(info, 1, z - 1)]
       if t and (wanted == nil or wanted[name]) then follow(recs[j], name, t, 1) end
     end
   end
@@ -341,12 +377,12 @@ end
 if np == 0 then return {} end
 -- a slot id met in a hint and not yet known (lazy mode): followed pod's live slot?
 local function resolve(r, i)
-  local id = tostring(struct.unpack('>I4', r))
+  local id = tostring(unpack4('>I4', r))
   local info = redis.call('HGET', KEYS[1], id)
   if info and fresh(redis.call('HGET', KEYS[2], id)) then
-    local z = string.find(info, '\\0', 1, true)
-    local name = string.sub(info, z + 1)
-    local t = tier_of[string.sub(info, 1, z - 1)]
+    local z = sfind(info, '\\0', 1, true)
+    local name = ssub(info, z + 1)
+    local t = tier_of[ssub(info, 1, z - 1)]
     local p = pindex[name]
     if t and p and not gone[p] then return follow(r, name, t, i) end
   end
@@ -354,11 +390,12 @@ local function resolve(r, i)
   return false
 end
 
--- the walk: block by block on the holder hints, fetched with one HMGET per chunk of
--- blocks (16, 32, ... HINT_MAX).  A hint equal to the previous block's names the same
--- holders: every pod still in stays in, with the same fastest tier.  Lua interns
--- strings, so that test is a pointer comparison, made in a tight loop over the run;
--- only a hint that differs is decoded.  Single-slot pods' counters are set when they
+-- the walk: block by block on the holder sets' digests (a few bytes, however many
+-- holders), fetched with one HMGET per chunk of blocks (16, 32, ... HINT_MAX).  A
+-- digest equal to the previous block's names the same holders: every pod still in
+-- stays in, with the same fastest tier.  Lua interns strings, so that test is a
+-- pointer comparison, made in a tight loop over the run; only for a digest that
+-- differs is the hint read and decoded.  Single-slot pods' counters are set when they
 -- drop out (n1 = i - 1) or when the walk ends.
 local act = {}
 for p = 1, np do act[p] = p end
@@ -372,7 +409,7 @@ local function extend_run(p, s, e, b)
   end
 end
 local prev, prev_best = nil, nil
-local hints, hs, he, hsize = nil, 1, 0, 16
+local digs, hs, he, hsize = nil, 1, 0, 16
 local i = 1
 while i <= nblocks and #act > 0 do
   if i > he then
@@ -380,12 +417,12 @@ while i <= nblocks and #act > 0 do
     he = math.min(i + hsize - 1, nblocks)
     hsize = math.min(hsize * 2, HINT_MAX)
     keys_upto(he)
-    hints = redis.call('HMGET', HK, unpack(kb, hs, he))
+    digs = redis.call('HMGET', DK, unpack(kb, hs, he))
   end
   local k, n = i - hs + 1, he - hs + 1
   if prev then
     local k0 = k
-    while k <= n and hints[k] == prev do k = k + 1 end
+    while k <= n and digs[k] == prev do k = k + 1 end
     if k > k0 then
       local e = hs + k - 2
       for m = 1, #multi do extend_run(multi[m], i, e, prev_best[multi[m]]) end
@@ -393,10 +430,12 @@ while i <= nblocks and #act > 0 do
     end
   end
   if k <= n then
-    local h = hints[k] or ''
+    local d = digs[k]
+    local h = ''
+    if i == 1 then h = hint0 elseif d then h = redis.call('HGET', HK, kb[i]) or '' end
     local best = {}
     for off = 1, #h, 4 do
-      local r = string.sub(h, off, off + 3)
+      local r = ssub(h, off, off + 3)
       local p = rec_p[r]
       if p == nil then
         if lazy then p = resolve(r, i) else p = false end
@@ -423,7 +462,7 @@ while i <= nblocks and #act > 0 do
       end
     end
     act, multi = still, smulti
-    prev, prev_best = h, best
+    prev, prev_best = d, best
     i = i + 1
   end
 end
@@ -431,23 +470,33 @@ for a = 1, #act do
   if not pc[act[a]] then n1[act[a]] = i - 1 end
 end
 
-local onames, ocounts = {}, {}
+-- the reply: a pod's counters as one string; single-slot pods with equal (tier, count)
+-- share it (formatting numbers is most of this step's cost)
+local onames, orows, memo = {}, {}, {}
 for p = 1, np do
   local c = pc[p]
   if c then
     if c[nt] > 0 then
       onames[#onames + 1] = pname[p]
-      for t = 1, nt do ocounts[#ocounts + 1] = c[t] end
+      orows[#orows + 1] = table.concat(c, ',', 1, nt)
     end
   elseif n1[p] > 0 then
     onames[#onames + 1] = pname[p]
-    for t = 1, nt do
-      if t >= t1[p] then ocounts[#ocounts + 1] = n1[p] else ocounts[#ocounts + 1] = 0 end
+    local key = n1[p] * 16 + t1[p]
+    local row = memo[key]
+    if not row then
+      local parts = {}
+      for t = 1, nt do
+        if t >= t1[p] then parts[t] = n1[p] else parts[t] = 0 end
+      end
+      row = table.concat(parts, ',')
+      memo[key] = row
     end
+    orows[#orows + 1] = row
   end
 end
 if #onames == 0 then return {} end
-return {table.concat(onames, '\\0'), table.concat(ocounts, ',')}
+return {table.concat(onames, '\\0'), table.concat(orows, ',')}
 """
 )
 
@@ -487,7 +536,8 @@ return out
 """
 )
 
-#: KEYS: ids, seen, hints.  ARGV: prefix P, ttl seconds, then block keys (hint fields).
+#: KEYS: ids, seen, hints, digests.  ARGV: prefix P, ttl seconds, then block keys
+#: (hint fields).
 #: A slot id is dead when unregistered, stale (``seen`` older than ttl) or its hash is
 #: gone: it is dropped from the hints, and a registered dead slot is retired (as by
 #: ``clear_pod``).  Returns the number of hint entries deleted.
@@ -495,6 +545,7 @@ SWEEP = (
     """#!lua
 """
     + _NOW_MS
+    + _HINT_OPS
     + """
 local P = ARGV[1]
 local ttl_ms = tonumber(ARGV[2]) * 1000
@@ -523,6 +574,7 @@ local function live(id)
   return v
 end
 local gone = 0
+local fids = {}
 for a = 3, #ARGV do
   local h = redis.call('HGET', KEYS[3], ARGV[a])
   if h then
@@ -537,8 +589,21 @@ for a = 3, #ARGV do
     end
     if #kept == 0 then
       redis.call('HDEL', KEYS[3], ARGV[a])
+      redis.call('HDEL', KEYS[4], ARGV[a])
     elseif #kept * 4 < #h then
       redis.call('HSET', KEYS[3], ARGV[a], table.concat(kept))
+      local sa, sb = 0, 0
+      for j = 1, #kept do
+        local id = struct.unpack('>I4', kept[j])
+        local f = fids[id]
+        if not f then
+          f = {fid(id)}
+          fids[id] = f
+        end
+        sa = (sa + f[1]) % M40
+        sb = (sb + f[2]) % M40
+      end
+      redis.call('HSET', KEYS[4], ARGV[a], string.format('%d:%d:%d', #kept, sa, sb))
     end
   end
 end

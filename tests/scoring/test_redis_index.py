@@ -529,6 +529,47 @@ async def test_holder_hints_are_sorted_ids_so_equal_sets_give_equal_hints(
 # -- several replicas -----------------------------------------------------------------
 
 
+async def digest(raw: aioredis.Redis, namespace: str, key: int) -> bytes | None:
+    value = await raw.hget(b"{" + namespace.encode() + b"}:d", struct.pack(">Q", key))
+    assert value is None or isinstance(value, bytes)
+    return value
+
+
+async def test_equal_holder_sets_have_equal_digests_whatever_the_order_of_writes(
+    index: RedisIndex, raw: aioredis.Redis, redis_namespace: str
+) -> None:
+    """The walk compares digests, so they must be a function of the holder set alone:
+    kept incrementally by add / remove, recomputed by the sweep, they agree."""
+    pods = [f"pod-{i}" for i in range(6)]
+    for pod in pods:
+        await index.add(pod, [1])
+    for pod in reversed(pods):
+        await index.add(pod, [2, 3])
+    await index.add("pod-x", [2])
+    await index.remove("pod-x", [2])
+    await index.remove("pod-3", [3])
+    await index.add("pod-3", [3])
+    d1 = await digest(raw, redis_namespace, 1)
+    assert d1 is not None and d1.startswith(b"6:")
+    assert d1 == await digest(raw, redis_namespace, 2) == await digest(raw, redis_namespace, 3)
+    await index.remove("pod-1", [2])
+    d2 = await digest(raw, redis_namespace, 2)
+    assert d2 is not None and d2.startswith(b"5:") and d2 != d1
+    await index.add("pod-7", [4])
+    await index.add("pod-1", [4])  # a set of 2, written in another order
+    await index.clear_pod("pod-7")
+    await index.clear_pod("pod-1")
+    await index.sweep()  # block 1 loses pod-1 by the sweep, block 2 lost it by a remove
+    assert await digest(raw, redis_namespace, 1) == d2
+    assert await digest(raw, redis_namespace, 4) is None
+    assert await hint(raw, redis_namespace, 4) is None
+    for pod in pods[:1] + pods[2:]:
+        await index.remove(pod, [1, 2, 3])
+    for key in (1, 2, 3):
+        assert await digest(raw, redis_namespace, key) is None
+        assert await hint(raw, redis_namespace, key) is None
+
+
 async def test_replicas_sharing_a_namespace_see_one_index(
     redis_url: str, redis_namespace: str
 ) -> None:
@@ -574,10 +615,11 @@ async def test_the_lookup_script_is_read_only(
     ns = b"{" + redis_namespace.encode() + b"}:"
     reply = await raw.eval_ro(
         redis_lua.LOOKUP,
-        6,
+        7,
         ns + b"ids",
         ns + b"seen",
         ns + b"h",
+        ns + b"d",
         ns + b"p:GPU",
         ns + b"p:CPU",
         ns + b"p:DISK",
@@ -589,12 +631,13 @@ async def test_the_lookup_script_is_read_only(
     with pytest.raises(aioredis.ResponseError, match=r"(?i)write"):
         await raw.eval_ro(
             redis_lua.ADD,
-            5,
+            6,
             ns + b"p:GPU",
             ns + b"ids",
             ns + b"next",
             ns + b"seen",
             ns + b"h",
+            ns + b"d",
             ns,
             b"pod-x",
             b"GPU",
