@@ -285,13 +285,17 @@ class RedisIndex:
         if not reply:
             return {}
         names = reply[0].decode().split("\0")
-        counts = iter(map(int, reply[1].split(b",")))
+        rows = reply[1].split(b";")
         tiers = self.tiers
-        # one row of len(tiers) counts per pod (zip of one iterator with itself)
-        rows = zip(*([counts] * len(tiers)), strict=True)
-        return {
-            name: dict(zip(tiers, row, strict=True)) for name, row in zip(names, rows, strict=True)
-        }
+        # many pods share a row (a system prompt every pod holds): parse each row once
+        parsed: dict[bytes, PodHits] = {}
+        out: dict[str, PodHits] = {}
+        for name, row in zip(names, rows, strict=True):
+            hits = parsed.get(row)
+            if hits is None:
+                hits = parsed[row] = dict(zip(tiers, map(int, row.split(b",")), strict=True))
+            out[name] = hits.copy()
+        return out
 
     async def pod_entries(self) -> dict[str, int]:
         """Distinct (key, tier) entries per pod (HLEN of its live slots; exact)."""

@@ -246,8 +246,8 @@ return retired
 #:    to the previous one (a pointer comparison: Lua interns strings) is not decoded.
 #:    Every pod is checked block by block: the answer is exact.
 #: Returns {} or two strings (a compact reply: parsing thousands of RESP elements costs
-#: the client more than the walk): the pods with c[T] > 0 joined by NUL, and their
-#: counters c[1..T] pod after pod, in decimal, joined by ','.
+#: the client more than the walk): the pods with c[T] > 0 joined by NUL, and their rows
+#: joined by ';' in the same order, a row being c[1..T] in decimal joined by ','.
 LOOKUP = (
     """#!lua flags=no-writes
 """
@@ -496,7 +496,7 @@ for p = 1, np do
   end
 end
 if #onames == 0 then return {} end
-return {table.concat(onames, '\\0'), table.concat(orows, ',')}
+return {table.concat(onames, '\\0'), table.concat(orows, ';')}
 """
 )
 

@@ -231,7 +231,7 @@ async def main() -> None:
             worst = rand_keys(rng, CHAIN)
             await idx.apply_ops([("add", p, "GPU", worst) for p in names])
             for cands, label in ((names[:16], "16 of them"), (None, "all")):
-                n = max(10, args.lookups // 20)
+                n = args.lookups
                 p50, p99, server, res = await time_lookups(idx, raw, worst, cands, n)
                 print(
                     f"{pods:>5} {entries:>11,} {'worst':<8} {label:<10} "
