@@ -128,6 +128,32 @@ class CostParams(PolicyParams):
         return v
 
 
+def _tier_hits(hits: dict[str, int], prompt: int, bs: int, p: CostParams) -> tuple[int, float]:
+    """(prompt tokens servable from the fastest tier with a rate, seconds to load the
+    slower tiers' share into GPU memory) for one pod's ``hits``."""
+    cached = 0
+    transfer = 0.0
+    first = True
+    for tier in p.tiers:
+        n = hits.get(tier)
+        if n is None:
+            first = False
+            continue
+        tok = min(n * bs, prompt)
+        if tok > cached:
+            if first:
+                cached = tok
+            else:
+                rate = p.tier_load_rates_tokens_per_s.get(tier)
+                if rate is None:
+                    first = False
+                    continue
+                transfer += (tok - cached) / rate
+                cached = tok
+        first = False
+    return cached, transfer
+
+
 def predict_ttft(
     request: RouteRequest,
     pod: PodView,
@@ -144,26 +170,7 @@ def predict_ttft(
     """
     prompt = request.prompt_tokens
     bs = request.block_size
-    cached = 0
-    transfer = 0.0
-    first = True
-    for tier in p.tiers:
-        n = pod.hits.get(tier)
-        if n is None:
-            first = False
-            continue
-        tok = min(n * bs, prompt)
-        if tok > cached:
-            if first:
-                cached = tok
-            else:
-                rate = p.tier_load_rates_tokens_per_s.get(tier)
-                if rate is None:
-                    first = False
-                    continue
-                transfer += (tok - cached) / rate
-                cached = tok
-        first = False
+    cached, transfer = _tier_hits(pod.hits, prompt, bs, p)
     cached = max(cached, min(inflight_blocks * bs, prompt))
     running = pod.running if pod.running is not None else pod.inflight
     slowdown = 1.0 + p.decode_slowdown_per_running * running
@@ -217,36 +224,60 @@ class CostPolicy(Policy):
         return pod.outstanding_prefill_tokens * entry[1] / entry[0]
 
     def pick(self, request: RouteRequest, pods: Sequence[PodView]) -> Decision:
+        # predict_ttft inlined over the candidates (same arithmetic, same order of
+        # operations: the replay's numbers must not move); this runs on every request
         require_candidates(self.name, pods)
+        p = self._p
+        ledger = self._ledger
+        discount = p.discount_queued_hits
+        queued: list[float] = []
+        for pod in pods:
+            entry = ledger.get(pod.pod)
+            if not discount or entry is None or entry[0] <= 0:
+                queued.append(float(pod.outstanding_prefill_tokens))
+            else:
+                queued.append(pod.outstanding_prefill_tokens * entry[1] / entry[0])
+        backlog = sum(queued) / len(pods)
+        prompt = request.prompt_tokens
+        bs = request.block_size
+        keys = request.block_keys
+        size = max(1, prompt)
+        share_backlog = p.fleet_backlog_share * backlog
+        miss_weight = p.miss_weight
+        backlog_weight = p.backlog_weight
+        slowdown_per = p.decode_slowdown_per_running
+        rate = p.prefill_rate_tokens_per_s
+        live_keys = self._live_keys if p.count_inflight_prefixes and keys else None
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
-        p = self._p
-        queued = [self.queued_tokens(pod) for pod in pods]
-        backlog = sum(queued) / len(pods)
-        size = max(1, request.prompt_tokens)
         weights: dict[str, float] = {}
         for pod, q in zip(pods, queued, strict=True):
-            own = max(q, float(self.live_uncached(pod.pod)))
-            b = max(p.fleet_backlog_share * backlog, min(backlog, own))
-            w = weights[pod.pod] = p.miss_weight + p.backlog_weight * b / size
-            predicted[pod.pod], cached[pod.pod] = predict_ttft(
-                request,
-                pod,
-                self._p,
-                q,
-                self.inflight_hits(pod.pod, request.block_keys),
-                w,
-            )
+            name = pod.pod
+            entry = ledger.get(name)
+            own = max(q, float(entry[1] if entry is not None else 0))
+            b = max(share_backlog, min(backlog, own))
+            w = weights[name] = miss_weight + backlog_weight * b / size
+            if pod.hits:
+                c, transfer = _tier_hits(pod.hits, prompt, bs, p)
+            else:
+                c, transfer = 0, 0.0
+            if live_keys is not None:
+                c = max(c, min(self.inflight_hits(name, keys) * bs, prompt))
+            running = pod.running if pod.running is not None else pod.inflight
+            work = q + w * (prompt - c)
+            predicted[name] = work / rate * (1.0 + slowdown_per * running) + transfer
+            cached[name] = c
         best = min(predicted.values())
-        tied = [name for name, t in predicted.items() if t <= best + self._p.tie_epsilon_s]
+        limit = best + p.tie_epsilon_s
+        tied = [name for name, t in predicted.items() if t <= limit]
         if len(tied) == 1:
             chosen = tied[0]
         else:
-            rid = request.request_id
-            seed = self._p.seed
-            chosen = max(tied, key=lambda name: _h64(f"{rid}\x00{name}".encode(), seed))
-        prompt = request.prompt_tokens
-        self._scored[_key(request)] = (prompt, {k: prompt - v for k, v in cached.items()})
+            rid = request.request_id.encode() + b"\x00"
+            seed = p.seed
+            chosen = max(tied, key=lambda name: _h64(rid + name.encode(), seed))
+        # the predicted uncached tokens per pod are prompt - cached (on_routed)
+        self._scored[_key(request)] = (prompt, cached)
         while len(self._scored) > _MAX_SCORED:  # picks never routed must not pile up
             self._scored.popitem(last=False)
         return Decision(
@@ -258,8 +289,14 @@ class CostPolicy(Policy):
 
     def on_routed(self, request: RouteRequest, pod: str) -> None:
         key = _key(request)
-        prompt, uncached = self._scored.pop(key, (request.prompt_tokens, {}))
-        miss = uncached.get(pod, prompt)
+        scored = self._scored.pop(key, None)
+        if scored is None:
+            prompt = request.prompt_tokens
+            miss = prompt
+        else:
+            prompt, cached = scored
+            c = cached.get(pod)
+            miss = prompt if c is None else prompt - c
         old = self._live.pop(key, None)
         if old is not None:  # routed again (retry): forget the first attempt
             self._unledger(old[0], old[1], old[2], request.block_keys)
