@@ -85,8 +85,12 @@ class MemoryLoadStore:
     async def end(self, pod: str) -> None:
         self.end_now(pod)
 
+    def snapshot_now(self, pods: Iterable[str]) -> dict[str, tuple[int, int]]:
+        inflight, prefill = self._inflight, self._prefill
+        return {p: (inflight.get(p, 0), prefill.get(p, 0)) for p in pods}
+
     async def snapshot(self, pods: Iterable[str]) -> dict[str, tuple[int, int]]:
-        return {p: (self._inflight.get(p, 0), self._prefill.get(p, 0)) for p in pods}
+        return self.snapshot_now(pods)
 
     async def clear_pod(self, pod: str) -> None:
         self._inflight.pop(pod, None)

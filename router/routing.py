@@ -27,19 +27,20 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
 
 from router.config import Settings
 from router.errors import RouterError, bad_request
-from router.load import LoadStore, MetricsScraper, PendingLoad
+from router.load import LoadStore, MemoryLoadStore, MetricsScraper, PendingLoad
 from router.metrics import RouterMetrics
 from router.pods import PodRegistry, PodState
 from router.tokenize import ChatEncoder, EncodedPrompt, PromptTokenizer, TokenizeError
 from scoring.blocks import BlockHasher
 from scoring.index.base import BlockIndex
+from scoring.index.memory import InMemoryIndex
 from scoring.policies.base import Decision, PodView, Policy, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ Kind = Literal["chat", "completion", "embedding"]
 
 DEFAULT_BLOCK_SIZE = 16
 _decode = msgspec.json.decode
+_MAX_ID = 1 << 32  # token ids are hashed as uint32
+_perf = time.perf_counter
 
 
 @dataclass(slots=True)
@@ -65,7 +68,6 @@ class Routed:
     views: dict[str, PodView]
     tokenizer_name: str = "none"
     approximate: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def cached_tokens(self, pod: str) -> int:
         """Prompt tokens the index says ``pod`` holds (any tier)."""
@@ -73,6 +75,22 @@ class Routed:
         if view is None:
             return 0
         return min(view.best_cached_blocks() * self.route.block_size, self.route.prompt_tokens)
+
+
+class _Encoding:
+    """A model's encoder with what the request path needs of it, looked up once."""
+
+    __slots__ = ("encoder", "hist", "name")
+
+    def __init__(self, encoder: ChatEncoder, name: str, hist: Any) -> None:
+        self.encoder = encoder
+        #: the tokenizer's name (metrics label, /v1/route)
+        self.name = name
+        #: its child of kvroute_tokenization_seconds
+        self.hist = hist
+
+
+_NO_LOAD = (0, 0)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -102,25 +120,26 @@ def _check_messages(messages: Any) -> Sequence[Mapping[str, Any]]:
     return messages
 
 
+def _token_ids(ids: list[Any]) -> bool:
+    """Every item a token id: an int (not a bool) in [0, 2**32)."""
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < _MAX_ID for t in ids)
+
+
 def _first_prompt(prompt: Any) -> str | list[int]:
     """The prompt to route on: a string or token ids (the first of a batch)."""
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt:
         head = prompt[0]
-        if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        if _token_ids(prompt):
             return prompt
         if isinstance(head, str) and all(isinstance(p, str) for p in prompt):
             return head
-        if (
-            isinstance(head, list)
-            and head
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in head)
-        ):
+        if isinstance(head, list) and head and _token_ids(head):
             return head
     raise bad_request(
         "'prompt' must be a string, a list of strings, a list of token ids or a list of "
-        "token-id lists (non-empty)",
+        "token-id lists (non-empty; token ids in [0, 2**32))",
         "invalid_prompt",
         param="prompt",
     )
@@ -150,7 +169,12 @@ class RequestRouter:
         self.tokenizer_for = tokenizer_for
         self.metrics = metrics
         self.pending = pending if pending is not None else PendingLoad()
-        self._encoders: dict[tuple[int, str, int], ChatEncoder] = {}
+        self._encoders: dict[tuple[int, str, int], _Encoding] = {}
+        # an in-memory index and load store are read without awaiting (no coroutine per
+        # request for what is a dict lookup)
+        self._local_load = load if isinstance(load, MemoryLoadStore) else None
+        self._lookup_now = index.lookup_sync if isinstance(index, InMemoryIndex) else None
+        self._decision_hist = metrics.decision_seconds.labels()
         self._rr = 0
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:12]
@@ -211,12 +235,18 @@ class RequestRouter:
 
     def _encoder(self, model: str, base: str, block_size: int) -> ChatEncoder:
         """One multi-turn-reusing encoder per (tokenizer, base model, block size)."""
+        return self._encoding(model, base, block_size).encoder
+
+    def _encoding(self, model: str, base: str, block_size: int) -> _Encoding:
         tok = self.tokenizer_for(model)
         key = (id(tok), base, block_size)
-        enc = self._encoders.get(key)
-        if enc is None:
-            enc = self._encoders[key] = ChatEncoder(tok, BlockHasher(block_size, base))
-        return enc
+        entry = self._encoders.get(key)
+        if entry is None:
+            encoder = ChatEncoder(tok, BlockHasher(block_size, base))
+            name = getattr(tok, "name", "unknown")
+            m = self.metrics
+            entry = self._encoders[key] = _Encoding(encoder, name, m.tokenize_seconds.labels(name))
+        return entry
 
     def _max_len(self, model: str, pods: Sequence[str]) -> int | None:
         if model in self.settings.max_model_len:
@@ -225,20 +255,22 @@ class RequestRouter:
             return self.scraper.model_max_len(model, pods)
         return None
 
-    async def encode(
+    async def _encode(
         self,
         kind: Kind,
         body: Mapping[str, Any],
-        encoder: ChatEncoder,
+        prompt: Any,
+        entry: _Encoding,
         lora: str | None,
     ) -> EncodedPrompt:
-        """Render + tokenize + hash (reusing earlier turns); 400 when it cannot."""
+        """``prompt``: the validated messages (chat) or :func:`_first_prompt` (completion).
+        A local tokenizer on a short prompt runs inline (no coroutine, no thread)."""
+        encoder = entry.encoder
         salt = body.get("cache_salt")
         cache_salt = salt if isinstance(salt, str) and salt else None
-        t0 = time.perf_counter()
+        t0 = _perf()
         try:
             if kind == "chat":
-                messages = _check_messages(body.get("messages"))
                 tools = body.get("tools")
                 if tools is not None and not isinstance(tools, list):
                     raise bad_request("'tools' must be a list", "invalid_tools", param="tools")
@@ -253,25 +285,24 @@ class RequestRouter:
                 if body.get("continue_final_message"):
                     agp = False
                 return await encoder.aencode_chat(
-                    messages,
+                    prompt,
                     tools=tools,
                     add_generation_prompt=bool(agp),
                     chat_template_kwargs=kwargs,
                     lora=lora,
                     cache_salt=cache_salt,
                 )
-            prompt = _first_prompt(body.get("prompt"))
             if isinstance(prompt, list):  # token ids: nothing to tokenize
                 ids = list(prompt)
                 keys = encoder.hasher.keys(ids, lora=lora, cache_salt=cache_salt)
                 return EncodedPrompt(ids, keys)
+            if encoder.inline_prompt(prompt):
+                return encoder.encode_prompt(prompt, lora=lora, cache_salt=cache_salt)
             return await encoder.aencode_prompt(prompt, lora=lora, cache_salt=cache_salt)
         except TokenizeError as exc:
             raise bad_request(f"cannot tokenize the request: {exc}", "tokenize_failed") from None
         finally:
-            name = getattr(encoder.tokenizer, "name", "unknown")
-            m = self.metrics
-            m.child(m.tokenize_seconds, name).observe(time.perf_counter() - t0)
+            entry.hist.observe(_perf() - t0)
 
     # -- the path ----------------------------------------------------------------------
 
@@ -283,17 +314,18 @@ class RequestRouter:
             raise self.reject(err) from None
 
     async def _decide(self, kind: Kind, body: dict[str, Any], headers: Mapping[str, str]) -> Routed:
-        t0 = time.perf_counter()
+        t0 = _perf()
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise bad_request("'model' is required and must be a string", "missing_model", "model")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise bad_request("'stream' must be a boolean", "invalid_stream", param="stream")
+        prompt: Any = None
         if kind == "chat":
-            _check_messages(body.get("messages"))
+            prompt = _check_messages(body.get("messages"))
         elif kind == "completion":
-            _first_prompt(body.get("prompt"))
+            prompt = _first_prompt(body.get("prompt"))
         pods = self._candidates(model)
         names = [p.name for p in pods]
         request_id = headers.get("x-request-id") or self._next_id()
@@ -305,8 +337,8 @@ class RequestRouter:
 
         base, lora = self._base_and_lora(model, pods)
         bs = self.block_size(model, names)
-        encoder = self._encoder(model, base, bs)
-        enc = await self.encode(kind, body, encoder, lora)
+        entry = self._encoding(model, base, bs)
+        enc = await self._encode(kind, body, prompt, entry, lora)
         ids, keys = enc.token_ids, enc.block_keys
         max_len = self._max_len(model, names)
         if max_len is not None and len(ids) > max_len:
@@ -319,19 +351,23 @@ class RequestRouter:
         if enc.approximate:
             self.metrics.child(self.metrics.approximate_tokenizations, model).inc()
         route = RouteRequest(
-            request_id=request_id,
-            model=model,
-            prompt_tokens=len(ids),
-            block_keys=keys,
-            block_size=bs,
-            lora=lora,
-            session=str(session) if session is not None else None,
-            max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+            request_id,
+            model,
+            len(ids),
+            keys,
+            bs,
+            lora,
+            str(session) if session is not None else None,
+            max_tokens if isinstance(max_tokens, int) else None,
         )
-        views = await self._views(keys, names)
+        lookup_now = self._lookup_now
+        if lookup_now is not None and self._local_load is not None:
+            views = self._views_now(lookup_now(keys, names) if keys else {}, names)
+        else:
+            views = await self._views(keys, names)
         decision = self.policy.pick(route, list(views.values()))
         ranking = _rank(decision, names)
-        self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+        self._decision_hist.observe(_perf() - t0)
         if self.on_routed is not None and keys and not enc.approximate:
             salt = body.get("cache_salt")
             try:
@@ -346,38 +382,59 @@ class RequestRouter:
             except Exception as exc:  # never fails the request
                 log.debug("engine-hash learn hook: %s", exc)
         return Routed(
-            kind=kind,
-            body=body,
-            model=model,
-            stream=stream,
-            route=route,
-            decision=decision,
-            ranking=ranking,
-            views=views,
-            tokenizer_name=getattr(encoder.tokenizer, "name", "unknown"),
-            approximate=enc.approximate,
+            kind,
+            body,
+            model,
+            stream,
+            route,
+            decision,
+            ranking,
+            views,
+            entry.name,
+            enc.approximate,
         )
 
     async def _views(self, keys: Sequence[int], names: list[str]) -> dict[str, PodView]:
         hits = await self.index.lookup(keys, names) if keys else {}
         load = await self.load.snapshot(names)
+        return self._merge_views(hits, load, names)
+
+    def _views_now(
+        self, hits: Mapping[str, Mapping[str, int]], names: list[str]
+    ) -> dict[str, PodView]:
+        """:meth:`_views` for an in-memory index and load store: no awaits."""
+        assert self._local_load is not None
+        return self._merge_views(hits, self._local_load.snapshot_now(names), names)
+
+    def _merge_views(
+        self,
+        hits: Mapping[str, Mapping[str, int]],
+        load: Mapping[str, tuple[int, int]],
+        names: list[str],
+    ) -> dict[str, PodView]:
         now = time.monotonic()
+        pending = self.pending.get  # read after the awaits (PendingLoad)
+        scraped_of = self.scraper.get if self.scraper is not None else None
         views: dict[str, PodView] = {}
         for name in names:
-            inflight, prefill = load.get(name, (0, 0))
-            p_n, p_tokens = self.pending.get(name)  # after the awaits (PendingLoad)
-            inflight += p_n
-            prefill += p_tokens
-            scraped = self.scraper.get(name, now) if self.scraper is not None else None
-            views[name] = PodView(
-                pod=name,
-                hits=dict(hits.get(name, {})),
-                inflight=inflight,
-                outstanding_prefill_tokens=prefill,
-                waiting=scraped.waiting if scraped else None,
-                running=scraped.running if scraped else None,
-                kv_usage=scraped.kv_usage if scraped else None,
-            )
+            inflight, prefill = load.get(name, _NO_LOAD)
+            p_n, p_tokens = pending(name)
+            scraped = scraped_of(name, now) if scraped_of is not None else None
+            held = hits.get(name)
+            if scraped is None:
+                views[name] = PodView(
+                    name, dict(held) if held else {}, inflight + p_n, prefill + p_tokens
+                )
+            else:
+                views[name] = PodView(
+                    name,
+                    dict(held) if held else {},
+                    inflight + p_n,
+                    prefill + p_tokens,
+                    scraped.waiting,
+                    scraped.running,
+                    scraped.kv_usage,
+                )
         return views
 
     async def _decide_embedding(
@@ -414,15 +471,19 @@ class RequestRouter:
 
 
 def _rank(decision: Decision, names: Sequence[str]) -> list[str]:
-    """Candidates best first: the decision's pod, then by score."""
+    """Candidates best first: the decision's pod, then by score (unscored pods last;
+    equal scores keep the candidates' order)."""
     scores = decision.scores
-    sign = 1.0 if decision.lower_is_better else -1.0
-    worst = float("inf")
-    rest = sorted(
-        (n for n in names if n != decision.pod),
-        key=lambda n: sign * scores[n] if n in scores else worst,
-    )
-    return [decision.pod, *rest]
+    chosen = decision.pod
+    rest = [n for n in names if n != chosen]
+    if len(rest) > 1:
+        if all(n in scores for n in rest):  # the usual case: every candidate scored
+            rest.sort(key=scores.__getitem__, reverse=not decision.lower_is_better)
+        else:
+            sign = 1.0 if decision.lower_is_better else -1.0
+            worst = float("inf")
+            rest.sort(key=lambda n: sign * scores[n] if n in scores else worst)
+    return [chosen, *rest]
 
 
 def explain(routed: Routed, registry: PodRegistry, policy: str) -> dict[str, Any]:

@@ -110,6 +110,8 @@ class BlockHasher:
         cache_salt: str | None = None,
     ) -> list[int]:
         """The key chain of a whole prompt (starting at token 0)."""
+        if len(token_ids) < self.block_size:
+            return []  # no full block: nothing to hash
         return chain_keys(
             token_ids,
             self.block_size,

@@ -191,10 +191,17 @@ class ChatEncoder:
         self._cached_tokens = 0
         self._lock = threading.Lock()
         self._count_errors = _CountErrors(self)
+        self._remote_prompt = getattr(tokenizer, "aencode_prompt", None)
+        self._approximate = bool(getattr(tokenizer, "approximate", False))
 
     @property
     def approximate(self) -> bool:
-        return bool(getattr(self.tokenizer, "approximate", False))
+        return self._approximate
+
+    def inline_prompt(self, prompt: str) -> bool:
+        """True when :meth:`aencode_prompt` would only call :meth:`encode_prompt` (a local
+        tokenizer and a prompt below ``offload_chars``): the caller may call it directly."""
+        return self._remote_prompt is None and len(prompt) <= self.offload_chars
 
     # --- completions ------------------------------------------------------------------
 
@@ -208,7 +215,7 @@ class ChatEncoder:
     async def aencode_prompt(
         self, prompt: str, *, lora: str | None = None, cache_salt: str | None = None
     ) -> EncodedPrompt:
-        remote = getattr(self.tokenizer, "aencode_prompt", None)
+        remote = self._remote_prompt
         if remote is not None:
             with self._count_errors:
                 ids = await remote(prompt)
@@ -286,7 +293,7 @@ class ChatEncoder:
         with self._lock:
             self.stats.requests += 1
             self.stats.tokenized_tokens += len(ids)
-        return EncodedPrompt(ids, keys, approximate=self.approximate)
+        return EncodedPrompt(ids, keys, self._approximate)
 
     def _encode_incremental(
         self,
