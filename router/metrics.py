@@ -175,10 +175,47 @@ class _CallbackCollector(Collector):
         return list(self._fn())
 
 
+class PodMetrics:
+    """The children of the per-(model, pod) families that every answered request
+    touches, looked up once (:meth:`RouterMetrics.pod_metrics`); a child is created on
+    first use, as :meth:`RouterMetrics.child` would."""
+
+    __slots__ = ("_by_status", "_cached", "_labels", "_metrics", "_prompt", "inflight")
+
+    def __init__(self, metrics: RouterMetrics, model: str, pod: str, policy: str) -> None:
+        self.inflight = metrics.inflight.labels(pod)
+        self._metrics = metrics
+        self._labels = (model, pod, policy)
+        self._by_status: dict[int, Any] = {}
+        self._prompt: Any = None
+        self._cached: Any = None
+
+    def requests(self, status: int) -> Any:
+        """The ``kvroute_requests`` child of this model, pod, policy and ``status``."""
+        child = self._by_status.get(status)
+        if child is None:
+            model, pod, policy = self._labels
+            child = self._by_status[status] = self._metrics.requests.labels(
+                model, pod, str(status), policy
+            )
+        return child
+
+    def served(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count a request's prompt tokens and predicted cached tokens."""
+        if self._prompt is None:
+            model, pod, _ = self._labels
+            m = self._metrics
+            self._prompt = m.prompt_tokens.labels(model, pod)
+            self._cached = m.predicted_cached_tokens.labels(model, pod)
+        self._prompt.inc(prompt_tokens)
+        self._cached.inc(cached_tokens)
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._pods: dict[tuple[str, str, str], PodMetrics] = {}
         # per-request families: HotFamily (see there); the rest: prometheus_client
         self.requests = self._hot(
             "counter",
@@ -284,10 +321,21 @@ class RouterMetrics:
             c = self._children[key] = metric.labels(*values)
         return c
 
+    def pod_metrics(self, model: str, pod: str, policy: str) -> PodMetrics:
+        """The per-request children for ``model`` on ``pod`` (cached like :meth:`child`)."""
+        key = (model, pod, policy)
+        c = self._pods.get(key)
+        if c is None:
+            if len(self._pods) > 65_536:  # unbounded label values: stay bounded
+                self._pods.clear()
+            c = self._pods[key] = PodMetrics(self, model, pod, policy)
+        return c
+
     def forget_pod(self, pod: str) -> None:
         """Drop a departed pod's per-pod gauges (and every cached child, which may hold
         one of them)."""
         self._children.clear()
+        self._pods.clear()
         with contextlib.suppress(KeyError):
             self.inflight.remove(pod)
         with contextlib.suppress(KeyError):

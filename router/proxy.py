@@ -41,7 +41,7 @@ from starlette.types import Receive, Scope, Send
 from router.config import ProxySettings
 from router.errors import RouterError
 from router.load import LoadStore, PendingLoad, RequestLoad
-from router.metrics import RouterMetrics
+from router.metrics import PodMetrics, RouterMetrics
 from router.pods import PodRegistry
 from router.routing import Routed
 from scoring.policies.base import Policy
@@ -282,17 +282,16 @@ class Proxy:
         return target
 
     def _count(self, routed: Routed, pod: str, status: int) -> None:
-        m = self.metrics
-        m.child(m.requests, routed.model, pod, str(status), self.policy_name).inc()
+        self.metrics.pod_metrics(routed.model, pod, self.policy_name).requests(status).inc()
 
-    def _served(self, routed: Routed, pod: str) -> None:
+    def _served(self, routed: Routed, pod: str, pm: PodMetrics | None = None) -> None:
         """Prompt tokens and predicted cached tokens, labelled with the pod the request
         was finally sent to (after a retry: the retry's pod, not the first choice)."""
         if routed.kind == "embedding" or pod not in routed.views:
             return
-        m = self.metrics
-        m.child(m.prompt_tokens, routed.model, pod).inc(routed.route.prompt_tokens)
-        m.child(m.predicted_cached_tokens, routed.model, pod).inc(routed.cached_tokens(pod))
+        if pm is None:
+            pm = self.metrics.pod_metrics(routed.model, pod, self.policy_name)
+        pm.served(routed.route.prompt_tokens, routed.cached_tokens(pod))
 
     async def _attempt(
         self, target: _Target, head: bytes, body: bytes, stream: bool, last: bool
@@ -323,18 +322,21 @@ class Proxy:
         attempts = routed.ranking[: 1 + self.settings.retries]
         last_error: RouterError | None = None
         m = self.metrics
+        route = routed.route
+        tokens = route.prompt_tokens
+        n_attempts = len(attempts)
         for i, pod in enumerate(attempts):
             state = self.registry.get(pod)
             if state is None:  # vanished between decision and send
                 continue
-            last = i == len(attempts) - 1
+            last = i == n_attempts - 1
             if i > 0:
                 m.child(m.retries, last_error.reason if last_error else "unknown").inc()
-            tokens = routed.route.prompt_tokens
+            pm = m.pod_metrics(routed.model, pod, self.policy_name)
             load = RequestLoad(self.load, pod, tokens)
             # the policy hears of the request now (its in-flight bookkeeping must see it
             # while it runs); the pending overlay covers the shared store's round trip
-            self.policy.on_routed(routed.route, pod)
+            self.policy.on_routed(route, pod)
             if load.local is not None:
                 load.begin_now()
             else:
@@ -343,7 +345,7 @@ class Proxy:
                     await load.begin()
                 finally:
                     self.pending.remove(pod, tokens)
-            gauge = m.child(m.inflight, pod)
+            gauge = pm.inflight
             gauge.inc()
             try:
                 target = self._target(state.spec.url, path)
@@ -353,8 +355,8 @@ class Proxy:
                 )
             except _Disconnected:
                 await self._finish(load, gauge, routed, pod)
-                self._served(routed, pod)
-                self._count(routed, pod, 499)
+                self._served(routed, pod, pm)
+                pm.requests(499).inc()
                 return Response(status_code=499)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
                 await self._finish(load, gauge, routed, pod)
@@ -365,18 +367,18 @@ class Proxy:
                 continue
             except httpx.TimeoutException:
                 await self._finish(load, gauge, routed, pod)
-                self._served(routed, pod)
+                self._served(routed, pod, pm)
                 m.child(m.upstream_errors, pod, "timeout").inc()
-                self._count(routed, pod, 504)
+                pm.requests(504).inc()
                 return RouterError(
                     504, f"pod {pod} did not answer in time", reason="upstream_timeout"
                 ).response({self.pod_header: pod})
             except httpx.HTTPError as exc:
                 await self._finish(load, gauge, routed, pod)
-                self._served(routed, pod)
+                self._served(routed, pod, pm)
                 m.child(m.upstream_errors, pod, "transport").inc()
                 last_error = RouterError(502, f"pod {pod} failed: {exc!r}", reason="transport")
-                self._count(routed, pod, 502)
+                pm.requests(502).inc()
                 return last_error.response({self.pod_header: pod})
 
             if content is None and resp.status in RETRYABLE_STATUS and not last:
@@ -389,10 +391,15 @@ class Proxy:
                     reason=f"status_{resp.status}",
                 )
                 continue
-            self._served(routed, pod)
+            self._served(routed, pod, pm)
             if content is not None:
-                await self._complete(load, gauge, routed, pod)
-                self._count(routed, pod, resp.status)
+                if load.local is not None:
+                    gauge.dec()
+                    load.end_now()
+                    self.policy.on_complete(route, pod)
+                else:
+                    await self._complete(load, gauge, routed, pod)
+                pm.requests(resp.status).inc()
                 out = self._response_headers(resp, pod)
                 out.append((b"content-length", b"%d" % len(content)))
                 return _RawResponse(resp.status, out, content)
