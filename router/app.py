@@ -49,6 +49,7 @@ from scoring.policies import build_policy
 from scoring.policies.base import Policy
 
 log = logging.getLogger(__name__)
+_perf = time.perf_counter
 
 
 class Gateway:
@@ -316,9 +317,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(fastapi_app: FastAPI) -> AsyncIterator[None]:
         gateway = Gateway(settings)
-        app.state.gateway = gateway
+        fastapi_app.state.gateway = app.gateway = gateway
         await gateway.start()
         try:
             yield
@@ -371,12 +372,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def _fast(scope: Scope, receive: Receive, send: Send, kind: Kind, path: str) -> None:
         """The generation endpoints straight on ASGI: no Request object, no routing
         table, no dependency solving; headers as one plain dict (names are lowercase
-        in ASGI; a repeated header keeps its last value)."""
+        in ASGI; a repeated header keeps its last value).  :func:`_generate`, inline."""
         raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
         try:
-            g: Gateway = scope["app"].state.gateway
-            response = await _generate(g, kind, path, headers, raw_headers, receive)
+            g: Gateway = app.gateway
+            started = _perf()
+            g.check_api_key(headers)
+            raw = await g.receive_body(headers, receive)
+            try:
+                body = parse_body(raw)
+            except RouterError as err:
+                raise g.router.reject(err) from None
+            routed = await g.router.decide(kind, body, headers)
+            response = await g.proxy.forward(routed, path, raw, raw_headers, receive, started)
         except RouterError as err:
             response = err.response()
         except Exception:
@@ -466,6 +475,8 @@ class _GatewayApp(FastAPI):
     and its throughput); errors are still OpenAI JSON.  Everything else is FastAPI."""
 
     fast_routes: dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]]
+    #: the lifespan's gateway (also ``state.gateway``), a plain attribute for the fast path
+    gateway: Gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":

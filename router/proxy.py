@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -149,43 +150,90 @@ async def _wait_disconnect(receive: Receive) -> None:
 WATCH_DISCONNECT_AFTER_S = 0.02
 
 
-async def _race_disconnect(work: Awaitable[Any], receive: Receive) -> Any:
-    """Await ``work`` in this task; if the client disconnects first, cancel it (closing
-    the upstream connection) and raise _Disconnected.  The watcher task that listens
-    for the disconnect is started only once ``work`` ran ``WATCH_DISCONNECT_AFTER_S``."""
-    current = asyncio.current_task()
-    assert current is not None
-    loop = current.get_loop()
-    finished = False
-    gone = False
-    watch: asyncio.Task[None] | None = None
+class _Watch:
+    """One attempt whose client may go away: the task running it and its ``receive``."""
 
-    def on_disconnect(t: asyncio.Task[None]) -> None:
-        nonlocal gone
-        if finished or t.cancelled() or t.exception() is not None:
-            return
-        gone = True
-        current.cancel()
+    __slots__ = ("due", "gone", "receive", "task", "watcher")
 
-    def start_watch() -> None:
-        nonlocal watch
-        if not finished:
-            watch = loop.create_task(_wait_disconnect(receive))
-            watch.add_done_callback(on_disconnect)
+    def __init__(self, task: asyncio.Task[Any], receive: Receive, due: float) -> None:
+        self.task = task
+        self.receive = receive
+        self.due = due
+        self.gone = False
+        self.watcher: asyncio.Task[None] | None = None
 
-    timer = loop.call_later(WATCH_DISCONNECT_AFTER_S, start_watch)
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if gone:
-            current.uncancel()
-            raise _Disconnected() from None
-        raise
-    finally:
-        finished = True
-        timer.cancel()
-        if watch is not None:
-            watch.cancel()
+
+class DisconnectWatch:
+    """Cancels an attempt when its client disconnects, listening (a task reading
+    ``receive`` until ``http.disconnect``) only for attempts still running after
+    ``after_s``.
+
+    One loop timer serves every attempt: it is armed for the earliest attempt due and,
+    when it fires, starts the watchers of the attempts due and re-arms for the next one
+    (a timer per attempt cost more than the rest of the attempt's bookkeeping).  Use::
+
+        w = watch.begin(receive)
+        try:
+            ... await the upstream ...
+        except asyncio.CancelledError:
+            if watch.gone(w): raise _Disconnected   # the client left
+            raise
+        finally:
+            watch.end(w)
+    """
+
+    def __init__(self, after_s: float = WATCH_DISCONNECT_AFTER_S) -> None:
+        self.after_s = after_s
+        self._live: set[_Watch] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def begin(self, receive: Receive) -> _Watch:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = task.get_loop()
+        w = _Watch(task, receive, loop.time() + self.after_s)
+        self._live.add(w)
+        if self._timer is None or self._loop is not loop:  # (a timer of a closed loop)
+            self._loop = loop
+            self._timer = loop.call_at(w.due, self._sweep, loop)
+        return w
+
+    def end(self, w: _Watch) -> None:
+        self._live.discard(w)
+        if w.watcher is not None:
+            w.watcher.cancel()
+            w.watcher = None
+
+    def gone(self, w: _Watch) -> bool:
+        """True when ``w``'s client disconnected (its task was cancelled for that; the
+        cancellation is withdrawn here)."""
+        if w.gone:
+            w.task.uncancel()
+            return True
+        return False
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        now = loop.time()
+        nxt: float | None = None
+        for w in self._live:
+            if w.watcher is not None:
+                continue
+            if w.due <= now:
+                w.watcher = loop.create_task(_wait_disconnect(w.receive))
+                w.watcher.add_done_callback(functools.partial(_on_disconnect, w))
+            elif nxt is None or w.due < nxt:
+                nxt = w.due
+        if nxt is not None:
+            self._timer = loop.call_at(nxt, self._sweep, loop)
+
+
+def _on_disconnect(w: _Watch, t: asyncio.Task[None]) -> None:
+    if w.watcher is not t or t.cancelled() or t.exception() is not None:
+        return  # the attempt ended first (or the watcher failed)
+    w.gone = True
+    w.task.cancel()
 
 
 class _RawResponse(Response):
@@ -253,6 +301,7 @@ class Proxy:
         self._own_transport = transport is None
         self.transport = transport or PodTransport(settings.max_keepalive)
         self._targets: dict[tuple[str, str], _Target] = {}
+        self._watch = DisconnectWatch()
         self._connect_timeout = settings.connect_timeout_s
         self._read_timeout = settings.read_timeout_s
         self._drop = _DROP_REQUEST_B | (
@@ -293,21 +342,6 @@ class Proxy:
             pm = self.metrics.pod_metrics(routed.model, pod, self.policy_name)
         pm.served(routed.route.prompt_tokens, routed.cached_tokens(pod))
 
-    async def _attempt(
-        self, target: _Target, head: bytes, body: bytes, stream: bool, last: bool
-    ) -> tuple[_Upstream, bytes | None]:
-        """Send; unless the answer is retryable (and this is not the last attempt) or a
-        stream, read the whole body too.  -> (response, body or None)."""
-        resp = await self.transport.send_raw(
-            target.host, target.port, head, body, self._connect_timeout, self._read_timeout
-        )
-        if (resp.status in RETRYABLE_STATUS and not last) or stream or resp.is_event_stream:
-            return resp, None
-        try:
-            return resp, await resp.stream.read_all()
-        finally:
-            await resp.stream.aclose()
-
     async def forward(
         self,
         routed: Routed,
@@ -347,12 +381,36 @@ class Proxy:
                     self.pending.remove(pod, tokens)
             gauge = pm.inflight
             gauge.inc()
+            watch = self._watch.begin(receive)
             try:
-                target = self._target(state.spec.url, path)
-                resp, content = await _race_disconnect(
-                    self._attempt(target, target.lead + tail, raw_body, routed.stream, last),
-                    receive,
-                )
+                # send; unless the answer is retryable (and this is not the last
+                # attempt) or a stream, read the whole body too
+                try:
+                    target = self._target(state.spec.url, path)
+                    resp = await self.transport.send_raw(
+                        target.host,
+                        target.port,
+                        target.lead + tail,
+                        raw_body,
+                        self._connect_timeout,
+                        self._read_timeout,
+                    )
+                    content: bytes | None = None
+                    if not (
+                        (resp.status in RETRYABLE_STATUS and not last)
+                        or routed.stream
+                        or resp.is_event_stream
+                    ):
+                        try:
+                            content = await resp.stream.read_all()
+                        finally:
+                            await resp.stream.aclose()
+                except asyncio.CancelledError:
+                    if self._watch.gone(watch):
+                        raise _Disconnected() from None
+                    raise
+                finally:
+                    self._watch.end(watch)
             except _Disconnected:
                 await self._finish(load, gauge, routed, pod)
                 self._served(routed, pod, pm)
@@ -419,9 +477,7 @@ class Proxy:
             await load.end()
 
     def _response_headers(self, resp: _Upstream, pod: str) -> list[tuple[bytes, bytes]]:
-        out = [(k, v) for k, v in resp.headers if k.lower() not in _DROP_RESPONSE_B]
-        out.append((self._pod_header_b, pod.encode("latin-1")))
-        return out
+        return [*resp.relay_headers, (self._pod_header_b, pod.encode("latin-1"))]
 
     def _relay_stream(
         self,
@@ -492,12 +548,56 @@ def _expire(fut: asyncio.Future[None]) -> None:
         fut.set_exception(httpx.ReadTimeout("timed out waiting for the pod"))
 
 
+class _Deadlines:
+    """The read timeouts of every connection waiting for its pod, on one loop timer
+    armed for the earliest deadline (a timer per wait cost as much as the rest of the
+    read); when it fires, the waits past their deadline fail with ReadTimeout and it is
+    armed again for the next one."""
+
+    def __init__(self) -> None:
+        self._waiting: set[_Conn] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._at = 0.0
+
+    def add(self, conn: _Conn, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        self._waiting.add(conn)
+        if self._timer is None or deadline < self._at or self._loop is not loop:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._loop = loop
+            self._arm(loop, deadline)
+
+    def discard(self, conn: _Conn) -> None:
+        self._waiting.discard(conn)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        self._at = at
+        self._timer = loop.call_at(at, self._fire, loop)
+
+    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        now = loop.time()
+        nxt: float | None = None
+        for conn in list(self._waiting):
+            if conn.deadline <= now:
+                self._waiting.discard(conn)
+                if conn._waiter is not None:
+                    _expire(conn._waiter)
+            elif nxt is None or conn.deadline < nxt:
+                nxt = conn.deadline
+        if nxt is not None:
+            self._arm(loop, nxt)
+
+
 class _Conn(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection to a pod; responses are parsed as bytes arrive
     (httptools, the parser uvicorn uses) and handed to one waiting reader."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, deadlines: _Deadlines) -> None:
         self.loop = loop
+        self.deadlines = deadlines
+        self.deadline = 0.0  # of the current wait (loop time)
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.reused = False
@@ -513,6 +613,8 @@ class _Conn(asyncio.Protocol):
         self.complete = False
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
+        #: the headers a relay passes back (hop-by-hop, Date and Server dropped)
+        self.relay_headers: list[tuple[bytes, bytes]] = []
         self.chunks: list[bytes] = []
         self.buffered = 0
         self.length: int | None = None
@@ -552,6 +654,8 @@ class _Conn(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
         lname = name.lower()
+        if lname not in _DROP_RESPONSE_B:
+            self.relay_headers.append((name, value))
         if lname == b"content-type":
             self.event_stream = value.startswith(b"text/event-stream")
         elif lname == b"content-length":
@@ -582,14 +686,21 @@ class _Conn(asyncio.Protocol):
 
     async def wait(self, timeout: float | None) -> None:
         """Until more bytes arrive or the connection ends (ReadTimeout after ``timeout``)."""
-        fut = self._waiter = self.loop.create_future()
-        timer = self.loop.call_later(timeout, _expire, fut) if timeout is not None else None
+        loop = self.loop
+        fut = self._waiter = loop.create_future()
+        if timeout is None:
+            try:
+                await fut
+            finally:
+                self._waiter = None
+            return
+        self.deadline = loop.time() + timeout
+        self.deadlines.add(self, loop, self.deadline)
         try:
             await fut
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
+            self.deadlines.discard(self)
 
     def take(self) -> list[bytes]:
         """The body bytes received so far (and resume reading if it was paused)."""
@@ -695,6 +806,7 @@ class PodTransport(httpx.AsyncBaseTransport):
         self.max_keepalive = max_keepalive_per_pod
         self._origins: dict[tuple[str, int], _Origin] = {}
         self._closed = False
+        self._deadlines = _Deadlines()
 
     def _release(self, origin: _Origin, conn: _Conn) -> None:
         if self._closed or len(origin.idle) >= self.max_keepalive:
@@ -709,7 +821,7 @@ class PodTransport(httpx.AsyncBaseTransport):
         try:
             async with asyncio.timeout(timeout):
                 _, conn = await loop.create_connection(
-                    lambda: _Conn(loop), origin.host, origin.port
+                    lambda: _Conn(loop, self._deadlines), origin.host, origin.port
                 )
         except TimeoutError:
             raise httpx.ConnectTimeout(f"connecting to {origin.host}:{origin.port}") from None
@@ -787,7 +899,7 @@ class PodTransport(httpx.AsyncBaseTransport):
                 raise httpx.RemoteProtocolError("server disconnected without sending a response")
             await conn.wait(read_timeout)
         stream = _BodyStream(self, origin, conn, read_timeout)
-        return _Upstream(conn.status, conn.headers, stream, conn.event_stream)
+        return _Upstream(conn.status, conn.headers, stream, conn.event_stream, conn.relay_headers)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -800,7 +912,7 @@ class PodTransport(httpx.AsyncBaseTransport):
 class _Upstream:
     """A pod's response head (raw headers as sent) and its body stream."""
 
-    __slots__ = ("headers", "is_event_stream", "status", "stream")
+    __slots__ = ("headers", "is_event_stream", "relay_headers", "status", "stream")
 
     def __init__(
         self,
@@ -808,11 +920,18 @@ class _Upstream:
         headers: list[tuple[bytes, bytes]],
         stream: _BodyStream,
         is_event_stream: bool,
+        relay_headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         self.status = status
         self.headers = headers
         self.stream = stream
         self.is_event_stream = is_event_stream
+        #: ``headers`` less the hop-by-hop ones, Date and Server
+        self.relay_headers = (
+            relay_headers
+            if relay_headers is not None
+            else [(k, v) for k, v in headers if k.lower() not in _DROP_RESPONSE_B]
+        )
 
 
 class _StaleConnection(Exception):
