@@ -300,6 +300,17 @@ class MetricsScraper:
             return None
         return s
 
+    def fresh(self) -> Callable[[str], Scraped | None]:
+        """:meth:`get` at one instant, for reading several pods (one clock read)."""
+        scraped = self._scraped
+        oldest = time.monotonic() - self.stale_after_s
+
+        def get(pod: str) -> Scraped | None:
+            s = scraped.get(pod)
+            return s if s is not None and s.at >= oldest else None
+
+        return get
+
     def block_size(self, pods: Iterable[str]) -> int | None:
         """The block size the given pods report (the first fresh one; they should agree)."""
         for p in pods:
@@ -309,9 +320,14 @@ class MetricsScraper:
         return None
 
     def model_max_len(self, model: str, pods: Iterable[str]) -> int | None:
-        lens = [self.max_model_len.get(p, {}).get(model) for p in pods]
-        known = [n for n in lens if n]
-        return min(known) if known else None
+        known = self.max_model_len
+        out: int | None = None
+        for p in pods:
+            lens = known.get(p)
+            n = lens.get(model) if lens is not None else None
+            if n and (out is None or n < out):
+                out = n
+        return out
 
     # running ---------------------------------------------------------------------------
 

@@ -296,8 +296,6 @@ class RequestRouter:
                 ids = list(prompt)
                 keys = encoder.hasher.keys(ids, lora=lora, cache_salt=cache_salt)
                 return EncodedPrompt(ids, keys)
-            if encoder.inline_prompt(prompt):
-                return encoder.encode_prompt(prompt, lora=lora, cache_salt=cache_salt)
             return await encoder.aencode_prompt(prompt, lora=lora, cache_salt=cache_salt)
         except TokenizeError as exc:
             raise bad_request(f"cannot tokenize the request: {exc}", "tokenize_failed") from None
@@ -338,7 +336,23 @@ class RequestRouter:
         base, lora = self._base_and_lora(model, pods)
         bs = self.block_size(model, names)
         entry = self._encoding(model, base, bs)
-        enc = await self._encode(kind, body, prompt, entry, lora)
+        if kind == "completion" and type(prompt) is str and entry.encoder.inline_prompt(prompt):
+            # the common completion: a local tokenizer, inline (what _encode does, minus
+            # its coroutine)
+            salt = body.get("cache_salt")
+            t_tok = _perf()
+            try:
+                enc = entry.encoder.encode_prompt(
+                    prompt, lora=lora, cache_salt=salt if isinstance(salt, str) and salt else None
+                )
+            except TokenizeError as exc:
+                raise bad_request(
+                    f"cannot tokenize the request: {exc}", "tokenize_failed"
+                ) from None
+            finally:
+                entry.hist.observe(_perf() - t_tok)
+        else:
+            enc = await self._encode(kind, body, prompt, entry, lora)
         ids, keys = enc.token_ids, enc.block_keys
         max_len = self._max_len(model, names)
         if max_len is not None and len(ids) > max_len:
@@ -412,25 +426,28 @@ class RequestRouter:
         load: Mapping[str, tuple[int, int]],
         names: list[str],
     ) -> dict[str, PodView]:
-        now = time.monotonic()
-        pending = self.pending.get  # read after the awaits (PendingLoad)
-        scraped_of = self.scraper.get if self.scraper is not None else None
+        # the pending overlay (read after the awaits) only ever holds anything with a
+        # shared store: the proxy updates a local one synchronously
+        pending = self.pending.get if self._local_load is None else None
+        scraper = self.scraper
+        scraped_of = scraper.fresh() if scraper is not None else None
         views: dict[str, PodView] = {}
         for name in names:
             inflight, prefill = load.get(name, _NO_LOAD)
-            p_n, p_tokens = pending(name)
-            scraped = scraped_of(name, now) if scraped_of is not None else None
+            if pending is not None:
+                p_n, p_tokens = pending(name)
+                inflight += p_n
+                prefill += p_tokens
             held = hits.get(name)
+            scraped = scraped_of(name) if scraped_of is not None else None
             if scraped is None:
-                views[name] = PodView(
-                    name, dict(held) if held else {}, inflight + p_n, prefill + p_tokens
-                )
+                views[name] = PodView(name, dict(held) if held else {}, inflight, prefill)
             else:
                 views[name] = PodView(
                     name,
                     dict(held) if held else {},
-                    inflight + p_n,
-                    prefill + p_tokens,
+                    inflight,
+                    prefill,
                     scraped.waiting,
                     scraped.running,
                     scraped.kv_usage,

@@ -226,7 +226,8 @@ class CostPolicy(Policy):
     def pick(self, request: RouteRequest, pods: Sequence[PodView]) -> Decision:
         # predict_ttft inlined over the candidates (same arithmetic, same order of
         # operations: the replay's numbers must not move); this runs on every request
-        require_candidates(self.name, pods)
+        if not pods:
+            require_candidates(self.name, pods)  # raises
         p = self._p
         ledger = self._ledger
         discount = p.discount_queued_hits
@@ -270,12 +271,16 @@ class CostPolicy(Policy):
         best = min(predicted.values())
         limit = best + p.tie_epsilon_s
         tied = [name for name, t in predicted.items() if t <= limit]
-        if len(tied) == 1:
-            chosen = tied[0]
-        else:
+        chosen = tied[0]
+        if len(tied) > 1:  # rendezvous: the highest hash (the first of equal ones) wins
             rid = request.request_id.encode() + b"\x00"
             seed = p.seed
-            chosen = max(tied, key=lambda name: _h64(rid + name.encode(), seed))
+            top = -1
+            for name in tied:
+                h = _h64(rid + name.encode(), seed)
+                if h > top:
+                    top = h
+                    chosen = name
         # the predicted uncached tokens per pod are prompt - cached (on_routed)
         self._scored[_key(request)] = (prompt, cached)
         while len(self._scored) > _MAX_SCORED:  # picks never routed must not pile up
