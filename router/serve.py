@@ -99,10 +99,57 @@ class _OneWriteTransport:
 
 class OneWriteHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, writing through :class:`_OneWriteTransport` (one
-    ``send()`` per response instead of head + body)."""
+    ``send()`` per response instead of head + body), with a keep-alive timer that is
+    not re-made per request.
+
+    uvicorn arms a ``timeout_keep_alive`` timer after every response and cancels it when
+    the next request's bytes arrive: two timer operations per request on a busy
+    connection.  Here the response only notes when the connection went idle; the timer,
+    armed once, checks when it fires whether the connection has been idle for the
+    whole timeout (then closes it) or re-arms for the end of the current idle period
+    (a busy connection re-arms at its next response)."""
+
+    _idle_since: float | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_OneWriteTransport(transport, self.loop))  # type: ignore[arg-type]
+
+    def _unset_keepalive_if_required(self) -> None:
+        self._idle_since = None  # busy: the timer, if armed, finds the connection busy
+
+    def on_response_complete(self) -> None:
+        # uvicorn's, but the keep-alive timer is armed only when none is
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._idle_since = None
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self._idle_since = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+
+    def timeout_keep_alive_handler(self) -> None:
+        self.timeout_keep_alive_task = None
+        idle = self._idle_since
+        if idle is None or self.transport.is_closing():
+            return  # busy (its response re-arms) or gone
+        due = idle + self.timeout_keep_alive
+        if self.loop.time() >= due:
+            self.transport.close()
+        else:
+            self.timeout_keep_alive_task = self.loop.call_at(due, self.timeout_keep_alive_handler)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if self.timeout_keep_alive_task is not None:
+            self.timeout_keep_alive_task.cancel()
+            self.timeout_keep_alive_task = None
 
 
 class _InLoopServer(uvicorn.Server):
@@ -120,7 +167,9 @@ class RunningServer:
     :attr:`url` is then the base URL.  ``await stop()`` shuts it down cleanly.
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, app: Any, host: str = "127.0.0.1", port: int = 0, *, timeout_keep_alive: float = 5
+    ) -> None:
         # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets
         # whose listening socket says IPPROTO_TCP (a plain socket.socket() says 0, and
         # then every small response write waits ~40 ms for a delayed ACK)
@@ -138,6 +187,7 @@ class RunningServer:
             loop="none",
             access_log=False,
             timeout_graceful_shutdown=2,
+            timeout_keep_alive=timeout_keep_alive,  # type: ignore[arg-type]
         )
         self.server = _InLoopServer(config)
         self._task: asyncio.Task[None] | None = None

@@ -1,5 +1,7 @@
 """How `kvroute serve` writes responses: everything a response writes within one event-
-loop step leaves in one send (uvicorn writes the head and the body separately)."""
+loop step leaves in one send (uvicorn writes the head and the body separately); and how
+it keeps connections alive (idle ones close after ``timeout_keep_alive``, busy ones
+stay)."""
 
 from __future__ import annotations
 
@@ -82,3 +84,48 @@ async def test_served_responses_through_the_one_write_protocol_are_complete() ->
                 r = await client.get("/")
                 assert r.status_code == 200
                 assert r.text == "part1-part2" and r.headers["x-n"] == "1"
+
+
+async def _ok_app(scope: Any, receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+    )
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def _call(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert await reader.readexactly(2) == b"ok"
+
+
+async def test_an_idle_keep_alive_connection_is_closed_after_the_timeout() -> None:
+    async with RunningServer(_ok_app, timeout_keep_alive=0.2) as server:
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        try:
+            await _call(reader, writer)
+            # the server closes it (the guard only bounds a hang)
+            assert await asyncio.wait_for(reader.read(), 30) == b""
+        finally:
+            writer.close()
+
+
+async def test_a_connection_busier_than_the_keep_alive_timeout_stays_open() -> None:
+    async with RunningServer(_ok_app, timeout_keep_alive=1.0) as server:
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        try:
+            # requests 50 ms apart for 2.5 timeouts: the timer fires while the
+            # connection is in use and must re-arm, not close it
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 2.5
+            n = 0
+            while loop.time() < end:
+                await _call(reader, writer)
+                n += 1
+                await asyncio.sleep(0.05)
+            assert n > 10 and not reader.at_eof()
+        finally:
+            writer.close()
