@@ -286,6 +286,9 @@ class MetricsScraper:
         #: LoRA adapter id -> base model id (the ``parent`` field of /v1/models)
         self.parents: dict[str, str] = {}
         self._rounds = 0
+        #: bumped whenever what the request path derives per model may change (a pod's
+        #: block size, max_model_len or adapter parents learned or forgotten)
+        self.version = 0
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
@@ -341,6 +344,7 @@ class MetricsScraper:
     def forget(self, pod: str) -> None:
         self._scraped.pop(pod, None)
         self.max_model_len.pop(pod, None)
+        self.version += 1
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -369,7 +373,11 @@ class MetricsScraper:
         try:
             r = await self.client.get(url.rstrip("/") + "/metrics", timeout=self.timeout_s)
             r.raise_for_status()
-            self._scraped[pod] = parse_vllm_metrics(r.text)
+            scraped = parse_vllm_metrics(r.text)
+            old = self._scraped.get(pod)
+            self._scraped[pod] = scraped
+            if old is None or old.block_size != scraped.block_size:
+                self.version += 1
         except Exception as exc:
             log.debug("scrape of %s failed: %s", pod, exc)
             if self.on_error is not None:
@@ -388,9 +396,14 @@ class MetricsScraper:
                 for m in data
                 if isinstance(m, dict) and m.get("id") and m.get("max_model_len")
             }
-            self.max_model_len[pod] = lens
+            if self.max_model_len.get(pod) != lens:
+                self.max_model_len[pod] = lens
+                self.version += 1
             for m in data:
                 if isinstance(m, dict) and m.get("parent") and m.get("id") != m.get("parent"):
-                    self.parents[str(m["id"])] = str(m["parent"])
+                    adapter, parent = str(m["id"]), str(m["parent"])
+                    if self.parents.get(adapter) != parent:
+                        self.parents[adapter] = parent
+                        self.version += 1
         except Exception as exc:
             log.debug("/v1/models of %s failed: %s", pod, exc)

@@ -53,6 +53,8 @@ class PodRegistry:
     def __init__(self) -> None:
         self._pods: dict[str, PodState] = {}
         self._listeners: list[PodListener] = []
+        #: bumped by every change of the fleet (a pod added, changed or removed)
+        self.version = 0
 
     def subscribe(self, listener: PodListener) -> None:
         self._listeners.append(listener)
@@ -71,6 +73,8 @@ class PodRegistry:
         new = {s.name: s for s in specs}
         removed = [n for n in self._pods if n not in new]
         changed = [n for n, s in new.items() if n not in self._pods or self._pods[n].spec != s]
+        if removed or changed:
+            self.version += 1
         for n in removed:
             del self._pods[n]
             self._notify(n, None)

@@ -93,6 +93,30 @@ class _Encoding:
 _NO_LOAD = (0, 0)
 
 
+class _Plan:
+    """What the request path derives from a model and its candidate pods (base model
+    and adapter, block size, encoder, max length), kept while the fleet and the scraped
+    values it was derived from are unchanged (``version``)."""
+
+    __slots__ = ("base", "block_size", "encoding", "lora", "max_len", "version")
+
+    def __init__(
+        self,
+        version: tuple[int, int],
+        base: str,
+        lora: str | None,
+        block_size: int,
+        encoding: _Encoding,
+        max_len: int | None,
+    ) -> None:
+        self.version = version
+        self.base = base
+        self.lora = lora
+        self.block_size = block_size
+        self.encoding = encoding
+        self.max_len = max_len
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = _decode(raw)
@@ -170,6 +194,7 @@ class RequestRouter:
         self.metrics = metrics
         self.pending = pending if pending is not None else PendingLoad()
         self._encoders: dict[tuple[int, str, int], _Encoding] = {}
+        self._plans: dict[tuple[str, ...], _Plan] = {}
         # an in-memory index and load store are read without awaiting (no coroutine per
         # request for what is a dict lookup)
         self._local_load = load if isinstance(load, MemoryLoadStore) else None
@@ -247,6 +272,28 @@ class RequestRouter:
             m = self.metrics
             entry = self._encoders[key] = _Encoding(encoder, name, m.tokenize_seconds.labels(name))
         return entry
+
+    def _plan(self, model: str, pods: Sequence[PodState], names: list[str]) -> _Plan:
+        """:meth:`_base_and_lora`, :meth:`block_size`, :meth:`_encoding` and
+        :meth:`_max_len` for ``model`` on ``names``, recomputed when the fleet or the
+        scraped values changed."""
+        version = (self.registry.version, self.scraper.version if self.scraper else 0)
+        key = (model, *names)
+        plan = self._plans.get(key)
+        if plan is None or plan.version != version:
+            base, lora = self._base_and_lora(model, pods)
+            bs = self.block_size(model, names)
+            if len(self._plans) > 4096:  # many models x candidate sets: stay bounded
+                self._plans.clear()
+            plan = self._plans[key] = _Plan(
+                version,
+                base,
+                lora,
+                bs,
+                self._encoding(model, base, bs),
+                self._max_len(model, names),
+            )
+        return plan
 
     def _max_len(self, model: str, pods: Sequence[str]) -> int | None:
         if model in self.settings.max_model_len:
@@ -333,9 +380,8 @@ class RequestRouter:
         if kind == "embedding":
             return await self._decide_embedding(body, model, stream, pods, request_id)
 
-        base, lora = self._base_and_lora(model, pods)
-        bs = self.block_size(model, names)
-        entry = self._encoding(model, base, bs)
+        plan = self._plan(model, pods, names)
+        base, lora, bs, entry = plan.base, plan.lora, plan.block_size, plan.encoding
         if kind == "completion" and type(prompt) is str and entry.encoder.inline_prompt(prompt):
             # the common completion: a local tokenizer, inline (what _encode does, minus
             # its coroutine)
@@ -354,7 +400,7 @@ class RequestRouter:
         else:
             enc = await self._encode(kind, body, prompt, entry, lora)
         ids, keys = enc.token_ids, enc.block_keys
-        max_len = self._max_len(model, names)
+        max_len = plan.max_len
         if max_len is not None and len(ids) > max_len:
             raise bad_request(
                 f"this model's maximum context length is {max_len} tokens, but the prompt has "
