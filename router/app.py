@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import gc
 import hmac
 import logging
@@ -378,7 +377,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             g: Gateway = app.gateway
             started = _perf()
-            g.check_api_key(headers)
+            if g._api_keys:
+                g.check_api_key(headers)
             raw = await g.receive_body(headers, receive)
             try:
                 body = parse_body(raw)
@@ -393,9 +393,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             response = RouterError(500, "internal router error", reason="internal").response()
         await response(scope, receive, send)
 
-    app.fast_routes = {
-        path: functools.partial(_fast, kind=kind, path=path) for path, kind in _FAST_KINDS
-    }
+    app.fast_routes = dict(_FAST_KINDS)
+    app.fast_handler = _fast
 
     async def _routed(request: Request, kind: Kind, path: str) -> Response:
         return await _generate(
@@ -474,16 +473,19 @@ class _GatewayApp(FastAPI):
     middleware stack and dependency solving (a proxy's per-request CPU is its latency
     and its throughput); errors are still OpenAI JSON.  Everything else is FastAPI."""
 
-    fast_routes: dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]]
+    #: path -> kind of the fast-path endpoints, and their handler
+    fast_routes: dict[str, Kind] = {}
+    fast_handler: Callable[[Scope, Receive, Send, Kind, str], Awaitable[None]]
     #: the lifespan's gateway (also ``state.gateway``), a plain attribute for the fast path
     gateway: Gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            handler = getattr(self, "fast_routes", {}).get(scope["path"])
-            if handler is not None:
+            path = scope["path"]
+            kind = self.fast_routes.get(path)
+            if kind is not None:
                 scope["app"] = self
-                await handler(scope, receive, send)
+                await self.fast_handler(scope, receive, send, kind, path)
                 return
         await super().__call__(scope, receive, send)
 

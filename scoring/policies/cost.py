@@ -232,12 +232,18 @@ class CostPolicy(Policy):
         ledger = self._ledger
         discount = p.discount_queued_hits
         queued: list[float] = []
+        live: list[float] = []  # live_uncached per pod
         for pod in pods:
             entry = ledger.get(pod.pod)
-            if not discount or entry is None or entry[0] <= 0:
+            if entry is None:
+                queued.append(float(pod.outstanding_prefill_tokens))
+                live.append(0.0)
+                continue
+            if not discount or entry[0] <= 0:
                 queued.append(float(pod.outstanding_prefill_tokens))
             else:
                 queued.append(pod.outstanding_prefill_tokens * entry[1] / entry[0])
+            live.append(float(entry[1]))
         backlog = sum(queued) / len(pods)
         prompt = request.prompt_tokens
         bs = request.block_size
@@ -252,10 +258,9 @@ class CostPolicy(Policy):
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
         weights: dict[str, float] = {}
-        for pod, q in zip(pods, queued, strict=True):
+        for pod, q, uncached in zip(pods, queued, live, strict=True):
             name = pod.pod
-            entry = ledger.get(name)
-            own = max(q, float(entry[1] if entry is not None else 0))
+            own = q if q >= uncached else uncached  # max(q, live_uncached)
             b = max(share_backlog, min(backlog, own))
             w = weights[name] = miss_weight + backlog_weight * b / size
             if pod.hits:
