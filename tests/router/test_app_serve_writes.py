@@ -9,6 +9,7 @@ import asyncio
 from typing import Any
 
 import httpx
+import pytest
 
 from router.serve import OneWriteHttpToolsProtocol, RunningServer, _OneWriteTransport
 
@@ -129,3 +130,21 @@ async def test_a_connection_busier_than_the_keep_alive_timeout_stays_open() -> N
             assert n > 10 and not reader.at_eof()
         finally:
             writer.close()
+
+
+async def test_response_headers_are_validated_every_time_even_when_seen_before() -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        value = b"bad\nvalue" if scope["path"] == "/bad" else b"fine"
+        headers = [(b"x-v", value), (b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async with RunningServer(app) as server, httpx.AsyncClient(base_url=server.url) as client:
+        for _ in range(2):  # the second time from the validated pairs
+            r = await client.get("/good")
+            assert r.status_code == 200 and r.headers["x-v"] == "fine"
+        for _ in range(2):  # an invalid value is refused each time: uvicorn drops the
+            with pytest.raises(httpx.RemoteProtocolError):  # connection, no response
+                await client.get("/bad")
