@@ -72,7 +72,7 @@ class Routed:
     def cached_tokens(self, pod: str) -> int:
         """Prompt tokens the index says ``pod`` holds (any tier)."""
         view = self.views.get(pod)
-        if view is None:
+        if view is None or not view.hits:
             return 0
         return min(view.best_cached_blocks() * self.route.block_size, self.route.prompt_tokens)
 

@@ -261,7 +261,9 @@ class CostPolicy(Policy):
         for pod, q, uncached in zip(pods, queued, live, strict=True):
             name = pod.pod
             own = q if q >= uncached else uncached  # max(q, live_uncached)
-            b = max(share_backlog, min(backlog, own))
+            b = backlog if backlog <= own else own  # min(backlog, own)
+            if share_backlog >= b:  # max(share_backlog, b)
+                b = share_backlog
             w = weights[name] = miss_weight + backlog_weight * b / size
             if pod.hits:
                 c, transfer = _tier_hits(pod.hits, prompt, bs, p)
