@@ -359,6 +359,7 @@ class RequestRouter:
             raise self.reject(err) from None
 
     async def _decide(self, kind: Kind, body: dict[str, Any], headers: Mapping[str, str]) -> Routed:
+        """:meth:`decide` before counting a rejection."""
         t0 = _perf()
         model = body.get("model")
         if not isinstance(model, str) or not model:
@@ -540,11 +541,12 @@ def _rank(decision: Decision, names: Sequence[str]) -> list[str]:
     chosen = decision.pod
     rest = [n for n in names if n != chosen]
     if len(rest) > 1:
-        if all(n in scores for n in rest):  # the usual case: every candidate scored
+        try:  # the usual case: every candidate scored
             rest.sort(key=scores.__getitem__, reverse=not decision.lower_is_better)
-        else:
+        except KeyError:  # (a failed sort leaves the list in some order: sort again)
             sign = 1.0 if decision.lower_is_better else -1.0
             worst = float("inf")
+            rest = [n for n in names if n != chosen]
             rest.sort(key=lambda n: sign * scores[n] if n in scores else worst)
     return [chosen, *rest]
 
