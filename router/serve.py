@@ -99,6 +99,17 @@ class _OneWriteTransport:
     def get_write_buffer_size(self) -> int:
         return self._transport.get_write_buffer_size() + sum(len(b) for b in self._buf)
 
+    # asked on every request: spelled out (``__getattr__`` runs only after a failed
+    # lookup, which costs more than the call)
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
 
