@@ -6,12 +6,13 @@ one cluster slot and each script touches a single slot (``P`` = ``"{" + ns + "}:
 
 * ``P s <id>`` -- HASH per *slot* (one generation of one (pod, tier)): field ``K`` ->
   count of stored copies.  The source of truth for counts.
-* ``P b K`` -- STRING per block, its *holder hint*: the sorted 4-byte big-endian ids
-  of the slots holding the block, written and deleted together with the slot entries.
-  Sorted, so two blocks with the same holders have byte-equal hints: the walk advances
-  every pod at once over a run of blocks with one holder set (a shared system prompt)
-  by comparing strings.  No TTL: a hot block stored once and then only hit must stay
-  findable.
+* ``P h`` -- HASH block key ``K`` -> its *holder hint*: the sorted 4-byte big-endian
+  ids of the slots holding the block, written and deleted together with the slot
+  entries.  ``P d`` -- HASH ``K`` -> the *digest* of that holder set (``count:a:b``,
+  see ``_HINT_OPS``): equal sets have equal digests, so the walk advances every pod at
+  once over a run of blocks with one holder set (a shared system prompt) by comparing
+  a few bytes, however many pods hold it.  No TTL: a hot block stored once and then
+  only hit must stay findable.
 * ``P seen`` -- HASH slot id -> server time (ms) of the slot's last ``add``.  A slot is
   *live* while its id is registered and ``now - seen < ttl_s`` (always, with no TTL);
   the slot hash itself expires ``ttl_s + 60`` s after its last ``add``, so a live slot's
@@ -24,8 +25,8 @@ one cluster slot and each script touches a single slot (``P`` = ``"{" + ns + "}:
 
 ``clear_pod`` retires the slot: drops it from ``p:<tier>``/``ids``/``seen``, UNLINKs its
 hash (freed in the background; no scan).  Its id in holder hints is invisible at once
-(only live ids count) and is deleted by ``SWEEP`` (run periodically by the writer),
-which also retires slots that went stale.
+(only live ids count) and is deleted by ``SWEEP`` (run periodically by the writer,
+which recomputes the digest), which also retires slots that went stale.
 
 Block and slot key names are built inside the scripts from the prefix in ``ARGV``; they
 share the declared keys' hash tag (same cluster slot), which Redis allows for scripts

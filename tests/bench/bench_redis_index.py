@@ -163,7 +163,7 @@ async def main() -> None:
     if url is None:
         proc, port = start_server(tmp)
         url = f"redis://127.0.0.1:{port}/0"
-    raw = aioredis.Redis.from_url(url)
+    raw = aioredis.Redis.from_url(url, socket_timeout=600)  # FLUSHDB SYNC of 10M entries
     try:
         info = await raw.info("server")
         version = info.get("valkey_version") or info["redis_version"]
