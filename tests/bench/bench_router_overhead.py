@@ -9,7 +9,7 @@ once, so the pod's own time is a small constant), then, on free loopback ports:
 * ``kvroute w1/w2``   — ``kvroute serve`` with 1 and 2 uvicorn worker processes, default
                         policy (cost), KV events on, in front of all pods;
 * ``sglang rr/ca``    — ``sglang-router`` round_robin / cache_aware (if installed);
-* ``vllm-router rr``  — ``vllm-router`` round_robin (if installed);
+* ``vllm-router rr/ca`` — ``vllm-router`` round_robin / cache_aware (if installed);
 * ``python floor``    — with ``--floor``: uvicorn (kvroute's protocol) + kvroute's pod
                         transport relaying round robin, no routing, no metrics: the
                         cost of Python HTTP in and out alone, the part of kvroute's
@@ -473,6 +473,7 @@ def main() -> int:
                 (start_sglang, "round_robin"),
                 (start_sglang, "cache_aware"),
                 (start_vllm_router, "round_robin"),
+                (start_vllm_router, "cache_aware"),
             ):
                 try:
                     started = starter(urls, policy)
