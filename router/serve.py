@@ -22,13 +22,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import (
-    HEADER_RE,
-    HEADER_VALUE_RE,
-    STATUS_LINE,
-    HttpToolsProtocol,
-    RequestResponseCycle,
-)
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.config import Settings
 
@@ -128,14 +122,6 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
 
     _idle_since: float | None = None
 
-    def on_headers_complete(self) -> None:
-        cycle = self.cycle
-        super().on_headers_complete()
-        if self.cycle is not cycle and type(self.cycle) is RequestResponseCycle:
-            # the same cycle, with the cheaper head validation of _Cycle.send (the
-            # request's task has not run yet: it looks ``send`` up when it starts)
-            self.cycle.__class__ = _Cycle
-
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_OneWriteTransport(transport, self.loop))  # type: ignore[arg-type]
 
@@ -143,16 +129,12 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
         self._idle_since = None  # busy: the timer, if armed, finds the connection busy
 
     def on_response_complete(self) -> None:
-        # uvicorn's, but the keep-alive timer is armed only when none is
+        if self.pipeline or self.transport.is_closing():
+            super().on_response_complete()  # the next pipelined request, or nothing
+            return
+        # uvicorn's otherwise, but the keep-alive timer is armed only when none is
         self.server_state.total_requests += 1
-        if self.transport.is_closing():
-            return
-        self._idle_since = None
         self.flow.resume_reading()
-        if self.pipeline:
-            cycle, app = self.pipeline.pop()
-            self._start_asgi_task(cycle, app)
-            return
         self._idle_since = self.loop.time()
         if self.timeout_keep_alive_task is None:
             self.timeout_keep_alive_task = self.loop.call_later(
@@ -177,90 +159,6 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
             self.timeout_keep_alive_task = None
 
 
-#: response header (name, value) pairs already validated by _Cycle.send
-_VALID_HEADERS: set[tuple[bytes, bytes]] = set()
-_VALID_HEADERS_MAX = 4096
-
-
-class _Cycle(RequestResponseCycle):
-    """uvicorn's request/response cycle, validating a response header pair once: the
-    pairs a router sends repeat (content type, pod name, date of the second), and
-    uvicorn runs two regular expressions over every header of every response."""
-
-    async def send(self, message: Any) -> None:
-        if self.response_started or message.get("type") != "http.response.start":
-            await super().send(message)
-            return
-        # uvicorn's response start, with the header check memoised
-        if self.flow.write_paused and not self.disconnected:
-            await self.flow.drain()
-        if self.disconnected:
-            return
-        self.response_started = True
-        self.waiting_for_100_continue = False
-        status_code = message["status"]
-        headers = self.default_headers + list(message.get("headers", []))
-        if self.access_log:
-            self.access_logger.info(
-                '%s - "%s %s HTTP/%s" %d',
-                _client_addr(self.scope),
-                self.scope["method"],
-                _path_with_query(self.scope),
-                self.scope["http_version"],
-                status_code,
-            )
-        content = [STATUS_LINE[status_code]]
-        has_connection_close = False
-        valid = _VALID_HEADERS
-        for pair in headers:
-            name, value = pair
-            if type(pair) is not tuple or pair not in valid:
-                if HEADER_RE.search(name):
-                    raise RuntimeError("Invalid HTTP header name.")
-                if HEADER_VALUE_RE.search(value):
-                    raise RuntimeError("Invalid HTTP header value.")
-                if type(pair) is tuple:
-                    if len(valid) >= _VALID_HEADERS_MAX:
-                        valid.clear()
-                    valid.add(pair)
-            name = name.lower()
-            if name == b"content-length" and self.chunked_encoding is None:
-                self.expected_content_length = int(value.decode())
-                self.chunked_encoding = False
-            elif name == b"transfer-encoding" and value.lower() == b"chunked":
-                self.expected_content_length = 0
-                self.chunked_encoding = True
-            elif name == b"connection":
-                connection = [token.lower().strip() for token in value.split(b",")]
-                if b"close" in connection:
-                    self.keep_alive = False
-                    has_connection_close = True
-            content.extend([name, b": ", value, b"\r\n"])
-        if not self.keep_alive and not has_connection_close:
-            content.append(b"connection: close\r\n")
-        if (
-            self.chunked_encoding is None
-            and self.scope["method"] != "HEAD"
-            and status_code not in (204, 304)
-        ):
-            self.chunked_encoding = True
-            content.append(b"transfer-encoding: chunked\r\n")
-        content.append(b"\r\n")
-        self.transport.write(b"".join(content))
-
-
-def _client_addr(scope: Any) -> str:
-    from uvicorn.protocols.utils import get_client_addr
-
-    return get_client_addr(scope)
-
-
-def _path_with_query(scope: Any) -> str:
-    from uvicorn.protocols.utils import get_path_with_query_string
-
-    return get_path_with_query_string(scope)
-
-
 class _InLoopServer(uvicorn.Server):
     """A uvicorn server that leaves signal handling to whoever owns the loop."""
 
@@ -277,8 +175,15 @@ class RunningServer:
     """
 
     def __init__(
-        self, app: Any, host: str = "127.0.0.1", port: int = 0, *, timeout_keep_alive: float = 5
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        timeout_keep_alive: float = 5,
+        http: Any = None,
     ) -> None:
+        """``http``: uvicorn's ``http`` setting (default: :func:`_http_impl`)."""
         # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets
         # whose listening socket says IPPROTO_TCP (a plain socket.socket() says 0, and
         # then every small response write waits ~40 ms for a delayed ACK)
@@ -292,7 +197,7 @@ class RunningServer:
             app,
             log_level="warning",
             lifespan="on",
-            http=_http_impl(),
+            http=http or _http_impl(),
             loop="none",
             access_log=False,
             timeout_graceful_shutdown=2,

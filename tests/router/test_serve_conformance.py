@@ -1,0 +1,134 @@
+"""`kvroute serve`'s HTTP protocol (:class:`router.serve.OneWriteHttpToolsProtocol`)
+answers byte for byte as uvicorn's own ``HttpToolsProtocol`` does: the same ASGI app
+behind each, on real loopback sockets, the same raw requests, the same raw bytes back
+(the ``date`` header masked)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import pytest
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from router.serve import OneWriteHttpToolsProtocol, RunningServer
+
+
+async def app(scope: Any, receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    path = scope["path"]
+
+    async def start(status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+
+    if path == "/length":
+        await start(200, [(b"content-type", b"application/json"), (b"content-length", b"11")])
+        await send({"type": "http.response.body", "body": b'{"ok":true}'})
+    elif path == "/stream":  # no content-length: chunked
+        await start(200, [(b"content-type", b"text/event-stream")])
+        for part in (b"data: 1\n\n", b"data: 2\n\n"):
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+    elif path == "/explicit-chunked":
+        await start(200, [(b"transfer-encoding", b"chunked")])
+        await send({"type": "http.response.body", "body": b"abc", "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+    elif path in ("/204", "/304"):
+        await start(int(path[1:]), [(b"x-n", b"1")])
+        await send({"type": "http.response.body", "body": b""})
+    elif path == "/close":  # the app asks to close the connection
+        await start(200, [(b"connection", b"close"), (b"content-length", b"2")])
+        await send({"type": "http.response.body", "body": b"ok"})
+    elif path == "/bad-value":  # refused by the server: no response, connection dropped
+        await start(200, [(b"x-v", b"bad\nvalue"), (b"content-length", b"2")])
+        await send({"type": "http.response.body", "body": b"ok"})
+    elif path == "/bad-name":
+        await start(200, [(b"x v", b"1"), (b"content-length", b"2")])
+        await send({"type": "http.response.body", "body": b"ok"})
+    elif path == "/error":  # the app fails before answering: uvicorn's 500
+        raise RuntimeError("boom")
+    else:
+        await start(404, [(b"content-length", b"0")])
+        await send({"type": "http.response.body", "body": b""})
+
+
+def req(method: str, path: str, *extra: str, version: str = "1.1", body: bytes = b"") -> bytes:
+    lines = [f"{method} {path} HTTP/{version}", "host: x", *extra]
+    if body:
+        lines.append(f"content-length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+CLOSE = "connection: close"
+
+#: (name, the requests sent one after the other on one connection, each awaited for its
+#: answer except where sent together); every scenario ends with the server closing
+SCENARIOS: dict[str, list[bytes]] = {
+    "content-length": [req("GET", "/length", CLOSE)],
+    "post body": [req("POST", "/length", CLOSE, body=b'{"prompt":"hi"}')],
+    "streaming (chunked)": [req("GET", "/stream", CLOSE)],
+    "explicit chunked": [req("GET", "/explicit-chunked", CLOSE)],
+    "HEAD": [req("HEAD", "/length", CLOSE)],
+    "HEAD of a stream": [req("HEAD", "/stream", CLOSE)],
+    "204": [req("GET", "/204", CLOSE)],
+    "304": [req("GET", "/304", CLOSE)],
+    "404": [req("GET", "/nope", CLOSE)],
+    "app sends connection: close": [req("GET", "/close")],
+    "HTTP/1.0 (no keep-alive)": [req("GET", "/length", version="1.0")],
+    "keep-alive reuse": [
+        req("GET", "/length"),
+        req("GET", "/stream"),
+        req("GET", "/204"),
+        req("POST", "/length", body=b"{}"),
+        req("GET", "/length", CLOSE),
+    ],
+    "pipelined": [req("GET", "/length") + req("GET", "/stream") + req("GET", "/length", CLOSE)],
+    "invalid header value refused": [req("GET", "/length"), req("GET", "/bad-value")],
+    "invalid header name refused": [req("GET", "/bad-name")],
+    "app error -> 500": [req("GET", "/error")],
+    "malformed request -> 400": [b"GARBAGE\r\n\r\n"],
+}
+
+DATE = re.compile(rb"\r\ndate: [^\r]*\r\n")
+
+
+async def exchange(server: RunningServer, requests: list[bytes]) -> bytes:
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    out = b""
+    try:
+        for i, data in enumerate(requests):
+            writer.write(data)
+            if i < len(requests) - 1:  # until this answer is complete (a short quiet spell)
+                while True:
+                    try:
+                        out += await asyncio.wait_for(reader.read(65536), 0.2)
+                    except TimeoutError:
+                        break
+        # the last request: the server closes the connection (the guard bounds a hang)
+        while chunk := await asyncio.wait_for(reader.read(65536), 30):
+            out += chunk
+    finally:
+        writer.close()
+    return DATE.sub(b"\r\ndate: -\r\n", out)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+async def test_the_router_protocol_answers_byte_for_byte_like_uvicorns(name: str) -> None:
+    requests = SCENARIOS[name]
+    async with (
+        RunningServer(app, http=HttpToolsProtocol) as stock,
+        RunningServer(app, http=OneWriteHttpToolsProtocol) as ours,
+    ):
+        expected = await exchange(stock, requests)
+        got = await exchange(ours, requests)
+    assert got == expected
+    assert expected.startswith(b"HTTP/1.") or name == "invalid header name refused"
+
+
+async def test_an_invalid_header_is_refused_with_no_response_bytes() -> None:
+    async with RunningServer(app) as server:
+        assert await exchange(server, [req("GET", "/bad-value")]) == b""
