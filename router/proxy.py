@@ -754,10 +754,15 @@ class _BodyStream(httpx.AsyncByteStream):
     async def read_all(self) -> bytes:
         """The whole body."""
         conn = self._conn
+        taken: list[bytes] = []
         while not conn.complete:
             self._check()
+            if conn.paused:  # over _PAUSE_ABOVE: take what is buffered, read on
+                taken += conn.take()
             await conn.wait(self._timeout)
         chunks = conn.take()
+        if taken:
+            chunks = taken + chunks
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:

@@ -541,6 +541,25 @@ async def test_transport_reads_chunked_and_close_delimited_bodies_whole() -> Non
         await server.wait_closed()
 
 
+async def test_transport_reads_a_body_larger_than_the_pause_threshold_whole() -> None:
+    """Reading from the pod pauses above _PAUSE_ABOVE buffered bytes; a whole-body read
+    takes what is buffered and reads on (it used to wait for the read timeout)."""
+    from router.proxy import _PAUSE_ABOVE, PodTransport
+
+    body = bytes(range(256)) * ((3 * _PAUSE_ABOVE) // 256)
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body)
+    server, port, _ = await _raw_pod(lambda n: head + body)
+    transport = PodTransport()
+    try:
+        up = await transport.send_raw("127.0.0.1", port, _post(port), b"{}", 2.0, 30.0)
+        assert await up.stream.read_all() == body
+        await up.stream.aclose()
+    finally:
+        await transport.aclose()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_a_pod_that_sends_nothing_within_the_read_timeout_gives_504() -> None:
     server, port, _ = await _raw_pod(lambda n: None)
     settings = Settings.model_validate(
