@@ -229,22 +229,25 @@ class CostPolicy(Policy):
         if not pods:
             require_candidates(self.name, pods)  # raises
         p = self._p
-        ledger = self._ledger
+        ledger_get = self._ledger.get
         discount = p.discount_queued_hits
-        queued: list[float] = []
-        live: list[float] = []  # live_uncached per pod
+        # per pod: (view, queued tokens, live uncached tokens); their total queued
+        rows: list[tuple[PodView, float, float]] = []
+        total = 0.0
         for pod in pods:
-            entry = ledger.get(pod.pod)
+            outstanding = pod.outstanding_prefill_tokens
+            entry = ledger_get(pod.pod)
             if entry is None:
-                queued.append(float(pod.outstanding_prefill_tokens))
-                live.append(0.0)
-                continue
-            if not discount or entry[0] <= 0:
-                queued.append(float(pod.outstanding_prefill_tokens))
+                q = float(outstanding)
+                rows.append((pod, q, 0.0))
             else:
-                queued.append(pod.outstanding_prefill_tokens * entry[1] / entry[0])
-            live.append(float(entry[1]))
-        backlog = sum(queued) / len(pods)
+                if not discount or entry[0] <= 0:
+                    q = float(outstanding)
+                else:
+                    q = outstanding * entry[1] / entry[0]
+                rows.append((pod, q, float(entry[1])))
+            total += q  # (as sum() over the list: the same additions in the same order)
+        backlog = total / len(pods)
         prompt = request.prompt_tokens
         bs = request.block_size
         keys = request.block_keys
@@ -258,25 +261,31 @@ class CostPolicy(Policy):
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
         weights: dict[str, float] = {}
-        for pod, q, uncached in zip(pods, queued, live, strict=True):
+        best = None
+        for pod, q, uncached in rows:
             name = pod.pod
             own = q if q >= uncached else uncached  # max(q, live_uncached)
             b = backlog if backlog <= own else own  # min(backlog, own)
             if share_backlog >= b:  # max(share_backlog, b)
                 b = share_backlog
             w = weights[name] = miss_weight + backlog_weight * b / size
-            if pod.hits:
-                c, transfer = _tier_hits(pod.hits, prompt, bs, p)
+            hits = pod.hits
+            if hits:
+                c, transfer = _tier_hits(hits, prompt, bs, p)
             else:
                 c, transfer = 0, 0.0
             if live_keys is not None:
                 c = max(c, min(self.inflight_hits(name, keys) * bs, prompt))
-            running = pod.running if pod.running is not None else pod.inflight
-            work = q + w * (prompt - c)
-            predicted[name] = work / rate * (1.0 + slowdown_per * running) + transfer
+            running = pod.running
+            if running is None:
+                running = pod.inflight
+            t = predicted[name] = (q + w * (prompt - c)) / rate * (
+                1.0 + slowdown_per * running
+            ) + transfer
+            if best is None or t < best:  # min() over the predictions
+                best = t
             cached[name] = c
-        best = min(predicted.values())
-        limit = best + p.tie_epsilon_s
+        limit = best + p.tie_epsilon_s  # type: ignore[operator]
         tied = [name for name, t in predicted.items() if t <= limit]
         chosen = tied[0]
         if len(tied) > 1:  # rendezvous: the highest hash (the first of equal ones) wins
@@ -289,14 +298,15 @@ class CostPolicy(Policy):
                     top = h
                     chosen = name
         # the predicted uncached tokens per pod are prompt - cached (on_routed)
-        self._scored[_key(request)] = (prompt, cached)
-        while len(self._scored) > _MAX_SCORED:  # picks never routed must not pile up
-            self._scored.popitem(last=False)
+        scored = self._scored
+        scored[(request.request_id, id(request))] = (prompt, cached)  # _key(request)
+        if len(scored) > _MAX_SCORED:  # picks never routed must not pile up
+            scored.popitem(last=False)
         return Decision(
-            pod=chosen,
-            scores=predicted,
-            lower_is_better=True,
-            detail={"cached_tokens": cached, "tied": len(tied), "miss_weight": weights},
+            chosen,
+            predicted,
+            True,
+            {"cached_tokens": cached, "tied": len(tied), "miss_weight": weights},
         )
 
     def on_routed(self, request: RouteRequest, pod: str) -> None:
