@@ -85,6 +85,11 @@ class MemoryLoadStore:
     async def end(self, pod: str) -> None:
         self.end_now(pod)
 
+    def counts(self) -> tuple[Callable[[str, int], int], Callable[[str, int], int]]:
+        """Readers of (in-flight, outstanding prefill) by pod, with a default: what
+        :meth:`snapshot_now` reads, for a caller that wants no snapshot."""
+        return self._inflight.get, self._prefill.get
+
     def snapshot_now(self, pods: Iterable[str]) -> dict[str, tuple[int, int]]:
         inflight, prefill = self._inflight, self._prefill
         return {p: (inflight.get(p, 0), prefill.get(p, 0)) for p in pods}

@@ -464,8 +464,35 @@ class RequestRouter:
         self, hits: Mapping[str, Mapping[str, int]], names: list[str]
     ) -> dict[str, PodView]:
         """:meth:`_views` for an in-memory index and load store: no awaits."""
-        assert self._local_load is not None
-        return self._merge_views(hits, self._local_load.snapshot_now(names), names)
+        local = self._local_load
+        assert local is not None
+        # _merge_views over local.snapshot_now(names), without the snapshot's dict and
+        # tuples (no pending overlay with a local store)
+        inflight_of, prefill_of = local.counts()
+        scraper = self.scraper
+        scraped_of = scraper.fresh() if scraper is not None else None
+        views: dict[str, PodView] = {}
+        for name in names:
+            held = hits.get(name)
+            scraped = scraped_of(name) if scraped_of is not None else None
+            if scraped is None:
+                views[name] = PodView(
+                    name,
+                    dict(held) if held else {},
+                    inflight_of(name, 0),
+                    prefill_of(name, 0),
+                )
+            else:
+                views[name] = PodView(
+                    name,
+                    dict(held) if held else {},
+                    inflight_of(name, 0),
+                    prefill_of(name, 0),
+                    scraped.waiting,
+                    scraped.running,
+                    scraped.kv_usage,
+                )
+        return views
 
     def _merge_views(
         self,

@@ -96,6 +96,17 @@ async def test_request_load_on_the_memory_store_applies_counts_synchronously_onc
     assert await store.snapshot(["p"]) == {"p": (0, 0)}
 
 
+def test_memory_store_counts_read_what_the_snapshot_reads() -> None:
+    store = MemoryLoadStore()
+    store.begin_now("p", 100)
+    store.begin_now("p", 20)
+    store.prefill_done_now("p", 100)
+    inflight, prefill = store.counts()
+    assert store.snapshot_now(["p", "q"]) == {"p": (2, 20), "q": (0, 0)}
+    assert (inflight("p", 0), prefill("p", 0)) == (2, 20)
+    assert (inflight("q", 0), prefill("q", 0)) == (0, 0)
+
+
 def _metrics_app(text: list[str]) -> Starlette:
     async def metrics(request: Request) -> Response:
         return Response(text[0].encode())
