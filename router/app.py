@@ -357,8 +357,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         raw_headers: list[tuple[bytes, bytes]],
         receive: Receive,
     ) -> Response:
-        started = time.perf_counter()
-        g.check_api_key(headers)
+        started = _perf()
+        if g._api_keys:
+            g.check_api_key(headers)
         raw = await g.receive_body(headers, receive)
         try:
             body = parse_body(raw)
@@ -371,21 +372,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def _fast(scope: Scope, receive: Receive, send: Send, kind: Kind, path: str) -> None:
         """The generation endpoints straight on ASGI: no Request object, no routing
         table, no dependency solving; headers as one plain dict (names are lowercase
-        in ASGI; a repeated header keeps its last value).  :func:`_generate`, inline."""
+        in ASGI; a repeated header keeps its last value)."""
         raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
         try:
-            g: Gateway = app.gateway
-            started = _perf()
-            if g._api_keys:
-                g.check_api_key(headers)
-            raw = await g.receive_body(headers, receive)
-            try:
-                body = parse_body(raw)
-            except RouterError as err:
-                raise g.router.reject(err) from None
-            routed = await g.router.decide(kind, body, headers)
-            response = await g.proxy.forward(routed, path, raw, raw_headers, receive, started)
+            response = await _generate(app.gateway, kind, path, headers, raw_headers, receive)
         except RouterError as err:
             response = err.response()
         except Exception:
