@@ -219,6 +219,67 @@ def test_cost_predicts_queue_plus_uncached_prefill_plus_cpu_transfer() -> None:
     assert ttft == pytest.approx(0.5 + 0.064 + 0.016)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_cost_pick_scores_every_pod_with_the_documented_predict_ttft(seed: int) -> None:
+    """pick computes the prediction inline (it runs on every request); its scores must
+    stay exactly predict_ttft with the queue, in-flight prefixes and backlog-adjusted
+    miss weight the policy itself reports, whatever has been routed before."""
+    import random
+
+    rng = random.Random(seed)
+    policy = build_policy(
+        "cost",
+        {
+            "tier_load_rates_tokens_per_s": {"CPU": 20_000.0, "DISK": 2_000.0},
+            "fleet_backlog_share": rng.choice([0.0, 0.5]),
+            "decode_slowdown_per_running": rng.choice([0.0, 0.05]),
+        },
+    )
+    p = policy.params
+    assert isinstance(p, CostParams)
+    chains = [[rng.getrandbits(40) for _ in range(rng.randrange(1, 12))] for _ in range(5)]
+    for i in range(40):
+        keys = rng.choice(chains)[: rng.randrange(1, 12)]
+        r = req(rid=f"r{i}", keys=keys, prompt=len(keys) * BS + rng.randrange(0, BS))
+        views = []
+        for j in range(rng.randrange(1, 6)):
+            gpu = rng.randrange(0, len(keys) + 1)
+            cpu = rng.randrange(gpu, len(keys) + 1)
+            hits = {} if rng.random() < 0.3 else {"GPU": gpu, "CPU": cpu, "DISK": cpu}
+            views.append(
+                PodView(
+                    f"p{j}",
+                    hits=hits,
+                    inflight=rng.randrange(0, 4),
+                    outstanding_prefill_tokens=rng.randrange(0, 3000),
+                    running=rng.choice([None, rng.randrange(0, 8)]),
+                )
+            )
+        expected = {
+            v.pod: (
+                policy.queued_tokens(v),
+                policy.inflight_hits(v.pod, keys),
+            )
+            for v in views
+        }
+        backlog = sum(q for q, _ in expected.values()) / len(views)
+        d = policy.pick(r, views)
+        for v in views:
+            queued, inflight = expected[v.pod]
+            # the backlog-adjusted miss weight, as the module docstring states it
+            own = max(queued, float(policy.live_uncached(v.pod)))
+            b = max(p.fleet_backlog_share * backlog, min(backlog, own))
+            w = p.miss_weight + p.backlog_weight * b / max(1, r.prompt_tokens)
+            assert d.detail["miss_weight"][v.pod] == pytest.approx(w, rel=1e-12)
+            ttft, cached = predict_ttft(r, v, p, queued, inflight, d.detail["miss_weight"][v.pod])
+            assert d.scores[v.pod] == ttft
+            assert d.detail["cached_tokens"][v.pod] == cached
+        assert d.scores[d.pod] <= min(d.scores.values()) + p.tie_epsilon_s
+        policy.on_routed(r, d.pod)
+        if rng.random() < 0.5:
+            policy.on_complete(r, d.pod)
+
+
 def test_cost_sends_a_request_to_the_pod_holding_its_prefix() -> None:
     views = [PodView("a"), PodView("b", hits={"GPU": 30}), PodView("c")]
     assert build_policy("cost").pick(req(keys=list(range(32))), views).pod == "b"
