@@ -40,7 +40,7 @@ from router.health import HealthChecker
 from router.load import LoadStore, MemoryLoadStore, MetricsScraper, PendingLoad
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.pods import PodRegistry, PodSpec
-from router.proxy import PodTransport, Proxy, make_client
+from router.proxy import PodTLS, PodTransport, Proxy, make_client
 from router.routing import Kind, RequestRouter, explain, parse_body
 from router.tokenize import PromptTokenizer, load_tokenizer
 from scoring.index.base import BlockIndex
@@ -60,7 +60,9 @@ class Gateway:
         self.registry = PodRegistry()
         self.policy: Policy = build_policy(settings.policy, settings.policy_params)
         self._tokenizers: dict[str, PromptTokenizer] = {}
-        self.transport = PodTransport(settings.proxy.max_keepalive)
+        #: the one TLS context for https pods (requests, scrapes, health checks)
+        self.pod_tls = PodTLS.from_settings(settings.proxy)
+        self.transport = PodTransport(settings.proxy.max_keepalive, self.pod_tls)
         self.client: httpx.AsyncClient = make_client(settings.proxy, self.transport)
         self.index: BlockIndex = _make_index(settings)
         self.load: LoadStore = _make_load_store(settings)
@@ -73,7 +75,10 @@ class Gateway:
             on_error=lambda pod: self.metrics.scrape_errors.labels(pod).inc(),
         )
         self.health = HealthChecker(
-            self.registry, settings.health, metrics_registry=self.metrics.registry
+            self.registry,
+            settings.health,
+            metrics_registry=self.metrics.registry,
+            tls=self.pod_tls.context,
         )
         self.pending = PendingLoad()
         self.subscriber: KVEventSubscriber | None = None

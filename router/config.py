@@ -56,6 +56,23 @@ class ProxySettings(_Section):
         description="retries on the next-best pod when connecting fails or the pod answers "
         "502/503 before any byte reached the client",
     )
+    pod_ca_file: str | None = Field(
+        default=None,
+        description="CA bundle (PEM) to verify https pods against (default: the system "
+        "trust store); used by requests, health checks and scrapes",
+    )
+    pod_tls_verify: bool = Field(
+        default=True,
+        description="verify https pods' certificates and host names; false is INSECURE "
+        "(encrypted but unauthenticated: anyone on the path can pose as a pod)",
+    )
+
+    @field_validator("pod_ca_file")
+    @classmethod
+    def _ca_file_exists(cls, v: str | None) -> str | None:
+        if v is not None and not Path(v).is_file():
+            raise ValueError(f"no such CA file: {v}")
+        return v
 
 
 class ScrapeSettings(_Section):

@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -51,10 +52,14 @@ class HealthChecker:
         *,
         client: httpx.AsyncClient | None = None,
         metrics_registry: CollectorRegistry | None = None,
+        tls: Callable[[], ssl.SSLContext] | None = None,
     ) -> None:
+        """``tls``: the TLS context of https pods (the router's one, ``PodTLS.context``)
+        for the client made here; default: httpx's (certifi's CAs)."""
         self.registry = registry
         self.settings = settings
         self._client = client
+        self._tls = tls
         self._own_client = client is None
         self.checks: dict[str, int] = defaultdict(int)
         self.failures: dict[str, int] = defaultdict(int)
@@ -68,7 +73,8 @@ class HealthChecker:
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.settings.timeout_s)
+            verify: ssl.SSLContext | bool = self._tls() if self._tls is not None else True
+            self._client = httpx.AsyncClient(timeout=self.settings.timeout_s, verify=verify)
         return self._client
 
     async def aclose(self) -> None:

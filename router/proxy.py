@@ -22,6 +22,9 @@ Semantics:
   before the retry's ``on_routed``).
 * **Errors** — connect failures after the last retry -> 502, read timeout -> 504,
   other transport errors -> 502; all as OpenAI error JSON.
+* **TLS** — an ``https`` pod is dialled with the one :class:`PodTLS` context; the
+  handshake is part of connecting, so a refused certificate is a connect failure
+  (retried on the next pod, then 502), logged once per pod and cause.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -73,6 +77,40 @@ _DROP_RESPONSE = frozenset(
 )
 _DROP_REQUEST_B = frozenset(h.encode() for h in _DROP_REQUEST)
 _DROP_RESPONSE_B = frozenset(h.encode() for h in _DROP_RESPONSE)
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class PodTLS:
+    """The one TLS client context for ``https`` pods (requests, scrapes, health checks),
+    built on first use: loading a trust store takes ~20 ms, and the transport asks for
+    it only when it dials an https pod.
+
+    ``ca_file`` replaces the system trust store (only pods whose certificate chains to
+    it are trusted); ``verify=False`` checks neither the certificate nor the host name
+    (encrypted, but anyone on the path can pose as a pod: insecure).
+    """
+
+    def __init__(self, ca_file: str | None = None, verify: bool = True) -> None:
+        self.ca_file = ca_file
+        self.verify = verify
+        self._context: ssl.SSLContext | None = None
+
+    @classmethod
+    def from_settings(cls, settings: ProxySettings) -> PodTLS:
+        return cls(settings.pod_ca_file, settings.pod_tls_verify)
+
+    def context(self) -> ssl.SSLContext:
+        if self._context is None:
+            if self.verify:
+                ctx = ssl.create_default_context(cafile=self.ca_file)
+            else:
+                ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE
+            self._context = ctx
+        return self._context
 
 
 def make_client(
@@ -254,18 +292,20 @@ class _RawResponse(Response):
 
 
 class _Target:
-    """A pod endpoint, parsed once: where to connect and the head's first two lines."""
+    """A pod endpoint, parsed once: where to connect (and whether over TLS) and the
+    head's first two lines."""
 
-    __slots__ = ("host", "lead", "port")
+    __slots__ = ("host", "lead", "port", "tls")
 
     def __init__(self, url: str, path: str) -> None:
         parsed = httpx.URL(url.rstrip("/") + path)
-        if parsed.scheme != "http":
+        if parsed.scheme not in _DEFAULT_PORTS:
             raise httpx.UnsupportedProtocol(
-                f"the pod transport speaks plain http only, not {parsed.scheme!r} ({url})"
+                f"the pod transport speaks http and https only, not {parsed.scheme!r} ({url})"
             )
         self.host: str = parsed.host
-        self.port: int = parsed.port or 80
+        self.port: int = parsed.port or _DEFAULT_PORTS[parsed.scheme]
+        self.tls = parsed.scheme == "https"
         self.lead = b"POST " + parsed.raw_path + b" HTTP/1.1\r\nhost: " + parsed.netloc + b"\r\n"
 
 
@@ -299,7 +339,9 @@ class Proxy:
         #: requests go straight to this transport as bytes (httpx's request / response
         #: objects and client layers cost more than the rest of the proxying)
         self._own_transport = transport is None
-        self.transport = transport or PodTransport(settings.max_keepalive)
+        self.transport = transport or PodTransport(
+            settings.max_keepalive, PodTLS.from_settings(settings)
+        )
         self._targets: dict[tuple[str, str], _Target] = {}
         self._watch = DisconnectWatch()
         self._connect_timeout = settings.connect_timeout_s
@@ -394,6 +436,7 @@ class Proxy:
                         raw_body,
                         self._connect_timeout,
                         self._read_timeout,
+                        target.tls,
                     )
                     content: bytes | None = None
                     if not (
@@ -719,14 +762,18 @@ class _Conn(asyncio.Protocol):
 
 
 class _Origin:
-    """Idle connections to one (host, port), most recently used first."""
+    """Idle connections to one (host, port, TLS or not), most recently used first."""
 
-    __slots__ = ("host", "idle", "port")
+    __slots__ = ("host", "idle", "port", "tls", "tls_problem")
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, tls: bool = False) -> None:
         self.host = host
         self.port = port
+        self.tls = tls
         self.idle: list[_Conn] = []
+        #: the last TLS failure logged for this origin (logged again only when it changes
+        #: or after a handshake succeeded: a wrong CA does not log once per request)
+        self.tls_problem: str | None = None
 
 
 class _BodyStream(httpx.AsyncByteStream):
@@ -802,14 +849,17 @@ class PodTransport(httpx.AsyncBaseTransport):
     Connections are asyncio protocols parsing responses with httptools as bytes arrive
     (no stream reader, no per-read timeout context).  A request that fails on a *reused*
     connection before any response byte arrived is retried once on a fresh connection
-    (the pod closed the idle connection meanwhile).  Plain ``http`` only; the request
-    body must be bytes.  The proxy calls :meth:`send_raw`; httpx requests (scrapes,
-    health checks) take their timeouts from the request's ``timeout`` extension.
+    (the pod closed the idle connection meanwhile).  ``https`` origins connect with
+    ``tls``'s context (the TLS handshake is part of connecting: a failed one is a
+    ConnectError); the request body must be bytes.  The proxy calls :meth:`send_raw`;
+    httpx requests (scrapes) take their timeouts from the request's ``timeout``
+    extension.
     """
 
-    def __init__(self, max_keepalive_per_pod: int = 200) -> None:
+    def __init__(self, max_keepalive_per_pod: int = 200, tls: PodTLS | None = None) -> None:
         self.max_keepalive = max_keepalive_per_pod
-        self._origins: dict[tuple[str, int], _Origin] = {}
+        self.tls = tls if tls is not None else PodTLS()
+        self._origins: dict[tuple[str, int, bool], _Origin] = {}
         self._closed = False
         self._deadlines = _Deadlines()
 
@@ -823,6 +873,8 @@ class PodTransport(httpx.AsyncBaseTransport):
 
     async def _connect(self, origin: _Origin, timeout: float | None) -> _Conn:
         loop = asyncio.get_running_loop()
+        if origin.tls:
+            return await self._connect_tls(loop, origin, timeout)
         try:
             async with asyncio.timeout(timeout):
                 _, conn = await loop.create_connection(
@@ -834,17 +886,47 @@ class PodTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectError(f"{origin.host}:{origin.port}: {exc}") from None
         return conn
 
+    async def _connect_tls(
+        self, loop: asyncio.AbstractEventLoop, origin: _Origin, timeout: float | None
+    ) -> _Conn:
+        where = f"{origin.host}:{origin.port}"
+        try:
+            async with asyncio.timeout(timeout):
+                _, conn = await loop.create_connection(
+                    lambda: _Conn(loop, self._deadlines),
+                    origin.host,
+                    origin.port,
+                    ssl=self.tls.context(),
+                    server_hostname=origin.host,
+                )
+        except TimeoutError:
+            raise httpx.ConnectTimeout(f"connecting to {where} (TCP + TLS handshake)") from None
+        except ssl.SSLError as exc:  # a bad certificate, no shared protocol, not TLS...
+            problem = f"TLS handshake with pod {where} failed: {exc}"
+            if origin.tls_problem != problem:
+                origin.tls_problem = problem
+                log.warning("%s", problem)
+            raise httpx.ConnectError(problem) from None
+        except OSError as exc:
+            raise httpx.ConnectError(f"{where}: {exc}") from None
+        origin.tls_problem = None
+        return conn
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.scheme != "http":
-            raise httpx.UnsupportedProtocol("the pod transport speaks plain http only")
+        scheme = request.url.scheme
+        if scheme not in _DEFAULT_PORTS:
+            raise httpx.UnsupportedProtocol(
+                f"the pod transport speaks http and https only, not {scheme!r}"
+            )
         timeouts = request.extensions.get("timeout", {})
         up = await self.send_raw(
             request.url.host,
-            request.url.port or 80,
+            request.url.port or _DEFAULT_PORTS[scheme],
             self._head(request),
             request.content,
             timeouts.get("connect"),
             timeouts.get("read"),
+            scheme == "https",
         )
         return httpx.Response(up.status, headers=up.headers, stream=up.stream)
 
@@ -856,14 +938,16 @@ class PodTransport(httpx.AsyncBaseTransport):
         body: bytes,
         connect_timeout: float | None,
         read_timeout: float | None,
+        tls: bool = False,
     ) -> _Upstream:
         """Send a request whose head (request line, headers with Host and
-        Content-Length, blank line) is already bytes; -> the response head and its
-        body stream (close or fully read it to give the connection back)."""
-        key = (host, port)
+        Content-Length, blank line) is already bytes, over TLS when ``tls``; -> the
+        response head and its body stream (close or fully read it to give the
+        connection back)."""
+        key = (host, port, tls)
         origin = self._origins.get(key)
         if origin is None:
-            origin = self._origins[key] = _Origin(host, port)
+            origin = self._origins[key] = _Origin(host, port, tls)
         while True:
             conn: _Conn | None = None
             while origin.idle:

@@ -1,0 +1,286 @@
+"""TLS to pods, with real certificates over loopback.
+
+A test CA (``trustme``) signs a server certificate for 127.0.0.1 / localhost; a second,
+unrelated CA stands for "the wrong CA".  Simulated pods are served over https by
+uvicorn on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trustme
+import uvicorn
+import uvloop
+from pydantic import ValidationError
+
+from router.app import Gateway, create_app
+from router.config import Settings
+from router.proxy import PodTLS, PodTransport
+from router.serve import RunningServer
+from router.sim.pod import SimPod
+from router.sim.settings import SimSettings
+
+MODEL = "sim-model"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello over tls"}]}
+
+
+@dataclass
+class Certs:
+    ca: Path  # the CA that signed the pods' certificate (PEM)
+    other_ca: Path  # an unrelated CA
+    server: Path  # key + certificate chain for 127.0.0.1 and localhost
+    wrong_name: Path  # signed by ``ca``, but for another host name
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    d = tmp_path_factory.mktemp("tls")
+    ca, other = trustme.CA(), trustme.CA()
+    c = Certs(d / "ca.pem", d / "other-ca.pem", d / "server.pem", d / "wrong-name.pem")
+    ca.cert_pem.write_to_path(str(c.ca))
+    other.cert_pem.write_to_path(str(c.other_ca))
+    ca.issue_cert("127.0.0.1", "localhost").private_key_and_cert_chain_pem.write_to_path(
+        str(c.server)
+    )
+    ca.issue_cert("pod.example").private_key_and_cert_chain_pem.write_to_path(str(c.wrong_name))
+    return c
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@contextlib.asynccontextmanager
+async def serve_tls(app: Any, certfile: Path) -> AsyncIterator[str]:
+    """Serve ``app`` over https on a free 127.0.0.1 port; yield its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = _Server(
+        uvicorn.Config(app, log_level="warning", lifespan="off", ssl_certfile=str(certfile))
+    )
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    try:
+        yield f"https://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        server.force_exit = True
+        await task
+        sock.close()
+
+
+@contextlib.asynccontextmanager
+async def https_sim_pod(certfile: Path) -> AsyncIterator[str]:
+    """A simulated vLLM pod's API served over https; yields its URL."""
+    pod = SimPod(
+        SimSettings.model_validate(
+            {"pod_name": "tls-0", "time_scale": 0, "kv_events": False, "max_model_len": 4096}
+        )
+    )
+    async with serve_tls(pod.app, certfile) as url:
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def router_for(
+    pod_url: str, **proxy: Any
+) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient]]:
+    """The router (uvicorn, plain http on loopback) in front of the one pod at ``pod_url``."""
+    settings = Settings.model_validate(
+        {
+            "discovery": {"static": [{"name": "a", "url": pod_url, "models": [MODEL]}]},
+            "events": {"enabled": False},
+            "fleet": {"enabled": False},
+            "health": {"enabled": False},  # the tests run checks themselves
+            "proxy": proxy,
+        }
+    )
+    app = create_app(settings)
+    async with (
+        RunningServer(app) as router,
+        httpx.AsyncClient(base_url=router.url, timeout=30) as client,
+    ):
+        yield app.state.gateway, client
+
+
+# -- pods over https ---------------------------------------------------------------------
+
+
+async def test_https_pod_answers_non_streaming_and_streaming_through_the_router(
+    certs: Certs,
+) -> None:
+    async with (
+        https_sim_pod(certs.server) as pod_url,
+        router_for(pod_url, pod_ca_file=str(certs.ca)) as (_, client),
+    ):
+        r = await client.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvroute-pod"] == "a"
+        assert r.json()["choices"][0]["message"]["content"]
+
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "tls"})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"]
+
+        lines: list[str] = []
+        async with client.stream(
+            "POST", "/v1/chat/completions", json={**CHAT, "stream": True}
+        ) as s:
+            assert s.status_code == 200
+            assert s.headers["content-type"].startswith("text/event-stream")
+            async for line in s.aiter_lines():
+                if line:
+                    lines.append(line)
+        assert len(lines) > 2 and lines[-1] == "data: [DONE]"
+        # the keep-alive TLS connection went back to the pool and is reused
+        r = await client.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200
+        metrics = (await client.get("/metrics")).text
+        assert "kvroute_upstream_errors_total{" not in metrics
+
+
+async def test_health_checks_and_metrics_scrapes_reach_an_https_pod(certs: Certs) -> None:
+    async with (
+        https_sim_pod(certs.server) as pod_url,
+        router_for(pod_url, pod_ca_file=str(certs.ca)) as (gateway, _),
+    ):
+        state = gateway.registry.get("a")
+        assert state is not None
+        assert await gateway.health.check(state)
+        assert "a" not in gateway.health.last_problem
+        assert MODEL in state.models  # learned from the pod's /v1/models over https
+
+        await gateway.scraper.scrape_all()
+        scraped = gateway.scraper.get("a")
+        assert scraped is not None  # /metrics parsed
+        assert gateway.scraper.max_model_len["a"][MODEL] == 4096  # and /v1/models
+        # one TLS context for requests, scrapes and health checks
+        assert gateway.transport.tls is gateway.pod_tls
+
+
+@pytest.mark.parametrize("trust", ["other_ca", "system_store"])
+async def test_a_pod_certificate_from_an_untrusted_ca_is_a_502_naming_tls_in_the_log(
+    certs: Certs, trust: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy = {"pod_ca_file": str(certs.other_ca)} if trust == "other_ca" else {}
+    async with (
+        https_sim_pod(certs.server) as pod_url,
+        router_for(pod_url, **proxy) as (
+            gateway,
+            client,
+        ),
+    ):
+        with caplog.at_level(logging.WARNING, logger="router.proxy"):
+            r = await client.post("/v1/chat/completions", json=CHAT)
+            r2 = await client.post("/v1/chat/completions", json=CHAT)
+        for resp in (r, r2):
+            assert resp.status_code == 502, resp.text
+            err = resp.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert err["type"] == "upstream_error" and err["code"] == "connect"
+            assert "CERTIFICATE_VERIFY_FAILED" in err["message"]
+        tls_lines = [m for m in caplog.messages if "TLS handshake with pod" in m]
+        assert len(tls_lines) == 1  # logged once, not once per request
+        assert "certificate verify failed" in tls_lines[0]
+        metrics = (await client.get("/metrics")).text
+        assert 'kvroute_upstream_errors_total{pod="a",reason="connect"} 2.0' in metrics
+
+        # health checks and scrapes fail the same way, and say why
+        state = gateway.registry.get("a")
+        assert state is not None
+        assert not await gateway.health.check(state)
+        assert "CERTIFICATE_VERIFY_FAILED" in gateway.health.last_problem["a"]
+        await gateway.scraper.scrape_all()
+        assert gateway.scraper.get("a") is None
+        errors = [
+            ln
+            for ln in (await client.get("/metrics")).text.splitlines()
+            if ln.startswith('kvroute_scrape_errors_total{pod="a"}')
+        ]
+        assert errors and float(errors[0].split()[1]) >= 1  # (the background scraper too)
+
+
+async def test_a_pod_certificate_for_another_host_name_is_refused(certs: Certs) -> None:
+    async with (
+        https_sim_pod(certs.wrong_name) as pod_url,
+        router_for(pod_url, pod_ca_file=str(certs.ca)) as (_, client),
+    ):
+        r = await client.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 502
+        assert "IP address mismatch" in r.json()["error"]["message"]
+
+
+async def test_pod_tls_verify_off_accepts_any_certificate(certs: Certs) -> None:
+    async with (
+        https_sim_pod(certs.wrong_name) as pod_url,
+        router_for(pod_url, pod_tls_verify=False) as (gateway, client),
+    ):
+        r = await client.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200, r.text
+        state = gateway.registry.get("a")
+        assert state is not None and await gateway.health.check(state)
+
+
+def test_pod_ca_file_must_exist(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="no such CA file"):
+        Settings.model_validate({"proxy": {"pod_ca_file": str(tmp_path / "nope.pem")}})
+
+
+def test_the_tls_context_is_built_once_and_only_when_asked() -> None:
+    tls = PodTLS()
+    assert tls._context is None  # a plain-http fleet never loads a trust store
+    ctx = tls.context()
+    assert tls.context() is ctx
+    assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
+    insecure = PodTLS(verify=False).context()
+    assert insecure.verify_mode == ssl.CERT_NONE and not insecure.check_hostname
+
+
+def test_the_transport_speaks_tls_on_uvloop(certs: Certs) -> None:
+    """The router's production loop: an https exchange, keep-alive reuse, a refused CA."""
+
+    async def scenario() -> None:
+        pod = SimPod(SimSettings.model_validate({"pod_name": "u", "kv_events": False}))
+        async with serve_tls(pod.app, certs.server) as url:
+            port = int(url.rsplit(":", 1)[1])
+            head = b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 0\r\n\r\n"
+            good = PodTransport(tls=PodTLS(str(certs.ca)))
+            try:
+                for _ in range(2):
+                    up = await good.send_raw("127.0.0.1", port, head, b"", 5.0, 5.0, True)
+                    assert up.status == 200
+                    await up.stream.read_all()
+                    await up.stream.aclose()
+                origin = good._origins[("127.0.0.1", port, True)]
+                assert len(origin.idle) == 1  # one connection, reused
+                async with httpx.AsyncClient(transport=good) as client:
+                    r = await client.get(url + "/metrics")
+                    assert r.status_code == 200 and "vllm:" in r.text
+            finally:
+                await good.aclose()
+            bad = PodTransport(tls=PodTLS(str(certs.other_ca)))
+            try:
+                with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                    await bad.send_raw("127.0.0.1", port, head, b"", 5.0, 5.0, True)
+            finally:
+                await bad.aclose()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario())
