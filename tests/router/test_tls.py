@@ -1,8 +1,8 @@
-"""TLS to pods, with real certificates over loopback.
+"""TLS to pods and to the Kubernetes API server, with real certificates over loopback.
 
 A test CA (``trustme``) signs a server certificate for 127.0.0.1 / localhost; a second,
-unrelated CA stands for "the wrong CA".  Simulated pods are served over https by
-uvicorn on 127.0.0.1.
+unrelated CA stands for "the wrong CA".  Simulated pods and the fake Kubernetes API
+server are served over https by uvicorn on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -26,10 +26,14 @@ from pydantic import ValidationError
 
 from router.app import Gateway, create_app
 from router.config import Settings
+from router.discovery import K8sDiscovery
+from router.pods import PodRegistry
 from router.proxy import PodTLS, PodTransport
 from router.serve import RunningServer
 from router.sim.pod import SimPod
 from router.sim.settings import SimSettings
+from tests.router.test_discovery import FakeApiServer, k8s_pod, k8s_settings
+from tests.support.aio import running, wait_until
 
 MODEL = "sim-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello over tls"}]}
@@ -284,3 +288,45 @@ def test_the_transport_speaks_tls_on_uvloop(certs: Certs) -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(scenario())
+
+
+# -- the Kubernetes API server over https -------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def k8s_over_tls(
+    certs: Certs, tmp_path: Path, ca_file: Path
+) -> AsyncIterator[tuple[FakeApiServer, K8sDiscovery, PodRegistry]]:
+    api = FakeApiServer()
+    api.items = [k8s_pod("a", ip="10.0.0.1")]
+    async with serve_tls(api.app, certs.server) as url:
+        disc = K8sDiscovery(k8s_settings(url, tmp_path, ca_file=str(ca_file), scheme="https"))
+        reg = PodRegistry()
+        async with running(disc.run(reg)) as task:
+            yield api, disc, reg
+            assert not task.done()  # discovery is still running
+
+
+async def test_k8s_discovery_lists_and_watches_an_https_api_server_with_its_ca(
+    certs: Certs, tmp_path: Path
+) -> None:
+    async with k8s_over_tls(certs, tmp_path, certs.ca) as (api, disc, reg):
+        await wait_until(lambda: len(api.watches()) == 1)
+        assert [p.name for p in reg.all()] == ["a"]
+        assert reg.get("a").spec.url == "https://10.0.0.1:8000"  # type: ignore[union-attr]
+        assert api.lists()[0]["auth"] == "Bearer s3cret-token"
+        await api.watch_queue.put({"type": "ADDED", "object": k8s_pod("b", "10.0.0.2")})
+        await wait_until(lambda: reg.get("b") is not None)
+        assert disc.errors == 0
+
+
+async def test_k8s_discovery_with_the_wrong_ca_counts_logs_and_retries(
+    certs: Certs, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="router.discovery"):
+        async with k8s_over_tls(certs, tmp_path, certs.other_ca) as (api, disc, reg):
+            await wait_until(lambda: disc.errors >= 2)  # failed, paused, tried again
+            assert api.requests == []  # no request got past the handshake
+            assert reg.all() == []
+    logged = [m for m in caplog.messages if "k8s discovery: ConnectError" in m]
+    assert logged and "CERTIFICATE_VERIFY_FAILED" in logged[0], caplog.messages
