@@ -23,12 +23,16 @@ import trustme
 import uvicorn
 import uvloop
 from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
 from router.app import Gateway, create_app
 from router.config import Settings
 from router.discovery import K8sDiscovery
 from router.pods import PodRegistry
-from router.proxy import PodTLS, PodTransport
+from router.proxy import _PAUSE_ABOVE, PodTLS, PodTransport
 from router.serve import RunningServer
 from router.sim.pod import SimPod
 from router.sim.settings import SimSettings
@@ -257,32 +261,70 @@ def test_the_tls_context_is_built_once_and_only_when_asked() -> None:
     assert insecure.verify_mode == ssl.CERT_NONE and not insecure.check_hostname
 
 
+def _big_pod() -> Starlette:
+    """A pod whose answers exercise the transport: /health, a body 3x the pause
+    threshold (reading pauses and resumes on the TLS transport), a chunked stream."""
+    big = bytes(range(256)) * ((3 * _PAUSE_ABOVE) // 256)
+
+    async def health(request: Request) -> Response:
+        return Response(b"")
+
+    async def whole(request: Request) -> Response:
+        return Response(big)
+
+    async def stream(request: Request) -> Response:
+        async def parts() -> AsyncIterator[bytes]:
+            for i in range(5):
+                yield b"data: %d\n\n" % i
+
+        return StreamingResponse(parts(), media_type="text/event-stream")
+
+    return Starlette(
+        routes=[Route("/health", health), Route("/big", whole), Route("/stream", stream)]
+    )
+
+
+def _get(path: bytes) -> bytes:
+    return b"GET " + path + b" HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 0\r\n\r\n"
+
+
 def test_the_transport_speaks_tls_on_uvloop(certs: Certs) -> None:
-    """The router's production loop: an https exchange, keep-alive reuse, a refused CA."""
+    """The router's production loop: keep-alive reuse, a body larger than the pause
+    threshold, a stream, httpx requests through the transport, a refused CA."""
 
     async def scenario() -> None:
-        pod = SimPod(SimSettings.model_validate({"pod_name": "u", "kv_events": False}))
-        async with serve_tls(pod.app, certs.server) as url:
+        async with serve_tls(_big_pod(), certs.server) as url:
             port = int(url.rsplit(":", 1)[1])
-            head = b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 0\r\n\r\n"
             good = PodTransport(tls=PodTLS(str(certs.ca)))
             try:
                 for _ in range(2):
-                    up = await good.send_raw("127.0.0.1", port, head, b"", 5.0, 5.0, True)
+                    up = await good.send_raw("127.0.0.1", port, _get(b"/health"), b"", 5, 5, True)
                     assert up.status == 200
                     await up.stream.read_all()
                     await up.stream.aclose()
                 origin = good._origins[("127.0.0.1", port, True)]
                 assert len(origin.idle) == 1  # one connection, reused
+
+                up = await good.send_raw("127.0.0.1", port, _get(b"/big"), b"", 5, 30, True)
+                body = await up.stream.read_all()
+                await up.stream.aclose()
+                assert len(body) == 3 * _PAUSE_ABOVE // 256 * 256
+                assert body[:512] == bytes(range(256)) * 2
+
+                up = await good.send_raw("127.0.0.1", port, _get(b"/stream"), b"", 5, 5, True)
+                assert up.is_event_stream
+                streamed = b"".join([c async for c in up.stream])
+                assert streamed == b"".join(b"data: %d\n\n" % i for i in range(5))
+
                 async with httpx.AsyncClient(transport=good) as client:
-                    r = await client.get(url + "/metrics")
-                    assert r.status_code == 200 and "vllm:" in r.text
+                    r = await client.get(url + "/health")
+                    assert r.status_code == 200
             finally:
                 await good.aclose()
             bad = PodTransport(tls=PodTLS(str(certs.other_ca)))
             try:
                 with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
-                    await bad.send_raw("127.0.0.1", port, head, b"", 5.0, 5.0, True)
+                    await bad.send_raw("127.0.0.1", port, _get(b"/health"), b"", 5, 5, True)
             finally:
                 await bad.aclose()
 
