@@ -130,7 +130,8 @@ class Gateway:
         key = f"{spec}\x00{model}" if spec.startswith("remote:") else spec
         tok = self._tokenizers.get(key)
         if tok is None:
-            tok = self._tokenizers[key] = load_tokenizer(spec, model=model)
+            tls = self.pod_tls.context  # remote:https://... pods: the pods' CA and checks
+            tok = self._tokenizers[key] = load_tokenizer(spec, model=model, tls=tls)
         return tok
 
     def _on_pod(self, name: str, spec: PodSpec | None) -> None:

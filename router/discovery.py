@@ -270,8 +270,16 @@ class K8sDiscovery:
 
     def _make_client(self) -> httpx.AsyncClient:
         verify: Any = True
-        if self.base_url.startswith("https://") and Path(self.settings.ca_file).is_file():
-            verify = ssl.create_default_context(cafile=self.settings.ca_file)
+        if self.base_url.startswith("https://"):
+            if Path(self.settings.ca_file).is_file():
+                verify = ssl.create_default_context(cafile=self.settings.ca_file)
+            else:  # outside a pod, or no service account mounted
+                log.warning(
+                    "discovery.k8s.ca_file %s does not exist: the API server at %s is "
+                    "verified against the system trust store",
+                    self.settings.ca_file,
+                    self.base_url,
+                )
         return httpx.AsyncClient(
             base_url=self.base_url,
             verify=verify,

@@ -19,6 +19,9 @@ spec                        tokenizer
 
 from __future__ import annotations
 
+import ssl
+from collections.abc import Callable
+
 from router.tokenize.aio import ThreadedTokenizer, as_async
 from router.tokenize.approx import ApproxTokenizer
 from router.tokenize.base import AsyncPromptTokenizer, PromptTokenizer, TokenizeError
@@ -26,8 +29,14 @@ from router.tokenize.builtin import ByteTokenizer
 from router.tokenize.encoder import ChatEncoder, EncodedPrompt
 
 
-def load_tokenizer(spec: str, *, model: str | None = None) -> PromptTokenizer:
-    """Build the tokenizer named by ``spec`` (table above); ``model`` is sent to remote pods."""
+def load_tokenizer(
+    spec: str,
+    *,
+    model: str | None = None,
+    tls: Callable[[], ssl.SSLContext] | None = None,
+) -> PromptTokenizer:
+    """Build the tokenizer named by ``spec`` (table above); ``model`` is sent to remote pods,
+    ``tls`` gives the TLS context for ``https`` ones."""
     spec = spec.strip()
     if spec in ("", "builtin"):
         return ByteTokenizer()
@@ -45,7 +54,7 @@ def load_tokenizer(spec: str, *, model: str | None = None) -> PromptTokenizer:
             raise TokenizeError(
                 f"bad remote tokenizer spec {spec!r}: expected remote:http://host:port"
             )
-        return RemoteTokenizer(urls, model=model)
+        return RemoteTokenizer(urls, model=model, tls=tls)
     from router.tokenize.hf import HFTokenizer  # local import: needs model files
 
     return HFTokenizer.from_dir(spec.removeprefix("hf:"))

@@ -16,7 +16,8 @@ a 4xx (the engine rejects the request itself) does not.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import ssl
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -88,7 +89,11 @@ class RemoteTokenizer:
         model: str | None = None,
         client: httpx.AsyncClient | None = None,
         timeout: float = 10.0,
+        tls: Callable[[], ssl.SSLContext] | None = None,
     ) -> None:
+        """``tls``: the TLS context for ``https`` base URLs (the router passes its pods'
+        one, ``PodTLS.context``: the same CA and verification as requests to pods);
+        None = httpx's default trust store."""
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("RemoteTokenizer needs at least one base URL")
@@ -97,6 +102,7 @@ class RemoteTokenizer:
         self.timeout = timeout
         self._client = client
         self._own_client: httpx.AsyncClient | None = None
+        self._tls = tls
         self.name = f"remote:{self.base_urls[0]}"
 
     # --- request bodies ------------------------------------------------------------------
@@ -131,13 +137,17 @@ class RemoteTokenizer:
             body["model"] = self.model
         return body
 
+    def _verify(self) -> ssl.SSLContext | bool:
+        https = any(u.startswith("https://") for u in self.base_urls)
+        return self._tls() if self._tls is not None and https else True
+
     # --- async (the gateway's path) ------------------------------------------------------
 
     def _async_client(self) -> httpx.AsyncClient:
         if self._client is not None:
             return self._client
         if self._own_client is None:
-            self._own_client = httpx.AsyncClient(timeout=self.timeout)
+            self._own_client = httpx.AsyncClient(timeout=self.timeout, verify=self._verify())
         return self._own_client
 
     async def _apost(self, body: dict[str, Any]) -> list[int]:
@@ -187,7 +197,7 @@ class RemoteTokenizer:
 
     def _post(self, body: dict[str, Any]) -> list[int]:
         last: RemoteTokenizeError | None = None
-        with httpx.Client(timeout=self.timeout) as client:
+        with httpx.Client(timeout=self.timeout, verify=self._verify()) as client:
             for base in self.base_urls:
                 url = base + "/tokenize"
                 try:

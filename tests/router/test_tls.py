@@ -164,6 +164,41 @@ async def test_https_pod_answers_non_streaming_and_streaming_through_the_router(
         assert "kvroute_upstream_errors_total{" not in metrics
 
 
+@pytest.mark.parametrize("trusted", [True, False])
+async def test_a_remote_tokenizer_on_an_https_pod_uses_the_pods_ca(
+    certs: Certs, trusted: bool
+) -> None:
+    """``tokenizer: remote:https://...`` asks the pod's /tokenize with the same TLS
+    context as requests to pods (``proxy.pod_ca_file``)."""
+    async with https_sim_pod(certs.server) as pod_url:
+        ca = certs.ca if trusted else certs.other_ca
+        settings = Settings.model_validate(
+            {
+                "tokenizer": f"remote:{pod_url}",
+                "discovery": {"static": [{"name": "a", "url": pod_url, "models": [MODEL]}]},
+                "events": {"enabled": False},
+                "fleet": {"enabled": False},
+                "health": {"enabled": False},
+                "proxy": {"pod_ca_file": str(ca)},
+            }
+        )
+        app = create_app(settings)
+        async with (
+            RunningServer(app) as router,
+            httpx.AsyncClient(base_url=router.url, timeout=30) as client,
+        ):
+            r = await client.post("/v1/route", json=CHAT)
+            if trusted:
+                assert r.status_code == 200, r.text
+                assert r.json()["tokenizer"].startswith("remote:https://127.0.0.1:")
+                assert r.json()["prompt_tokens"] > 0
+                r = await client.post("/v1/chat/completions", json=CHAT)
+                assert r.status_code == 200, r.text
+            else:  # the handshake fails: the request cannot be tokenized, said so
+                assert r.status_code >= 400
+                assert "tokenize" in r.json()["error"]["message"]
+
+
 async def test_health_checks_and_metrics_scrapes_reach_an_https_pod(certs: Certs) -> None:
     async with (
         https_sim_pod(certs.server) as pod_url,
@@ -372,3 +407,17 @@ async def test_k8s_discovery_with_the_wrong_ca_counts_logs_and_retries(
             assert reg.all() == []
     logged = [m for m in caplog.messages if "k8s discovery: ConnectError" in m]
     assert logged and "CERTIFICATE_VERIFY_FAILED" in logged[0], caplog.messages
+
+
+def test_k8s_discovery_says_when_its_ca_file_is_missing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An https API server with no service-account CA on disk (outside a pod) is
+    verified against the system trust store: said once, when the client is made."""
+    missing = tmp_path / "no-such-ca.crt"
+    disc = K8sDiscovery(k8s_settings("https://127.0.0.1:1", tmp_path, ca_file=str(missing)))
+    with caplog.at_level(logging.WARNING, logger="router.discovery"):
+        client = disc._make_client()
+    asyncio.run(client.aclose())
+    warned = [r.getMessage() for r in caplog.records if "ca_file" in r.getMessage()]
+    assert len(warned) == 1 and str(missing) in warned[0]
