@@ -10,9 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import ssl
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,6 @@ from typing import Any
 import httpx
 import pytest
 import trustme
-import uvicorn
 import uvloop
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -37,7 +35,7 @@ from router.serve import RunningServer
 from router.sim.pod import SimPod
 from router.sim.settings import SimSettings
 from tests.router.test_discovery import FakeApiServer, k8s_pod, k8s_settings
-from tests.support.aio import running, wait_until
+from tests.support.aio import running, serve_app, wait_until
 
 MODEL = "sim-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello over tls"}]}
@@ -65,33 +63,9 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     return c
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-@contextlib.asynccontextmanager
-async def serve_tls(app: Any, certfile: Path) -> AsyncIterator[str]:
+def serve_tls(app: Any, certfile: Path) -> contextlib.AbstractAsyncContextManager[str]:
     """Serve ``app`` over https on a free 127.0.0.1 port; yield its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = _Server(
-        uvicorn.Config(app, log_level="warning", lifespan="off", ssl_certfile=str(certfile))
-    )
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    try:
-        yield f"https://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        server.force_exit = True
-        await task
-        sock.close()
+    return serve_app(app, str(certfile))
 
 
 @contextlib.asynccontextmanager

@@ -11,26 +11,37 @@ import asyncio
 import contextlib
 import inspect
 import socket
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any
 
 import uvicorn
 
 
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves the loop's signal handlers alone."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 @contextlib.asynccontextmanager
-async def serve_app(app: Any) -> AsyncIterator[str]:
-    """Run the ASGI ``app`` on a free 127.0.0.1 port in this loop; yield its base URL."""
-    sock = socket.socket()
+async def serve_app(app: Any, certfile: str | None = None) -> AsyncIterator[str]:
+    """Run the ASGI ``app`` on a free 127.0.0.1 port in this loop; yield its base URL.
+
+    ``certfile`` (key + certificate chain, PEM): serve https instead of http."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", ssl_certfile=certfile)
+    server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():
             task.result()  # raise the server's startup error
         await asyncio.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"{'https' if certfile else 'http'}://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         server.force_exit = True
