@@ -130,6 +130,15 @@ class HotFamily(Collector):
     def remove(self, *values: str) -> None:
         del self._children[values]
 
+    def remove_where(self, label: str, value: str) -> int:
+        """Drop every child whose ``label`` is ``value`` (a departed pod's series);
+        returns how many."""
+        i = self.labelnames.index(label)
+        gone = [k for k in self._children if k[i] == value]
+        for k in gone:
+            del self._children[k]
+        return len(gone)
+
     # the label-less family is its own only child
     def inc(self, amount: float = 1.0) -> None:
         self.labels().inc(amount)
@@ -273,11 +282,11 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
-        self.upstream_errors = Counter(
+        self.upstream_errors = self._hot(
+            "counter",
             "kvroute_upstream_errors",
             "Failed attempts to reach a pod, by pod and reason",
-            ["pod", "reason"],
-            registry=r,
+            ("pod", "reason"),
         )
         self.bad_requests = Counter(
             "kvroute_bad_requests",
@@ -285,11 +294,11 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
-        self.scrape_errors = Counter(
+        self.scrape_errors = self._hot(
+            "counter",
             "kvroute_scrape_errors",
             "Failed scrapes of a pod's /metrics, by pod",
-            ["pod"],
-            registry=r,
+            ("pod",),
         )
         self.index_entries = Gauge(
             "kvroute_index_entries",
@@ -332,12 +341,22 @@ class RouterMetrics:
         return c
 
     def forget_pod(self, pod: str) -> None:
-        """Drop a departed pod's per-pod gauges (and every cached child, which may hold
-        one of them)."""
+        """Drop a departed pod's series from every family labelled by pod (and every
+        cached child, which may hold one of them): with pods coming and going under new
+        names (a Deployment's rollouts), /metrics would otherwise grow without bound.
+        A pod that comes back starts its counters from 0, which Prometheus reads as a
+        counter reset."""
         self._children.clear()
         self._pods.clear()
-        with contextlib.suppress(KeyError):
-            self.inflight.remove(pod)
+        for family in (
+            self.requests,
+            self.prompt_tokens,
+            self.predicted_cached_tokens,
+            self.inflight,
+            self.upstream_errors,
+            self.scrape_errors,
+        ):
+            family.remove_where("pod", pod)
         with contextlib.suppress(KeyError):
             self.index_entries.remove(pod)
 

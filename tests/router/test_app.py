@@ -274,6 +274,41 @@ async def test_metrics_count_requests_tokens_and_decisions(rig: Rig) -> None:
     assert f'kvroute_inflight_requests{{pod="{pod}"}} 0.0' in m
 
 
+def test_a_departed_pod_leaves_no_series_behind() -> None:
+    """Every family labelled by pod drops the pod's series when it leaves the fleet; the
+    other pods' series stay as they were."""
+    from router.metrics import RouterMetrics
+
+    m = RouterMetrics()
+    for pod in ("a", "b"):
+        pm = m.pod_metrics(MODEL, pod, "cost")
+        pm.requests(200).inc()
+        pm.requests(502).inc()
+        pm.served(100, 64)
+        pm.inflight.inc()
+        m.child(m.upstream_errors, pod, "connect").inc()
+        m.scrape_errors.labels(pod).inc()
+        m.index_entries.labels(pod).set(10)
+    m.forget_pod("a")
+    text = m.render().decode()
+    series = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert not [ln for ln in series if 'pod="a"' in ln]
+    for name in (
+        "kvroute_requests_total",
+        "kvroute_prompt_tokens_total",
+        "kvroute_predicted_cached_tokens_total",
+        "kvroute_inflight_requests",
+        "kvroute_upstream_errors_total",
+        "kvroute_scrape_errors_total",
+        "kvroute_index_entries",
+    ):
+        assert [ln for ln in series if ln.startswith(name + "{") and 'pod="b"' in ln], name
+    # a pod coming back under the same name counts from zero
+    m.pod_metrics(MODEL, "a", "cost").requests(200).inc()
+    back = f'kvroute_requests_total{{model="{MODEL}",pod="a",policy="cost",status="200"}} 1.0'
+    assert back in m.render().decode()
+
+
 def test_hot_path_metrics_render_exactly_as_prometheus_client_would() -> None:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
