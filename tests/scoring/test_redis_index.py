@@ -801,6 +801,30 @@ def reference_lookup(
     return out
 
 
+class Mirrored:
+    """Writes to the index, mirrored in ``held`` for :func:`reference_lookup`."""
+
+    def __init__(self, index: RedisIndex) -> None:
+        self.index = index
+        self.held: dict[tuple[str, str], dict[int, int]] = {}
+
+    async def add(self, pod: str, keys: list[int], tier: str) -> None:
+        await self.index.add(pod, keys, tier)
+        d = self.held.setdefault((pod, tier), {})
+        for k in keys:
+            d[k] = d.get(k, 0) + 1
+
+    async def remove(self, pod: str, keys: list[int], tier: str) -> None:
+        await self.index.remove(pod, keys, tier)
+        d = self.held.setdefault((pod, tier), {})
+        for k in keys:
+            if d.get(k, 0) > 0:
+                d[k] -= 1
+
+    def expected(self, keys: list[int], pods: list[str] | None = None) -> dict[str, dict[str, int]]:
+        return reference_lookup(self.held, self.index.tiers, keys, pods)
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
 async def test_lookup_matches_the_reference_model(index: RedisIndex, seed: int) -> None:
     """Many pods share a prefix (runs of equal hints, whole chunks skipped), fewer go on;
@@ -810,21 +834,9 @@ async def test_lookup_matches_the_reference_model(index: RedisIndex, seed: int) 
     rng = random.Random(seed)
     tiers = index.tiers
     chain = [rng.getrandbits(64) for _ in range(300)]
-    held: dict[tuple[str, str], dict[int, int]] = {}
     pods = [f"pod-{i}" for i in range(20)]
-
-    async def add(pod: str, keys: list[int], tier: str) -> None:
-        await index.add(pod, keys, tier)
-        d = held.setdefault((pod, tier), {})
-        for k in keys:
-            d[k] = d.get(k, 0) + 1
-
-    async def remove(pod: str, keys: list[int], tier: str) -> None:
-        await index.remove(pod, keys, tier)
-        d = held.setdefault((pod, tier), {})
-        for k in keys:
-            if d.get(k, 0) > 0:
-                d[k] -= 1
+    m = Mirrored(index)
+    add, remove = m.add, m.remove
 
     if seed % 2:  # a run of identical holder sets (a system prompt on every pod)
         for pod in pods:
@@ -844,15 +856,15 @@ async def test_lookup_matches_the_reference_model(index: RedisIndex, seed: int) 
         i = rng.randrange(0, 250)
         await remove(pod, chain[i : i + rng.randrange(1, 4)], tier)
     for query in (chain, chain[:50], chain[:1]):
-        assert await index.lookup(query) == reference_lookup(held, tiers, query, None)
+        assert await index.lookup(query) == m.expected(query)
         cands = [*rng.sample(pods, 7), "pod-unknown"]  # fewer candidates than holders
-        assert await index.lookup(query, cands) == reference_lookup(held, tiers, query, cands)
+        assert await index.lookup(query, cands) == m.expected(query, cands)
         many = [*rng.sample(pods, 15), *(f"ghost-{i}" for i in range(40))]  # more
-        assert await index.lookup(query, many) == reference_lookup(held, tiers, query, many)
+        assert await index.lookup(query, many) == m.expected(query, many)
     await index.clear_pod(pods[0])
     for tier in tiers:
-        held.pop((pods[0], tier), None)
-    assert await index.lookup(chain) == reference_lookup(held, tiers, chain, None)
+        m.held.pop((pods[0], tier), None)
+    assert await index.lookup(chain) == m.expected(chain)
 
 
 @pytest.mark.parametrize("hole", [0, 15, 16, 47, 48, 499, 1000, 1999])
@@ -863,24 +875,15 @@ async def test_long_runs_of_equal_hints_are_passed_by_chunk_yet_every_hole_is_fo
     passes whole chunks with one comparison); a single missing block anywhere -- first
     block of a chunk, last, middle -- still ends that pod's run, per tier."""
     chain = list(range(10_000, 12_000))
-    held: dict[tuple[str, str], dict[int, int]] = {}
-
-    async def add(pod: str, keys: list[int], tier: str) -> None:
-        await index.add(pod, keys, tier)
-        d = held.setdefault((pod, tier), {})
-        for k in keys:
-            d[k] = d.get(k, 0) + 1
-
-    await add("gpu-all", chain, "GPU")
-    await add("holed", chain, "GPU")
-    await add("two-tiers", chain[:1500], "GPU")  # one pod, two slots
-    await add("two-tiers", chain, "CPU")
-    await add("cpu-only", chain, "CPU")
-    await index.remove("holed", [chain[hole]])
-    held[("holed", "GPU")][chain[hole]] = 0
-    await index.remove("two-tiers", [chain[hole]], "CPU")  # the GPU copy still covers it
-    held[("two-tiers", "CPU")][chain[hole]] = 0
-    expected = reference_lookup(held, index.tiers, chain, None)
+    m = Mirrored(index)
+    await m.add("gpu-all", chain, "GPU")
+    await m.add("holed", chain, "GPU")
+    await m.add("two-tiers", chain[:1500], "GPU")  # one pod, two slots
+    await m.add("two-tiers", chain, "CPU")
+    await m.add("cpu-only", chain, "CPU")
+    await m.remove("holed", [chain[hole]], "GPU")
+    await m.remove("two-tiers", [chain[hole]], "CPU")  # the GPU copy still covers it
+    expected = m.expected(chain)
     assert expected.get("holed", {}).get("GPU", 0) == hole
     assert expected["two-tiers"] == {
         "GPU": 1500,
