@@ -24,6 +24,7 @@ from router.app import create_app
 from router.config import Settings
 from router.discovery import StaticPod
 from router.serve import RunningServer
+from tests.support.one_pod import one_pod_router
 
 MODEL = "m"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
@@ -401,21 +402,8 @@ async def test_a_pod_answering_garbage_gives_502_openai_error() -> None:
 
     server = await asyncio.start_server(garbage, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    settings = Settings.model_validate(
-        {
-            "discovery": {
-                "static": [{"name": "g", "url": f"http://127.0.0.1:{port}", "models": [MODEL]}]
-            },
-            "events": {"enabled": False},
-            "health": {"enabled": False},
-            "fleet": {"enabled": False},
-        }
-    )
     try:
-        async with (
-            RunningServer(create_app(settings)) as router,
-            httpx.AsyncClient(base_url=router.url, timeout=30) as client,
-        ):
+        async with one_pod_router("g", f"http://127.0.0.1:{port}", MODEL) as (_, client):
             r = await client.post("/v1/chat/completions", json=CHAT)
             assert r.status_code == 502
             assert r.json()["error"]["type"] == "upstream_error"
@@ -562,22 +550,9 @@ async def test_transport_reads_a_body_larger_than_the_pause_threshold_whole() ->
 
 async def test_a_pod_that_sends_nothing_within_the_read_timeout_gives_504() -> None:
     server, port, _ = await _raw_pod(lambda n: None)
-    settings = Settings.model_validate(
-        {
-            "discovery": {
-                "static": [{"name": "slow", "url": f"http://127.0.0.1:{port}", "models": [MODEL]}]
-            },
-            "events": {"enabled": False},
-            "health": {"enabled": False},
-            "fleet": {"enabled": False},
-            "proxy": {"read_timeout_s": 0.3},
-        }
-    )
+    url = f"http://127.0.0.1:{port}"
     try:
-        async with (
-            RunningServer(create_app(settings)) as router,
-            httpx.AsyncClient(base_url=router.url, timeout=30) as client,
-        ):
+        async with one_pod_router("slow", url, MODEL, proxy={"read_timeout_s": 0.3}) as (_, client):
             r = await client.post("/v1/chat/completions", json=CHAT)
             assert r.status_code == 504
             assert r.json()["error"]["code"] == "upstream_timeout"

@@ -26,16 +26,16 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from router.app import Gateway, create_app
+from router.app import Gateway
 from router.config import Settings
 from router.discovery import K8sDiscovery
 from router.pods import PodRegistry
 from router.proxy import _PAUSE_ABOVE, PodTLS, PodTransport
-from router.serve import RunningServer
 from router.sim.pod import SimPod
 from router.sim.settings import SimSettings
 from tests.router.test_discovery import FakeApiServer, k8s_pod, k8s_settings
 from tests.support.aio import running, serve_app, wait_until
+from tests.support.one_pod import one_pod_router
 
 MODEL = "sim-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello over tls"}]}
@@ -80,26 +80,11 @@ async def https_sim_pod(certfile: Path) -> AsyncIterator[str]:
         yield url
 
 
-@contextlib.asynccontextmanager
-async def router_for(
+def router_for(
     pod_url: str, **proxy: Any
-) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient]]:
+) -> contextlib.AbstractAsyncContextManager[tuple[Gateway, httpx.AsyncClient]]:
     """The router (uvicorn, plain http on loopback) in front of the one pod at ``pod_url``."""
-    settings = Settings.model_validate(
-        {
-            "discovery": {"static": [{"name": "a", "url": pod_url, "models": [MODEL]}]},
-            "events": {"enabled": False},
-            "fleet": {"enabled": False},
-            "health": {"enabled": False},  # the tests run checks themselves
-            "proxy": proxy,
-        }
-    )
-    app = create_app(settings)
-    async with (
-        RunningServer(app) as router,
-        httpx.AsyncClient(base_url=router.url, timeout=30) as client,
-    ):
-        yield app.state.gateway, client
+    return one_pod_router("a", pod_url, MODEL, proxy=proxy)
 
 
 # -- pods over https ---------------------------------------------------------------------
@@ -146,21 +131,13 @@ async def test_a_remote_tokenizer_on_an_https_pod_uses_the_pods_ca(
     context as requests to pods (``proxy.pod_ca_file``)."""
     async with https_sim_pod(certs.server) as pod_url:
         ca = certs.ca if trusted else certs.other_ca
-        settings = Settings.model_validate(
-            {
-                "tokenizer": f"remote:{pod_url}",
-                "discovery": {"static": [{"name": "a", "url": pod_url, "models": [MODEL]}]},
-                "events": {"enabled": False},
-                "fleet": {"enabled": False},
-                "health": {"enabled": False},
-                "proxy": {"pod_ca_file": str(ca)},
-            }
-        )
-        app = create_app(settings)
-        async with (
-            RunningServer(app) as router,
-            httpx.AsyncClient(base_url=router.url, timeout=30) as client,
-        ):
+        async with one_pod_router(
+            "a",
+            pod_url,
+            MODEL,
+            tokenizer=f"remote:{pod_url}",
+            proxy={"pod_ca_file": str(ca)},
+        ) as (_, client):
             r = await client.post("/v1/route", json=CHAT)
             if trusted:
                 assert r.status_code == 200, r.text
