@@ -55,6 +55,21 @@ def _complete(client: httpx.Client, prompt: str, **extra: Any) -> list[int]:
     return ids
 
 
+def _record_completion(proc: EngineProcess, prompt: str) -> tuple[list[int], list[Any]]:
+    """Complete ``prompt`` on ``proc``; its token ids and the event frames it published."""
+    rec = FrameRecorder(proc.pub_endpoint)
+    rec.start()
+    try:
+        rec.wait_quiet(quiet=0.5)  # let the SUB connection settle (slow joiner)
+        with _client(proc) as client:
+            first = rec.count()
+            ids = _complete(client, prompt)
+            rec.wait_quiet()
+        return ids, rec.messages[first:]
+    finally:
+        rec.stop()
+
+
 def _events(messages: list[list[bytes]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for _topic, _seq, payload in messages:
@@ -234,17 +249,9 @@ def test_bytes_mode_engine_publishes_32_byte_digests_whose_tail_is_the_int_hash(
     engine: EngineFactory,
 ) -> None:
     proc = engine("bytes", hash_algo="sha256", int_hashes=False)
-    rec = FrameRecorder(proc.pub_endpoint)
-    rec.start()
     try:
-        rec.wait_quiet(quiet=0.5)
-        with _client(proc) as client:
-            first = rec.count()
-            ids = _complete(client, PREFIX + "Bytes mode.")
-            rec.wait_quiet()
-        msgs = rec.messages[first:]
+        ids, msgs = _record_completion(proc, PREFIX + "Bytes mode.")
     finally:
-        rec.stop()
         engine.stop(proc)
     stored = [e for e in _events(msgs) if e["type"] == "BlockStored"]
     assert stored
@@ -268,17 +275,7 @@ async def test_unseeded_xxhash_engines_disagree_on_hashes_but_our_keys_agree(
         index = InMemoryIndex()
         for i, proc in enumerate(procs):
             applier.set_pod(f"pod-{i}", MODEL)
-            rec = FrameRecorder(proc.pub_endpoint)
-            rec.start()
-            try:
-                rec.wait_quiet(quiet=0.5)
-                with _client(proc) as client:
-                    first = rec.count()
-                    ids = _complete(client, prompt)
-                    rec.wait_quiet()
-                msgs = rec.messages[first:]
-            finally:
-                rec.stop()
+            ids, msgs = _record_completion(proc, prompt)
             stored.append(next(e for e in _events(msgs) if e["type"] == "BlockStored"))
             for _topic, _seq, payload in msgs:
                 await applier.ingest(f"pod-{i}", payload).apply(index)
