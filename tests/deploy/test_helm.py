@@ -16,11 +16,15 @@ import copy
 import json
 import os
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from pydantic import ValidationError
@@ -290,6 +294,48 @@ def test_the_router_listens_where_the_service_and_the_probes_look(
     assert port["name"] == "http" and port["port"] == 8000 and port["targetPort"] == "http"
     router_pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= router_pod_labels.items()
+
+
+def test_the_default_release_starts_a_router_that_turns_ready(tmp_path: Path) -> None:
+    """The rendered argv and config file, run for real (on loopback: the flags beat the
+    file's 0.0.0.0), answer the chart's probes: /health at once, /ready once the
+    embedded simulated fleet the defaults start is healthy."""
+    docs = render({"config": {"fleet": {"pods": 2}}})
+    argv = argv_in(docs, one(docs, "Deployment"), tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "router.cli", *argv[1:], "--host", "127.0.0.1"]
+    cmd += ["--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        ready = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                ready = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2)
+            except httpx.TransportError:
+                time.sleep(0.2)
+                continue
+            assert health.status_code == 200
+            if ready.status_code == 200:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate(timeout=5)[1].decode()[-2000:]
+        assert ready is not None and ready.status_code == 200, ready and ready.text
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
 
 
 # -- the config: one model for CLI, env and Helm values ----------------------------------------
