@@ -105,6 +105,7 @@ class Gateway:
         if self.sink is not None and self.sink.applier.hasher is not None:
             # engine-hash mode, and this process applies events: learn routed chains
             self.router.on_routed = self.sink.learn_later
+            self.sink.lora_path_of = self.scraper.adapter_paths.get
         self.proxy = Proxy(
             self.client,
             settings.proxy,

@@ -290,6 +290,9 @@ class MetricsScraper:
         self.max_model_len: dict[str, dict[str, int]] = {}
         #: LoRA adapter id -> base model id (the ``parent`` field of /v1/models)
         self.parents: dict[str, str] = {}
+        #: LoRA adapter id -> the path the pod loaded it from (the ``root`` field of
+        #: /v1/models; vLLM hashes it into every block of the adapter's requests)
+        self.adapter_paths: dict[str, str] = {}
         self._rounds = 0
         #: bumped whenever what the request path derives per model may change (a pod's
         #: block size, max_model_len or adapter parents learned or forgotten)
@@ -410,5 +413,8 @@ class MetricsScraper:
                     if self.parents.get(adapter) != parent:
                         self.parents[adapter] = parent
                         self.version += 1
+                    root = m.get("root")
+                    if isinstance(root, str) and root and root != adapter:
+                        self.adapter_paths[adapter] = root
         except Exception as exc:
             log.debug("/v1/models of %s failed: %s", pod, exc)

@@ -82,6 +82,12 @@ class EventsSettings(BaseModel):
         description="engine-hash mode: published hashes are ints (false when the pods set "
         "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
     )
+    engine_hash_lora_paths: dict[str, str] = Field(
+        default_factory=dict,
+        description="engine-hash mode: LoRA adapter name -> the path the pods load it from "
+        "(vLLM hashes it into every block); unset adapters take the `root` the pods' "
+        "/v1/models reports",
+    )
     engine_hash_queue: int = Field(
         default=1024,
         ge=1,

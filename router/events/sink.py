@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scoring.events import IndexSink as _ScoringIndexSink
@@ -47,7 +47,9 @@ def build_engine_hasher(events: EventsSettings) -> EngineHasher | None:
     seed = events.engine_hash_seed
     if seed is None and not algo.startswith("xxhash"):
         seed = DEFAULT_SEED  # not the router's own PYTHONHASHSEED: the pods' is what counts
-    return EngineHasher(algo, seed, int_hashes=events.engine_hash_int)
+    return EngineHasher(
+        algo, seed, lora_paths=events.engine_hash_lora_paths, int_hashes=events.engine_hash_int
+    )
 
 
 def make_sink(index: Any, settings: Settings) -> IndexSink:
@@ -70,6 +72,11 @@ class IndexSink(_ScoringIndexSink):
         self.learn_requests = 0
         self.learn_dropped = 0
         self.learn_errors = 0
+        #: LoRA chains not learned: the adapter's path is neither configured nor known
+        self.learn_lora_unknown = 0
+        #: adapter name -> the path the pods report for it (the app sets the scraper's
+        #: lookup); configured paths (``events.engine_hash_lora_paths``) win
+        self.lora_path_of: Callable[[str], str | None] | None = None
 
     def lost_events(self, pod: str) -> bool:
         st = self.applier.pod(pod)
@@ -123,6 +130,9 @@ class IndexSink(_ScoringIndexSink):
         assert q is not None
         while True:
             model, ids, bs, keys, lora, salt = await q.get()
+            if lora and not self._knows_lora_path(lora):
+                self.learn_lora_unknown += 1
+                continue
             try:
                 ops = self.applier.learn(
                     model, list(ids), bs, our_keys=list(keys), lora=lora, cache_salt=salt
@@ -137,6 +147,20 @@ class IndexSink(_ScoringIndexSink):
                 log.warning("engine-hash learn failed: %s", exc)
             await asyncio.sleep(0)  # a burst of learning never holds the loop
 
+    def _knows_lora_path(self, lora: str) -> bool:
+        """Whether the hasher has ``lora``'s path, taking it from the pods' reports
+        when it was not configured (the events of that adapter verify from then on)."""
+        h = self.applier.hasher
+        if h is None:
+            return False
+        if lora in h.lora_paths:
+            return True
+        path = self.lora_path_of(lora) if self.lora_path_of is not None else None
+        if not path:
+            return False
+        h.lora_paths[lora] = path
+        return True
+
     def extra_stats(self) -> dict[str, int]:
         """Counters exported as ``kvroute_event_applier_*`` next to the applier's."""
         h = self.applier.hasher
@@ -149,6 +173,7 @@ class IndexSink(_ScoringIndexSink):
             "engine_hash_learned_requests": self.learn_requests,
             "engine_hash_learn_dropped": self.learn_dropped,
             "engine_hash_learn_errors": self.learn_errors,
+            "engine_hash_lora_unknown": self.learn_lora_unknown,
         }
 
     def gauges(self) -> dict[str, float]:

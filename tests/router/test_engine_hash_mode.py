@@ -59,6 +59,15 @@ def test_sha256_defaults_to_vllms_seed_not_the_routers_environment(
     assert h is not None and h.seed == DEFAULT_SEED and h.int_hashes is False
 
 
+def test_lora_adapter_paths_are_a_setting_the_hasher_gets() -> None:
+    paths = {"ad1": "/adapters/ad1"}
+    s = Settings.model_validate(
+        {"events": {"engine_hash_algo": "sha256", "engine_hash_lora_paths": paths}}
+    )
+    h = build_engine_hasher(s.events)
+    assert h is not None and h.lora_paths == paths
+
+
 # -- the learn queue ---------------------------------------------------------------------
 
 
@@ -84,6 +93,33 @@ async def test_the_learn_queue_is_bounded_and_drops_are_counted() -> None:
         await sink.stop_learning()
 
 
+async def test_a_lora_chain_is_learned_once_its_adapter_path_is_known() -> None:
+    """vLLM hashes ("lora", name, path) into every block: without the path nothing can
+    be learned (counted); the pods' reported path is taken, a configured one wins."""
+    hasher = build_engine_hasher(
+        EventsSettings(engine_hash_algo="sha256", engine_hash_lora_paths={"ad2": "/cfg/ad2"})
+    )
+    sink = IndexSink(InMemoryIndex(), block_size=16, engine_hasher=hasher)
+    assert hasher is not None
+    reported = {"ad2": "/pod/ad2"}
+    sink.start_learning()
+    try:
+        sink.learn_later(MODEL, list(range(32)), 16, [1, 2], lora="ad1")
+        await wait_until(lambda: sink.learn_lora_unknown == 1, "the unknown adapter counted")
+        assert sink.learn_requests == 0 and hasher.learned_blocks == 0
+        assert sink.extra_stats()["engine_hash_lora_unknown"] == 1
+
+        reported["ad1"] = "/pod/ad1"
+        sink.lora_path_of = reported.get
+        sink.learn_later(MODEL, list(range(32)), 16, [1, 2], lora="ad1")
+        sink.learn_later(MODEL, list(range(32)), 16, [3, 4], lora="ad2")
+        await wait_until(lambda: sink.learn_requests == 2, "both adapters learned")
+        assert hasher.learned_blocks == 4 and sink.learn_lora_unknown == 1
+        assert hasher.lora_paths == {"ad1": "/pod/ad1", "ad2": "/cfg/ad2"}
+    finally:
+        await sink.stop_learning()
+
+
 async def test_without_engine_hash_mode_the_sink_learns_nothing() -> None:
     sink = IndexSink(InMemoryIndex(), block_size=16)
     sink.start_learning()
@@ -102,10 +138,13 @@ def _metric(text: str, name: str) -> float:
     return 0.0
 
 
-async def test_a_late_joining_router_links_an_orphan_after_routing_its_prefix() -> None:
+@pytest.mark.parametrize("model", [MODEL, "ad1"], ids=["base-model", "lora-adapter"])
+async def test_a_late_joining_router_links_an_orphan_after_routing_its_prefix(model: str) -> None:
     """The pod cached a prefix before the router joined (no replay), so the blocks it
     stores next are orphans; routing a request with that prefix lets the router
-    reproduce the engine's hashes, link the orphans, and route on the whole chain."""
+    reproduce the engine's hashes, link the orphans, and route on the whole chain.
+    For a LoRA adapter the hash needs the adapter's path, which the router takes from
+    the pod's /v1/models (``root``) without configuration."""
     pods = await start_pods(
         [
             SimSettings.model_validate(
@@ -116,6 +155,7 @@ async def test_a_late_joining_router_links_an_orphan_after_routing_its_prefix() 
                     "replay_endpoint": None,
                     "hash_algo": "sha256",
                     "max_model_len": 4096,
+                    "lora_adapters": ["ad1"],
                 }
             )
         ]
@@ -129,7 +169,7 @@ async def test_a_late_joining_router_links_an_orphan_after_routing_its_prefix() 
             async def complete(ids: list[int]) -> None:
                 r = await direct.post(
                     f"{pod.url}/v1/completions",
-                    json={"model": MODEL, "prompt": ids, "max_tokens": 1},
+                    json={"model": model, "prompt": ids, "max_tokens": 1},
                 )
                 r.raise_for_status()
 
@@ -167,7 +207,7 @@ async def test_a_late_joining_router_links_an_orphan_after_routing_its_prefix() 
                 m = (await client.get("/metrics")).text
                 assert _metric(m, "kvroute_event_applier_orphans_linked_total") == 0
                 assert _metric(m, "kvroute_event_engine_hash_enabled") == 1.0
-                body = {"model": MODEL, "prompt": prefix + ext, "max_tokens": 1}
+                body = {"model": model, "prompt": prefix + ext, "max_tokens": 1}
                 before = (await client.post("/v1/route", json=body)).json()
                 assert before["blocks"] == 6
                 assert before["candidates"][0]["cached_blocks"] == {}
@@ -187,6 +227,8 @@ async def test_a_late_joining_router_links_an_orphan_after_routing_its_prefix() 
                 assert _metric(m, "kvroute_event_applier_engine_hash_mismatches_total") == 0
                 assert _metric(m, "kvroute_event_engine_hash_learned_blocks") >= 6
                 assert _metric(m, "kvroute_event_engine_hash_enabled") == 1.0
+                assert _metric(m, "kvroute_event_applier_engine_hash_lora_unknown_total") == 0
+                assert _metric(m, "kvroute_event_applier_engine_hash_matches_total") > 0
                 after = (await client.post("/v1/route", json=body)).json()
                 cand = {c["pod"]: c for c in after["candidates"]}
                 assert cand["sim-0"]["cached_blocks"]["GPU"] == 6  # the whole chain
