@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scoring.events import IndexSink as _ScoringIndexSink
+from scoring.events.apply import IndexOps
 from scoring.events.engine_hash import DEFAULT_SEED, EngineHasher
 
 if TYPE_CHECKING:
@@ -77,6 +78,20 @@ class IndexSink(_ScoringIndexSink):
         #: adapter name -> the path the pods report for it (the app sets the scraper's
         #: lookup); configured paths (``events.engine_hash_lora_paths``) win
         self.lora_path_of: Callable[[str], str | None] | None = None
+        #: engine-hash mode has two writers (events and learned links): their index
+        #: writes go out in the order the applier computed them (an asyncio.Lock is
+        #: FIFO, and ops are computed and queued for it without a yield in between), so
+        #: a link computed before a removal can never land after it
+        self._write_order: asyncio.Lock | None = (
+            asyncio.Lock() if self.applier.hasher is not None else None
+        )
+
+    async def _run(self, ops: IndexOps) -> None:
+        if self._write_order is None:
+            await super()._run(ops)
+            return
+        async with self._write_order:
+            await super()._run(ops)
 
     def lost_events(self, pod: str) -> bool:
         st = self.applier.pod(pod)

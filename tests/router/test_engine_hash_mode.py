@@ -5,6 +5,7 @@ pod that hashes its blocks like vLLM (``hash_algo="sha256"``)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -18,6 +19,7 @@ from router.events.sink import build_engine_hasher
 from router.fleet import start_pods, static_pods, stop_pods
 from router.serve import RunningServer
 from router.sim.settings import SimSettings
+from scoring.events import IndexOps
 from scoring.events.engine_hash import DEFAULT_SEED
 from scoring.index.memory import InMemoryIndex
 from tests.support.aio import wait_until
@@ -118,6 +120,43 @@ async def test_a_lora_chain_is_learned_once_its_adapter_path_is_known() -> None:
         assert hasher.lora_paths == {"ad1": "/pod/ad1", "ad2": "/cfg/ad2"}
     finally:
         await sink.stop_learning()
+
+
+class _GatedIndex(InMemoryIndex):
+    """An in-memory index whose first add waits for :attr:`gate` (a slow Redis write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.entered = asyncio.Event()
+
+    async def add(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
+        if not self.entered.is_set():
+            self.entered.set()
+            await self.gate.wait()
+        await super().add(pod, keys, tier)
+
+
+async def test_index_writes_land_in_the_order_the_applier_computed_them() -> None:
+    """Events and learned links are two writers: a removal computed after a link must
+    not land before it, even when the link's write is slow."""
+    index = _GatedIndex()
+    sink = IndexSink(
+        index,
+        block_size=16,
+        engine_hasher=build_engine_hasher(EventsSettings(engine_hash_algo="sha256")),
+    )
+    link, removal = IndexOps(), IndexOps()
+    link.add("sim-0", "GPU", [7])
+    removal.remove("sim-0", "GPU", [7])
+    first = asyncio.create_task(sink._run(link))
+    await asyncio.wait_for(index.entered.wait(), 10)
+    second = asyncio.create_task(sink._run(removal))
+    await asyncio.sleep(0.05)
+    assert not second.done()  # queued behind the slow link
+    index.gate.set()
+    await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert await index.lookup([7], ["sim-0"]) == {}
 
 
 async def test_without_engine_hash_mode_the_sink_learns_nothing() -> None:
