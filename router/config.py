@@ -113,6 +113,12 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535, description="listen port (0 = any free port)")
     workers: int = Field(default=1, ge=1, description="uvicorn worker processes")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    shutdown_grace_s: int = Field(
+        default=30,
+        ge=0,
+        description="on SIGTERM, how long in-flight requests (streams included) may finish "
+        "before they are cut; keep it below the pod's terminationGracePeriodSeconds",
+    )
 
     policy: str = Field(default="cost", description="routing policy (scoring.policies)")
     policy_params: dict[str, Any] = Field(

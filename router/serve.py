@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             access_log=False,
             proxy_headers=False,  # the client address is not used; saves a middleware
             server_header=False,  # a gateway need not advertise uvicorn (one header less)
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=settings.shutdown_grace_s,
         )
     except _Stop:
         pass

@@ -73,3 +73,67 @@ def test_serve_rejects_an_invalid_flag_value_with_a_message() -> None:
     )
     assert out.returncode == 2
     assert "unknown policy 'fastest'" in out.stderr
+
+
+def _start_slow_router(port: int, *extra: str) -> subprocess.Popen[bytes]:
+    """`kvroute serve` in front of one embedded pod decoding 50 tokens/s."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    flags = ["--port", str(port), "--fleet.pods", "1", "--fleet.decode-tokens-per-s", "50"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "serve", *flags, *extra],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("kvroute serve never became ready")
+        time.sleep(0.1)
+
+
+def _stream_through_sigterm(proc: subprocess.Popen[bytes], port: int) -> tuple[bytes, int]:
+    """A ~1.5 s streaming completion; SIGTERM once its first chunk arrived. Returns the
+    streamed body (up to where it ended) and the router's exit status."""
+    body = b""
+    body_json = {"model": "sim-model", "prompt": "hi", "max_tokens": 75, "stream": True}
+    try:
+        with httpx.stream(
+            "POST", f"http://127.0.0.1:{port}/v1/completions", json=body_json, timeout=30
+        ) as r:
+            assert r.status_code == 200
+            try:
+                for chunk in r.iter_raw():
+                    if not body:
+                        proc.send_signal(signal.SIGTERM)
+                    body += chunk
+            except httpx.HTTPError:
+                pass  # the router cut the stream
+        return body, proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_sigterm_lets_an_inflight_stream_finish_within_the_grace_period() -> None:
+    port = free_port()
+    body, code = _stream_through_sigterm(_start_slow_router(port), port)
+    assert body.rstrip().endswith(b"data: [DONE]"), body[-200:]
+    assert code == 0
+
+
+@pytest.mark.slow
+def test_sigterm_cuts_streams_still_running_after_the_grace_period() -> None:
+    port = free_port()
+    proc = _start_slow_router(port, "--shutdown-grace-s", "0")
+    body, code = _stream_through_sigterm(proc, port)
+    assert body and b"[DONE]" not in body
+    assert code == 0
