@@ -10,7 +10,8 @@ metrics scraper; it stops them in reverse order.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or not),
 ``POST /v1/embeddings``, ``GET /v1/models``, ``POST /v1/route`` (explain, no forwarding),
-``GET /health``, ``GET /ready``, ``GET /metrics``.
+``GET /health``, ``GET /ready``, ``GET /metrics``; and ``proxy.passthrough_paths``
+(``/tokenize``, ``/rerank``...: least-loaded pod serving the body's model).
 """
 
 from __future__ import annotations
@@ -392,6 +393,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await response(scope, receive, send)
 
     app.fast_routes = dict(_FAST_KINDS)
+    app.fast_routes.update((p, "passthrough") for p in settings.proxy.passthrough_paths)
     app.fast_handler = _fast
 
     async def _routed(request: Request, kind: Kind, path: str) -> Response:

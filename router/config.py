@@ -36,6 +36,35 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+#: the paths `kvroute serve` answers itself (not passthrough paths)
+OWN_PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/route",
+        "/v1/models",
+        "/health",
+        "/ready",
+        "/metrics",
+    }
+)
+#: vLLM's other JSON POST endpoints, relayed by default.  Not ``/v1/responses``: a
+#: response that names a ``previous_response_id`` must reach the pod that stored it,
+#: which least-load routing does not know
+PASSTHROUGH_PATHS = (
+    "/tokenize",
+    "/detokenize",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+)
+
+
 class ProxySettings(_Section):
     """How requests are forwarded to pods."""
 
@@ -56,6 +85,11 @@ class ProxySettings(_Section):
         description="retries on the next-best pod when connecting fails or the pod answers "
         "502/503 before any byte reached the client",
     )
+    passthrough_paths: list[str] = Field(
+        default_factory=lambda: list(PASSTHROUGH_PATHS),
+        description="other POST endpoints of the pods relayed as they are (JSON bodies with a "
+        "`model`, or none when one model is served), to the least-loaded pod serving it",
+    )
     pod_ca_file: str | None = Field(
         default=None,
         description="CA bundle (PEM) to verify https pods against (default: the system "
@@ -66,6 +100,16 @@ class ProxySettings(_Section):
         description="verify https pods' certificates and host names; false is INSECURE "
         "(encrypted but unauthenticated: anyone on the path can pose as a pod)",
     )
+
+    @field_validator("passthrough_paths")
+    @classmethod
+    def _passthrough_paths(cls, v: list[str]) -> list[str]:
+        for path in v:
+            if not path.startswith("/") or "?" in path or "#" in path:
+                raise ValueError(f"passthrough path {path!r}: a path starting with '/'")
+            if path in OWN_PATHS:
+                raise ValueError(f"passthrough path {path!r}: kvroute serves it itself")
+        return v
 
     @field_validator("pod_ca_file")
     @classmethod

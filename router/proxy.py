@@ -274,6 +274,10 @@ def _on_disconnect(w: _Watch, t: asyncio.Task[None]) -> None:
     w.task.cancel()
 
 
+#: kinds routed without a prompt to tokenize: no prompt or cached tokens to count
+_NO_PROMPT_KINDS = frozenset({"embedding", "passthrough"})
+
+
 class _RawResponse(Response):
     """A complete response sent as two ASGI messages with pre-built raw headers
     (no header normalisation: the hot path already holds them as bytes)."""
@@ -378,7 +382,7 @@ class Proxy:
     def _served(self, routed: Routed, pod: str, pm: PodMetrics | None = None) -> None:
         """Prompt tokens and predicted cached tokens, labelled with the pod the request
         was finally sent to (after a retry: the retry's pod, not the first choice)."""
-        if routed.kind == "embedding" or pod not in routed.views:
+        if routed.kind in _NO_PROMPT_KINDS or pod not in routed.views:
             return
         if pm is None:
             pm = self.metrics.pod_metrics(routed.model, pod, self.policy_name)

@@ -45,7 +45,7 @@ from scoring.policies.base import Decision, PodView, Policy, RouteRequest
 
 log = logging.getLogger(__name__)
 
-Kind = Literal["chat", "completion", "embedding"]
+Kind = Literal["chat", "completion", "embedding", "passthrough"]
 
 DEFAULT_BLOCK_SIZE = 16
 _decode = msgspec.json.decode
@@ -363,7 +363,7 @@ class RequestRouter:
         t0 = _perf()
         model = body.get("model")
         if not isinstance(model, str) or not model:
-            raise bad_request("'model' is required and must be a string", "missing_model", "model")
+            model = self._only_model(kind, model)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise bad_request("'stream' must be a boolean", "invalid_stream", param="stream")
@@ -378,8 +378,8 @@ class RequestRouter:
         session = headers.get(self.settings.session_header) or body.get("user")
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
 
-        if kind == "embedding":
-            return await self._decide_embedding(body, model, stream, pods, request_id)
+        if kind == "embedding" or kind == "passthrough":
+            return await self._decide_least_loaded(kind, body, model, stream, pods, request_id)
 
         plan = self._plan(model, pods, names)
         base, lora, bs, entry = plan.base, plan.lora, plan.block_size, plan.encoding
@@ -528,15 +528,29 @@ class RequestRouter:
                 )
         return views
 
-    async def _decide_embedding(
+    def _only_model(self, kind: Kind, model: Any) -> str:
+        """The model of a body without one: a passthrough request (``/tokenize`` and the
+        like, where vLLM makes ``model`` optional) goes to the one model served."""
+        if kind == "passthrough" and model is None:
+            served = self.registry.served_models()
+            if len(served) == 1:
+                return next(iter(served))
+            raise bad_request(
+                f"'model' is required: {len(served)} models are served", "missing_model", "model"
+            )
+        raise bad_request("'model' is required and must be a string", "missing_model", "model")
+
+    async def _decide_least_loaded(
         self,
+        kind: Kind,
         body: dict[str, Any],
         model: str,
         stream: bool,
         pods: Sequence[PodState],
         request_id: str,
     ) -> Routed:
-        """Embeddings hold no reusable KV cache: least in-flight, ties rotated."""
+        """Embeddings and passthrough requests: no prefix to follow (an embedding leaves
+        no reusable KV cache), so least in-flight, ties rotated."""
         names = [p.name for p in pods]
         views = await self._views((), names)
         self._rr += 1
@@ -550,7 +564,7 @@ class RequestRouter:
             request_id=request_id, model=model, prompt_tokens=0, block_keys=[], block_size=1
         )
         return Routed(
-            kind="embedding",
+            kind=kind,
             body=body,
             model=model,
             stream=stream,
