@@ -607,6 +607,30 @@ def test_containers_run_non_root_on_a_read_only_root_filesystem() -> None:
         assert c["resources"]["requests"]
 
 
+@pytest.mark.parametrize("config", [{}, {"shutdown_grace_s": 100}], ids=["default", "long"])
+def test_a_terminating_router_drains_before_the_kubelet_kills_it(
+    config: dict[str, Any], tmp_path: Path, no_kvroute_env: None
+) -> None:
+    """The pod sleeps (endpoints stop sending it requests), kvroute lets in-flight
+    streams finish for shutdown_grace_s, and the kubelet waits for both."""
+    values = {"config": config, "terminationGracePeriodSeconds": 120}
+    docs = render(values)
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    (sleep,) = container(one(docs, "Deployment"))["lifecycle"]["preStop"]["exec"]["command"][1:]
+    drain = int(sleep) + router_settings(docs, tmp_path).shutdown_grace_s
+    assert pod["terminationGracePeriodSeconds"] > drain
+    defaults = render()
+    grace = one(defaults, "Deployment")["spec"]["template"]["spec"]
+    assert grace["terminationGracePeriodSeconds"] > 5 + Settings().shutdown_grace_s
+
+
+def test_a_grace_period_shorter_than_the_drain_fails_with_the_reason() -> None:
+    with pytest.raises(helm.HelmRenderError, match="must exceed preStopSleepSeconds"):
+        render({"terminationGracePeriodSeconds": 30})
+    with pytest.raises(helm.HelmRenderError, match="must exceed preStopSleepSeconds"):
+        render({"config": {"shutdown_grace_s": 60}})
+
+
 def test_the_image_tag_defaults_to_the_app_version() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
