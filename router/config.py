@@ -13,15 +13,24 @@ falls back to a default.  ``docs/config.md`` is the table of every setting.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     CliSettingsSource,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     YamlConfigSettingsSource,
@@ -34,6 +43,20 @@ from router.health import HealthSettings
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def _names(value: Any) -> Any:
+    """A list of names from an env var: JSON (``["a", "b"]``) or comma-separated."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return value
+
+
+#: a list of strings that ``KVROUTE_*`` env vars may also spell ``a,b,c``
+Names = Annotated[list[str], NoDecode, BeforeValidator(_names)]
 
 
 #: the paths `kvroute serve` answers itself (not passthrough paths)
@@ -85,7 +108,7 @@ class ProxySettings(_Section):
         description="retries on the next-best pod when connecting fails or the pod answers "
         "502/503 before any byte reached the client",
     )
-    passthrough_paths: list[str] = Field(
+    passthrough_paths: Names = Field(
         default_factory=lambda: list(PASSTHROUGH_PATHS),
         description="other POST endpoints of the pods relayed as they are (JSON bodies with a "
         "`model`, or none when one model is served), to the least-loaded pod serving it",
@@ -169,7 +192,7 @@ class Settings(BaseSettings):
         default_factory=dict, description="the policy's parameters (validated by the policy)"
     )
 
-    models: list[str] = Field(
+    models: Names = Field(
         default_factory=list,
         description="models that must be served for /ready (empty: every model pods serve)",
     )
@@ -210,7 +233,7 @@ class Settings(BaseSettings):
         default=10_000_000, ge=1, description="in-memory index: max (pod, block) entries (LRU)"
     )
 
-    api_keys: list[str] = Field(
+    api_keys: Names = Field(
         default_factory=list,
         description="router-level API keys (Bearer); empty: Authorization passed through",
     )
@@ -337,6 +360,8 @@ def _type_name(annotation: Any) -> str:
 
 
 def _bound(meta: Any) -> str:
+    if meta is NoDecode or isinstance(meta, BeforeValidator):  # a Names list
+        return "env: JSON or comma-separated" if meta is NoDecode else ""
     for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
         if getattr(meta, attr, None) is not None:
             return f"{op} {getattr(meta, attr)}"
@@ -375,7 +400,7 @@ def config_rows(
             default = default.model_dump()
         meaning = (info.description or "").replace("|", "\\|")
         if info.metadata:
-            bounds = ", ".join(_bound(m) for m in info.metadata)
+            bounds = ", ".join(b for b in map(_bound, info.metadata) if b)
             meaning = f"{meaning} ({bounds})" if meaning else bounds
         rows.append(
             (

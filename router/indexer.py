@@ -34,6 +34,7 @@ import contextlib
 import logging
 import signal
 import socket
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -190,17 +191,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = Settings.load(rest)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"kvroute index: {exc}", flush=True)
+        print(f"kvroute index: {exc}", file=sys.stderr, flush=True)
         return 2
     if args.sweep_interval < 0:
         print(
             f"kvroute index: --sweep-interval must be >= 0 seconds, got {args.sweep_interval:g}",
+            file=sys.stderr,
             flush=True,
         )
         return 2
     url = args.redis or settings.redis_url
     if not url:
-        print("kvroute index: a Redis URL is required (--redis URL or redis_url)", flush=True)
+        print(
+            "kvroute index: a Redis URL is required (--redis URL or redis_url)",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -223,6 +229,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         asyncio.run(_main())
     except (DiscoveryError, OSError) as exc:  # cannot discover pods, port taken...
-        print(f"kvroute index: {exc}", flush=True)
+        print(f"kvroute index: {exc}", file=sys.stderr, flush=True)
         return 2
     return 0

@@ -132,3 +132,14 @@ def test_docs_config_table_lists_every_setting_as_the_model_does() -> None:
     )
     names = [r[0] for r in config_rows()]
     assert {"port", "proxy.read_timeout_s", "events.mode", "discovery.static"} <= set(names)
+
+
+@pytest.mark.parametrize("spelled", ["sk-1,sk-2", " sk-1 , sk-2 ", '["sk-1", "sk-2"]'])
+def test_list_settings_from_env_vars_are_json_or_comma_separated(
+    spelled: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVROUTE_API_KEYS", spelled)
+    monkeypatch.setenv("KVROUTE_PROXY__PASSTHROUGH_PATHS", "/tokenize,/rerank")
+    s = Settings.load([])
+    assert s.api_keys == ["sk-1", "sk-2"]
+    assert s.proxy.passthrough_paths == ["/tokenize", "/rerank"]

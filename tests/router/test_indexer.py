@@ -79,14 +79,14 @@ def test_main_without_a_redis_url_exits_2_naming_the_flag(
     monkeypatch.delenv("KVROUTE_REDIS_URL", raising=False)
     monkeypatch.delenv("KVROUTE_CONFIG", raising=False)
     assert main([]) == 2
-    assert "--redis URL" in capsys.readouterr().out
+    assert "--redis URL" in capsys.readouterr().err
 
 
 def test_main_with_a_missing_config_file_exits_2(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     assert main(["--redis", "redis://127.0.0.1:1", "--config", str(tmp_path / "nope.yaml")]) == 2
-    assert "nope.yaml" in capsys.readouterr().out
+    assert "nope.yaml" in capsys.readouterr().err
 
 
 def test_main_exits_2_when_discovery_cannot_run(
@@ -102,7 +102,7 @@ def test_main_exits_2_when_discovery_cannot_run(
     assert (
         main(["--redis", "redis://127.0.0.1:1", "--config", str(cfg), "--metrics-port", "0"]) == 2
     )
-    assert "KUBERNETES_SERVICE_HOST" in capsys.readouterr().out
+    assert "KUBERNETES_SERVICE_HOST" in capsys.readouterr().err
 
 
 async def test_indexer_writes_a_sim_pods_events_into_redis_for_router_replicas(
@@ -213,7 +213,7 @@ def test_main_rejects_a_negative_sweep_interval_naming_the_flag(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert main(["--redis", "redis://127.0.0.1:1", "--sweep-interval", "-1"]) == 2
-    assert "--sweep-interval must be >= 0" in capsys.readouterr().out
+    assert "--sweep-interval must be >= 0" in capsys.readouterr().err
 
 
 async def test_the_indexer_sweeps_cleared_pods_ids_out_of_the_index_in_the_background(
