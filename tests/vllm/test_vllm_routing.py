@@ -274,3 +274,19 @@ async def _check_bind_mode(
         metrics = (await router.get("/metrics")).text
         assert _metric(metrics, "kvroute_events_ingested_total", pod="vllm-0") > 0
         assert _metric(metrics, "kvroute_event_bad_topics_total") == 0
+
+
+async def test_the_engines_tokenize_and_detokenize_are_relayed_through_the_router(
+    router: httpx.AsyncClient, engines: list[EngineProcess]
+) -> None:
+    """vLLM's other endpoints pass through: the router's answer is the engine's own."""
+    body = {"model": MODEL, "prompt": "Relayed as it is."}
+    r = await router.post("/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    engine = engines[int(r.headers["x-kvroute-pod"].removeprefix("vllm-"))]
+    async with httpx.AsyncClient(timeout=30) as direct:
+        assert r.json() == (await direct.post(engine.base_url + "/tokenize", json=body)).json()
+    tokens = r.json()["tokens"]
+    back = await router.post("/detokenize", json={"model": MODEL, "tokens": tokens})
+    assert back.status_code == 200, back.text
+    assert "Relayed as it is." in back.json()["prompt"]
