@@ -170,17 +170,25 @@ class Stack:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def chat(self, i: int) -> int:
-        system = f"You are assistant number {i % 3}. " + "Answer briefly and precisely. " * 8
-        body = {
-            "model": MODEL,
-            "messages": [
+        """One completion: even ``i`` chat with one of three long system prompts (prefix
+        hits), odd ``i`` are text completions starting with text of their own (a miss on
+        every pod, which the policy spreads by its tie-break: every live pod gets some)."""
+        if i % 2 == 0:
+            system = f"You are assistant number {i % 3}. " + "Answer briefly and precisely. " * 8
+            messages = [
                 {"role": "system", "content": system},
                 {"role": "user", "content": f"question {i}: what is {i} plus {i}?"},
-            ],
-            "max_tokens": 4,
-            "stream": i % 2 == 0,
-        }
-        r = httpx.post(f"{self.router_url}/v1/chat/completions", json=body, timeout=30.0)
+            ]
+            path = "/v1/chat/completions"
+            body = {"model": MODEL, "messages": messages, "max_tokens": 4, "stream": i % 4 == 0}
+        else:
+            path = "/v1/completions"
+            body = {
+                "model": MODEL,
+                "prompt": f"{i * 7919} {i} is a prompt of its own",
+                "max_tokens": 4,
+            }
+        r = httpx.post(f"{self.router_url}{path}", json=body, timeout=30.0)
         return r.status_code
 
     def traffic(self, n: int) -> list[int]:
