@@ -649,6 +649,8 @@ def test_service_monitor_is_off_by_default_and_scrapes_metrics_when_on() -> None
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     ports = {e["port"] for e in monitor["spec"]["endpoints"]}
     assert {e["path"] for e in monitor["spec"]["endpoints"]} == {"/metrics"}
+    # kvroute's `pod` label names the vLLM pod: it must not become exported_pod
+    assert all(e["honorLabels"] is True for e in monitor["spec"]["endpoints"])
     selector = monitor["spec"]["selector"]
     for component, port in (("router", "http"), ("indexer", "metrics")):
         service = one(docs, "Service", component)
