@@ -105,7 +105,10 @@ MODES: dict[str, dict[str, Any]] = {
         "indexer": {"enabled": False},
         "config": {"index_writer": True, **STATIC_PODS},
     },
-    "serviceMonitor on": {"serviceMonitor": {"enabled": True}},
+    "serviceMonitor + prometheusRule on": {
+        "serviceMonitor": {"enabled": True},
+        "prometheusRule": {"enabled": True},
+    },
     "hpa on": {"autoscaling": {"enabled": True}, "redis": {"enabled": True}},
     "pdb on": {"podDisruptionBudget": {"enabled": True}, "replicaCount": 2},
     "dashboards off": {"dashboards": {"enabled": False}},
@@ -644,7 +647,7 @@ def test_the_image_tag_defaults_to_the_app_version() -> None:
 
 def test_service_monitor_is_off_by_default_and_scrapes_metrics_when_on() -> None:
     assert of_kind(render({}), "ServiceMonitor") == []
-    docs = render({**MODES["serviceMonitor on"], "redis": {"enabled": True}})
+    docs = render({**MODES["serviceMonitor + prometheusRule on"], "redis": {"enabled": True}})
     (monitor,) = of_kind(docs, "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     ports = {e["port"] for e in monitor["spec"]["endpoints"]}
@@ -662,6 +665,20 @@ def test_service_monitor_is_off_by_default_and_scrapes_metrics_when_on() -> None
     assert (
         redis_labels["app.kubernetes.io/component"] not in selector["matchExpressions"][0]["values"]
     )
+
+
+def test_the_prometheus_rule_is_off_by_default_and_carries_the_rules_file_verbatim() -> None:
+    assert of_kind(render({}), "PrometheusRule") == []
+    docs = render({"prometheusRule": {"enabled": True, "labels": {"release": "prom"}}})
+    (rule,) = of_kind(docs, "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["labels"]["release"] == "prom"
+    rules_file = yaml.safe_load((CHART / "rules" / "kvroute-rules.yaml").read_text())
+    assert rule["spec"]["groups"] == rules_file["groups"]
+    annotations = [
+        r["annotations"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r
+    ]
+    assert annotations and any("{{ $labels." in str(a) for a in annotations)  # not templated
 
 
 def test_hpa_scales_the_router_deployment_and_owns_its_replica_count() -> None:
