@@ -178,7 +178,12 @@ class Settings(BaseSettings):
 
     host: str = Field(default="127.0.0.1", description="listen address (0.0.0.0 in a container)")
     port: int = Field(default=8000, ge=0, le=65535, description="listen port (0 = any free port)")
-    workers: int = Field(default=1, ge=1, description="uvicorn worker processes")
+    workers: int = Field(
+        default=1,
+        ge=1,
+        description="uvicorn worker processes; each keeps its own index, load view and "
+        "metrics (a scrape of /metrics sees one worker): on Kubernetes, scale with replicas",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     shutdown_grace_s: int = Field(
         default=30,

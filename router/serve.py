@@ -270,6 +270,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings.fleet.pods,
             settings.fleet.model,
         )
+    if settings.workers > 1:
+        log.warning(
+            "%d workers: each keeps its own metrics, and a scrape of /metrics reaches one "
+            "of them (counters jump between scrapes); where Prometheus scrapes, prefer one "
+            "worker per process and more replicas",
+            settings.workers,
+        )
     # uvicorn re-raises SIGINT/SIGTERM after its own graceful shutdown; turn that into a
     # normal return so the fleet is stopped and the exit status is 0
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
