@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,20 +37,30 @@ class Rig:
         return (await self.client.get("/metrics")).text
 
 
-async def _start(
+@contextlib.asynccontextmanager
+async def running(
     sims: list[SimSettings], events: bool = False, **overrides: Any
-) -> tuple[Rig, list[SimPod]]:
+) -> AsyncIterator[Rig]:
+    """Sim pods and a router in front of them (static discovery), stopped on exit."""
     pods = await start_pods(sims)
-    settings = Settings.model_validate(
-        {
-            "discovery": {"static": [p.model_dump() for p in static_pods(pods)]},
-            "events": {"enabled": events},
-            "fleet": {"enabled": False},
-            **overrides,
-        }
-    )
-    router = await RunningServer(create_app(settings)).start()
-    return Rig(pods, router, httpx.AsyncClient(base_url=router.url, timeout=30)), pods
+    try:
+        settings = Settings.model_validate(
+            {
+                "discovery": {"static": [p.model_dump() for p in static_pods(pods)]},
+                "events": {"enabled": events},
+                "fleet": {"enabled": False},
+                **overrides,
+            }
+        )
+        router = await RunningServer(create_app(settings)).start()
+        rig = Rig(pods, router, httpx.AsyncClient(base_url=router.url, timeout=30))
+        try:
+            yield rig
+        finally:
+            await rig.client.aclose()
+            await router.stop()
+    finally:
+        await stop_pods(pods)
 
 
 def sim(i: int, **kw: Any) -> SimSettings:
@@ -60,11 +71,8 @@ def sim(i: int, **kw: Any) -> SimSettings:
 
 @pytest.fixture
 async def rig() -> AsyncIterator[Rig]:
-    r, pods = await _start([sim(0), sim(1, lora_adapters=["sql-lora"])])
-    yield r
-    await r.client.aclose()
-    await r.router.stop()
-    await stop_pods(pods)
+    async with running([sim(0), sim(1, lora_adapters=["sql-lora"])]) as r:
+        yield r
 
 
 def chat(content: str = "hello", **kw: Any) -> dict[str, Any]:
@@ -142,15 +150,10 @@ async def test_ready_is_503_when_a_configured_model_has_no_healthy_pod(rig: Rig)
 
 
 async def test_ready_checks_every_configured_model() -> None:
-    r, pods = await _start([sim(0)], models=[MODEL, "other-model"])
-    try:
+    async with running([sim(0)], models=[MODEL, "other-model"]) as r:
         resp = await r.client.get("/ready")
         assert resp.status_code == 503
         assert resp.json()["healthy_pods"] == {MODEL: 1, "other-model": 0}
-    finally:
-        await r.client.aclose()
-        await r.router.stop()
-        await stop_pods(pods)
 
 
 async def test_unhealthy_pods_get_no_requests_and_a_model_without_healthy_pods_is_503(
@@ -273,15 +276,10 @@ async def test_a_passthrough_request_without_model_needs_a_single_served_model(
     r = await rig.client.post("/tokenize", json={"prompt": "x"})
     err = await assert_openai_error(r, 400, "missing_model")
     assert "2 models are served" in err["message"]
-    one, pods = await _start([sim(0)])
-    try:
+    async with running([sim(0)]) as one:
         r = await one.client.post("/tokenize", json={"prompt": "x"})
         assert r.status_code == 200, r.text
         assert r.headers["x-kvroute-pod"] == "sim-0"
-    finally:
-        await one.client.aclose()
-        await one.router.stop()
-        await stop_pods(pods)
 
 
 async def test_a_passthrough_path_the_pod_lacks_answers_with_the_pods_own_status(
@@ -293,16 +291,11 @@ async def test_a_passthrough_path_the_pod_lacks_answers_with_the_pods_own_status
 
 
 async def test_passthrough_paths_are_a_setting() -> None:
-    rig, pods = await _start([sim(0)], proxy={"passthrough_paths": ["/classify"]})
-    try:
+    async with running([sim(0)], proxy={"passthrough_paths": ["/classify"]}) as rig:
         r = await rig.client.post("/tokenize", json={"model": MODEL, "prompt": "x"})
         await assert_openai_error(r, 404, "http")
         r = await rig.client.post("/classify", json={"model": MODEL, "input": "x"})
         assert r.headers["x-kvroute-pod"] == "sim-0"
-    finally:
-        await rig.client.aclose()
-        await rig.router.stop()
-        await stop_pods(pods)
     for bad in ("/v1/chat/completions", "tokenize", "/metrics"):
         with pytest.raises(ValueError, match="passthrough path"):
             Settings.model_validate({"proxy": {"passthrough_paths": [bad]}})
@@ -423,8 +416,7 @@ async def test_scraped_pod_metrics_feed_the_load_view_and_block_size(rig: Rig) -
 async def test_route_sees_the_blocks_a_pod_reported_through_kv_events() -> None:
     import asyncio
 
-    r, pods = await _start([sim(0, kv_events=True), sim(1, kv_events=True)], events=True)
-    try:
+    async with running([sim(0, kv_events=True), sim(1, kv_events=True)], events=True) as r:
         body = chat("a long shared prefix " * 40)
         first = await r.client.post("/v1/chat/completions", json=body)
         pod = first.headers["x-kvroute-pod"]
@@ -443,10 +435,6 @@ async def test_route_sees_the_blocks_a_pod_reported_through_kv_events() -> None:
         assert explained["pod"] == pod  # the prefix holder wins
         m = await r.metrics()
         assert "kvroute_event_lag_seconds" in m
-    finally:
-        await r.client.aclose()
-        await r.router.stop()
-        await stop_pods(pods)
 
 
 async def test_an_orphan_block_from_a_pod_raises_the_applier_orphan_counter_on_metrics() -> None:
@@ -456,8 +444,7 @@ async def test_an_orphan_block_from_a_pod_raises_the_applier_orphan_counter_on_m
 
     from router.sim.events import BlockStored
 
-    r, pods = await _start([sim(0, kv_events=True)], events=True)
-    try:
+    async with running([sim(0, kv_events=True)], events=True) as r:
         name = "kvroute_event_applier_orphaned_blocks_total"
 
         def orphans(m: str) -> float:
@@ -465,7 +452,7 @@ async def test_an_orphan_block_from_a_pod_raises_the_applier_orphan_counter_on_m
             return float(line.split()[1])
 
         before = orphans(await r.metrics())
-        assert pods[0].publisher is not None
+        assert r.pods[0].publisher is not None
         orphan = BlockStored(
             block_hashes=[0xDEAD],
             parent_block_hash=0xBEEF,  # never stored: the parent event was "lost"
@@ -477,17 +464,13 @@ async def test_an_orphan_block_from_a_pod_raises_the_applier_orphan_counter_on_m
         )
         after = before
         for _ in range(300):  # the subscriber joins, then the batch reaches the applier
-            pods[0].publisher.publish([orphan])
+            r.pods[0].publisher.publish([orphan])
             await asyncio.sleep(0.02)
             after = orphans(await r.metrics())
             if after > before:
                 break
         assert after > before
         assert "kvroute_event_applier_batches_total" in await r.metrics()
-    finally:
-        await r.client.aclose()
-        await r.router.stop()
-        await stop_pods(pods)
 
 
 async def test_a_bad_tokenizer_spec_fails_the_start_instead_of_the_first_request() -> None:
@@ -529,8 +512,7 @@ async def test_a_pod_discovered_later_is_health_checked_and_served_at_once(rig: 
 
 
 async def test_session_id_from_the_header_or_the_body_user_field_reaches_the_policy() -> None:
-    r, pods = await _start([sim(i) for i in range(4)], policy="session")
-    try:
+    async with running([sim(i) for i in range(4)], policy="session") as r:
 
         async def pods_for(headers: dict[str, str], extra: dict[str, Any]) -> set[str]:
             seen = set()
@@ -550,7 +532,3 @@ async def test_session_id_from_the_header_or_the_body_user_field_reaches_the_pol
         )
         assert explained.json()["policy"] == "session"
         assert {explained.json()["pod"]} == alice
-    finally:
-        await r.client.aclose()
-        await r.router.stop()
-        await stop_pods(pods)
