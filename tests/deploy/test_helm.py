@@ -50,6 +50,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from router.config import Settings  # noqa: E402
+from tests.deploy.conftest import stop  # noqa: E402
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -330,15 +331,7 @@ def test_the_default_release_starts_a_router_that_turns_ready(tmp_path: Path) ->
         assert proc.poll() is None, proc.communicate(timeout=5)[1].decode()[-2000:]
         assert ready is not None and ready.status_code == 200, ready and ready.text
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
+        stop(proc)
 
 
 # -- the config: one model for CLI, env and Helm values ----------------------------------------
