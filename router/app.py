@@ -282,7 +282,9 @@ class Gateway:
     async def _index_gauge_loop(self) -> None:
         while True:
             try:
-                for pod, n in (await self.index.pod_entries()).items():
+                entries = await self.index.pod_entries()
+                self.router.resident = entries
+                for pod, n in entries.items():
                     self.metrics.index_entries.labels(pod).set(n)
             except Exception as exc:
                 log.debug("index entries gauge: %s", exc)

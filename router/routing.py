@@ -51,6 +51,9 @@ DEFAULT_BLOCK_SIZE = 16
 _decode = msgspec.json.decode
 _MAX_ID = 1 << 32  # token ids are hashed as uint32
 _perf = time.perf_counter
+_monotonic = time.monotonic
+#: an in-memory index's per-pod entry counts are re-read at most this often
+RESIDENT_STALE_S = 0.05
 
 
 @dataclass(slots=True)
@@ -199,6 +202,11 @@ class RequestRouter:
         # request for what is a dict lookup)
         self._local_load = load if isinstance(load, MemoryLoadStore) else None
         self._lookup_now = index.lookup_sync if isinstance(index, InMemoryIndex) else None
+        #: pod -> index entries, for the policy's ``PodView.resident_blocks``; kept fresh
+        #: here for an in-memory index, set by the app's index-gauge loop for Redis
+        self.resident: Mapping[str, int] = {}
+        self._entries_now = index.pod_entries_sync if isinstance(index, InMemoryIndex) else None
+        self._resident_at = float("-inf")
         self._decision_hist = metrics.decision_seconds.labels()
         self._rr = 0
         self._ids = itertools.count()
@@ -471,6 +479,7 @@ class RequestRouter:
         inflight_of, prefill_of = local.counts()
         scraper = self.scraper
         scraped_of = scraper.fresh() if scraper is not None else None
+        resident_of = self._resident_blocks().get
         views: dict[str, PodView] = {}
         for name in names:
             held = hits.get(name)
@@ -481,6 +490,7 @@ class RequestRouter:
                     dict(held) if held else {},
                     inflight_of(name, 0),
                     prefill_of(name, 0),
+                    resident_blocks=resident_of(name, 0),
                 )
             else:
                 views[name] = PodView(
@@ -491,6 +501,7 @@ class RequestRouter:
                     scraped.waiting,
                     scraped.running,
                     scraped.kv_usage,
+                    resident_of(name, 0),
                 )
         return views
 
@@ -505,6 +516,7 @@ class RequestRouter:
         pending = self.pending.get if self._local_load is None else None
         scraper = self.scraper
         scraped_of = scraper.fresh() if scraper is not None else None
+        resident_of = self._resident_blocks().get
         views: dict[str, PodView] = {}
         for name in names:
             inflight, prefill = load.get(name, _NO_LOAD)
@@ -515,7 +527,13 @@ class RequestRouter:
             held = hits.get(name)
             scraped = scraped_of(name) if scraped_of is not None else None
             if scraped is None:
-                views[name] = PodView(name, dict(held) if held else {}, inflight, prefill)
+                views[name] = PodView(
+                    name,
+                    dict(held) if held else {},
+                    inflight,
+                    prefill,
+                    resident_blocks=resident_of(name, 0),
+                )
             else:
                 views[name] = PodView(
                     name,
@@ -525,8 +543,21 @@ class RequestRouter:
                     scraped.waiting,
                     scraped.running,
                     scraped.kv_usage,
+                    resident_of(name, 0),
                 )
         return views
+
+    def _resident_blocks(self) -> Mapping[str, int]:
+        """Index entries per pod (what each pod's cache holds): from an in-memory index
+        at most :data:`RESIDENT_STALE_S` old; for Redis the app's periodic count
+        (:attr:`resident`)."""
+        entries = self._entries_now
+        if entries is not None:
+            now = _monotonic()
+            if now - self._resident_at > RESIDENT_STALE_S:
+                self._resident_at = now
+                self.resident = entries()
+        return self.resident
 
     def _only_model(self, kind: Kind, model: Any) -> str:
         """The model of a body without one: a passthrough request (``/tokenize`` and the
@@ -610,6 +641,7 @@ def explain(routed: Routed, registry: PodRegistry, policy: str) -> dict[str, Any
                 "waiting": v.waiting,
                 "running": v.running,
                 "kv_usage": v.kv_usage,
+                "resident_blocks": v.resident_blocks,
                 "score": scores.get(pod),
             }
         )

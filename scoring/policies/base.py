@@ -51,6 +51,9 @@ class PodView:
     waiting: int | None = None
     running: int | None = None
     kv_usage: float | None = None  # 0..1
+    #: blocks the pod's prefix cache holds, all prefixes (the index's count; None when
+    #: unknown): where a prefix nobody holds has the most room to stay
+    resident_blocks: int | None = None
 
     def cached_blocks(self, tier: str = "GPU") -> int:
         return self.hits.get(tier, 0)

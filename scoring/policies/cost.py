@@ -19,9 +19,14 @@ both below.  With ``w = 1`` the score is the predicted TTFT: queue wait + own pr
 load from slower tiers.
 
 The pod with the smallest score wins.  Pods within ``tie_epsilon_s`` of the minimum
-are tied; among them the winner is chosen by rendezvous hashing of the request id
-(highest ``xxh3(seed, request_id + pod)``): deterministic for a request, uniform across
-pods, with no bias toward the first candidate.  ``Decision.scores`` holds each pod's
+are tied.  With ``tie_break_by_room`` (default on) and every tied view carrying
+``resident_blocks``, the tie narrows to the pods whose caches hold the fewest blocks: a
+prefix no pod holds (the typical tie: same load, nothing cached) starts where it has the
+most room, so new prefix groups spread over the fleet instead of piling onto pods that
+already hold others and evicting them.  Among what remains the winner is chosen by
+rendezvous hashing of the request id (highest ``xxh3(seed, request_id + pod)``):
+deterministic for a request, uniform across pods, with no bias toward the first
+candidate.  ``Decision.scores`` holds each pod's
 score in seconds (``lower_is_better``).
 
 ``outstanding_prefill_tokens`` counts whole prompts, cached parts included.  With
@@ -117,6 +122,9 @@ class CostParams(PolicyParams):
         default=True, description="scale outstanding tokens by their predicted miss share"
     )
     tie_epsilon_s: float = Field(default=0.001, ge=0.0, description="predictions this close tie")
+    tie_break_by_room: bool = Field(
+        default=True, description="ties go to the pods whose caches hold the fewest blocks"
+    )
     seed: int = 0
 
     @field_validator("tier_load_rates_tokens_per_s")
@@ -178,6 +186,17 @@ def predict_ttft(
     w = p.miss_weight if miss_weight is None else miss_weight
     work = queued + w * (prompt - cached)
     return work / p.prefill_rate_tokens_per_s * slowdown + transfer, cached
+
+
+def _most_room(tied: list[str], pods: Sequence[PodView]) -> list[str]:
+    """The tied pods whose caches hold the fewest blocks (all of them when a tied pod's
+    count is unknown)."""
+    resident = {v.pod: v.resident_blocks for v in pods}
+    counts = [resident.get(name) for name in tied]
+    if None in counts:
+        return tied
+    least = min(counts)  # type: ignore[type-var]
+    return [name for name, n in zip(tied, counts, strict=True) if n == least]
 
 
 class CostPolicy(Policy):
@@ -287,6 +306,8 @@ class CostPolicy(Policy):
             cached[name] = c
         limit = best + p.tie_epsilon_s  # type: ignore[operator]
         tied = [name for name, t in predicted.items() if t <= limit]
+        if len(tied) > 1 and p.tie_break_by_room:
+            tied = _most_room(tied, pods)
         chosen = tied[0]
         if len(tied) > 1:  # rendezvous: the highest hash (the first of equal ones) wins
             rid = request.request_id.encode() + b"\x00"

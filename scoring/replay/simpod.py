@@ -147,6 +147,7 @@ class SimPod:
             waiting=len(self.queue),
             running=self.decoding + (1 if self.prefilling else 0),
             kv_usage=min(1.0, self.active_blocks / max(1, self.cfg.capacity_blocks)),
+            resident_blocks=len(self.cache),
         )
 
     def start_prefill(self, keys: list[int], prompt_tokens: int) -> tuple[float, int, int]:

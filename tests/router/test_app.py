@@ -14,6 +14,7 @@ import pytest
 from router.app import Gateway, create_app
 from router.config import Settings
 from router.fleet import start_pods, static_pods, stop_pods
+from router.routing import RESIDENT_STALE_S
 from router.serve import RunningServer
 from router.sim.pod import SimPod
 from router.sim.settings import SimSettings
@@ -435,6 +436,17 @@ async def test_route_sees_the_blocks_a_pod_reported_through_kv_events() -> None:
         assert explained["pod"] == pod  # the prefix holder wins
         m = await r.metrics()
         assert "kvroute_event_lag_seconds" in m
+        # what each cache holds is in the views (counts re-read every RESIDENT_STALE_S):
+        # a prefix nobody holds starts where there is the most room, i.e. not on the pod
+        # that holds the first one
+        await asyncio.sleep(2 * RESIDENT_STALE_S)
+        explained = (await r.client.post("/v1/route", json=body)).json()
+        cand = {c["pod"]: c for c in explained["candidates"]}
+        assert cand[pod]["resident_blocks"] >= explained["blocks"]
+        assert cand[other]["resident_blocks"] == 0
+        cold_body = {"model": MODEL, "prompt": "a new topic " * 40, "max_tokens": 4}
+        cold = await r.client.post("/v1/completions", json=cold_body)
+        assert cold.headers["x-kvroute-pod"] == other
 
 
 async def test_an_orphan_block_from_a_pod_raises_the_applier_orphan_counter_on_metrics() -> None:

@@ -308,6 +308,35 @@ def test_cost_tie_break_is_deterministic_per_request_and_unbiased_across_pods() 
     )
 
 
+def test_cost_starts_a_prefix_nobody_holds_on_the_pod_with_the_most_cache_room() -> None:
+    """A tie (same load, nothing cached) goes to the pods whose caches hold the fewest
+    blocks: new prefix groups spread out instead of evicting each other on one pod."""
+    policy = build_policy("cost")
+    views = [PodView(pod=f"p{i}", resident_blocks=n) for i, n in enumerate([900, 40, 40, 700])]
+    chosen = Counter(policy.pick(req(f"id-{i}", keys=[i]), views).pod for i in range(200))
+    assert set(chosen) == {"p1", "p2"}  # the two emptiest, drawn between evenly
+    assert min(chosen.values()) > 60
+
+
+def test_cost_room_only_breaks_ties_and_can_be_turned_off() -> None:
+    policy = build_policy("cost")
+    held = [
+        PodView(pod="p0", hits={"GPU": 4}, resident_blocks=5_000),
+        PodView(pod="p1", resident_blocks=0),
+    ]
+    assert policy.pick(req("r", keys=[1, 2, 3, 4]), held).pod == "p0"  # the hit wins
+    by_hash = build_policy("cost", {"tie_break_by_room": False})
+    views = [PodView(pod=f"p{i}", resident_blocks=n) for i, n in enumerate([900, 40, 40, 700])]
+    assert {by_hash.pick(req(f"id-{i}", keys=[i]), views).pod for i in range(200)} == {
+        "p0",
+        "p1",
+        "p2",
+        "p3",
+    }
+    unknown = [*views[:3], PodView(pod="p3")]  # one count unknown: plain rendezvous
+    assert len({policy.pick(req(f"id-{i}", keys=[i]), unknown).pod for i in range(200)}) == 4
+
+
 def test_cost_counts_prefixes_of_in_flight_requests_before_the_index_sees_them() -> None:
     policy = build_policy("cost")
     first = req("1", keys=list(range(40)))
