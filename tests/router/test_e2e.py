@@ -283,6 +283,18 @@ async def test_with_redis_a_separate_indexer_feeds_the_router_and_the_hit_rate_h
                 live = await fleet_hit_rate(client, pods)
                 metrics = (await client.get("/metrics")).text
                 assert 'kvroute_index_entries{pod="sim-' in metrics  # read from Redis
+                # the same per-pod counts reach the policy (cold placement by room)
+                # (refreshed by the router's index-gauge loop, every scrape interval)
+                body = {"model": MODEL, "prompt": "anything", "max_tokens": 1}
+                entries = await indexer.index.pod_entries()
+                assert entries and all(n > 0 for n in entries.values())
+
+                async def counted() -> bool:
+                    explained = (await client.post("/v1/route", json=body)).json()
+                    cands = explained["candidates"]
+                    return {c["pod"]: c["resident_blocks"] for c in cands} == entries
+
+                await wait_until(counted, "the router's per-pod counts match Redis's")
     finally:
         if indexer is not None:
             await indexer.stop()
