@@ -272,8 +272,9 @@ class RouterMetrics:
         self.ttft_seconds = self._hot(
             "histogram",
             "kvroute_ttft_seconds",
-            "Time to first byte of a streaming response body, measured at the router",
-            ("model",),
+            "Time to first byte of a streaming response body, measured at the router, by "
+            "model and the pod that answered",
+            ("model", "pod"),
             buckets=_TTFT_BUCKETS,
         )
         self.retries = Counter(
@@ -355,6 +356,7 @@ class RouterMetrics:
             self.inflight,
             self.upstream_errors,
             self.scrape_errors,
+            self.ttft_seconds,
         ):
             family.remove_where("pod", pod)
         with contextlib.suppress(KeyError):

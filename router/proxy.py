@@ -554,7 +554,8 @@ class Proxy:
             async for chunk in resp.stream:
                 if first and chunk:
                     first = False
-                    m.child(m.ttft_seconds, routed.model).observe(time.perf_counter() - started)
+                    ttft = time.perf_counter() - started
+                    m.child(m.ttft_seconds, routed.model, pod).observe(ttft)
                     if load.local is not None:
                         load.first_token_now()
                     else:

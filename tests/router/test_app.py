@@ -353,6 +353,7 @@ def test_a_departed_pod_leaves_no_series_behind() -> None:
         m.child(m.upstream_errors, pod, "connect").inc()
         m.scrape_errors.labels(pod).inc()
         m.index_entries.labels(pod).set(10)
+        m.child(m.ttft_seconds, MODEL, pod).observe(0.02)
     m.forget_pod("a")
     text = m.render().decode()
     series = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
@@ -365,6 +366,7 @@ def test_a_departed_pod_leaves_no_series_behind() -> None:
         "kvroute_upstream_errors_total",
         "kvroute_scrape_errors_total",
         "kvroute_index_entries",
+        "kvroute_ttft_seconds_bucket",
     ):
         assert [ln for ln in series if ln.startswith(name + "{") and 'pod="b"' in ln], name
     # a pod coming back under the same name counts from zero

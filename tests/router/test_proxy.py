@@ -304,7 +304,7 @@ async def test_streaming_chunks_arrive_before_the_upstream_finished(make_rig: An
         rest = b"".join([c async for c in chunks])
     assert rest == b"data: two\n\ndata: [DONE]\n\n"
     metrics = (await rig.client.get("/metrics")).text
-    assert 'kvroute_ttft_seconds_count{model="m"} 1.0' in metrics
+    assert 'kvroute_ttft_seconds_count{model="m",pod="a"} 1.0' in metrics
 
 
 async def test_client_disconnect_mid_stream_cancels_the_upstream_request(make_rig: Any) -> None:
