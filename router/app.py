@@ -44,6 +44,7 @@ from router.pods import PodRegistry, PodSpec
 from router.proxy import PodTLS, PodTransport, Proxy, make_client
 from router.routing import Kind, RequestRouter, explain, parse_body
 from router.tokenize import PromptTokenizer, load_tokenizer
+from router.writer_lease import WriterLease
 from scoring.index.base import BlockIndex
 from scoring.policies import build_policy
 from scoring.policies.base import Policy
@@ -84,8 +85,15 @@ class Gateway:
         self.pending = PendingLoad()
         self.subscriber: KVEventSubscriber | None = None
         self.sink: Any = None
+        #: with Redis, a replica that applies KV events holds the namespace's writer lease
+        self.lease: WriterLease | None = None
         if settings.events.enabled and (settings.redis_url is None or settings.index_writer):
             self.sink = _make_sink(self.index, settings)
+            if settings.redis_url is not None:
+                from scoring.index.redis import RedisIndex
+
+                assert isinstance(self.index, RedisIndex)
+                self.lease = WriterLease(self.index, self.metrics.registry)
             self.subscriber = KVEventSubscriber(
                 settings.events,
                 self.registry,
@@ -253,6 +261,8 @@ class Gateway:
             await self.scraper.scrape_all()
         self.scraper.start()
         self._tasks.append(asyncio.create_task(self._index_gauge_loop(), name="index-gauge"))
+        if self.lease is not None:
+            self._tasks.append(asyncio.create_task(self.lease.run(), name="writer-lease"))
 
     async def stop(self) -> None:
         self._running = False
@@ -269,6 +279,8 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        if self.lease is not None:
+            await self.lease.release()
         with contextlib.suppress(Exception):
             await self.health.aclose()
         await self.client.aclose()

@@ -47,6 +47,7 @@ from router.discovery import DiscoveryError, build_discovery
 from router.events import IndexSink, KVEventSubscriber
 from router.events.sink import make_sink as _make_sink
 from router.pods import PodRegistry
+from router.writer_lease import WriterLease
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class Indexer:
         self.registry = PodRegistry()
         self.index = RedisIndex.from_url(redis_url, namespace=settings.redis_namespace)
         self.sink = make_sink(self.index, settings)
+        self.lease = WriterLease(self.index, self.metrics)
         self.subscriber = KVEventSubscriber(
             settings.events, self.registry, self.sink, metrics_registry=self.metrics
         )
@@ -95,6 +97,7 @@ class Indexer:
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._sweep_task: asyncio.Task[None] | None = None
+        self._lease_task: asyncio.Task[None] | None = None
 
     def _app(self) -> FastAPI:
         app = FastAPI(title="kvroute index", docs_url=None, redoc_url=None, openapi_url=None)
@@ -128,6 +131,7 @@ class Indexer:
             if self._tasks[-1].done():
                 self._tasks[-1].result()  # raise the server's startup error
             await asyncio.sleep(0.01)
+        self._lease_task = asyncio.create_task(self.lease.run(), name="writer-lease")
         if self.sweep_interval_s > 0:
             self._sweep_task = asyncio.create_task(
                 self.index.sweep_forever(self.sweep_interval_s), name="index-sweep"
@@ -152,6 +156,12 @@ class Indexer:
                 await task
         self._tasks.clear()
         await self.subscriber.stop()
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lease_task
+            self._lease_task = None
+            await self.lease.release()
         await self.index.close()
         self._sock.close()
 

@@ -89,6 +89,7 @@ class _Layout:
         self.seen = self.prefix + b"seen"
         self.load_replicas = self.prefix + b"load:r"
         self.load_hash = self.prefix + b"load:h:"
+        self.writer = self.prefix + b"writer"  # STRING: the writer lease's holder
 
 
 class RedisIndex:
@@ -139,6 +140,8 @@ class RedisIndex:
         self._lookup: AsyncScript = client.register_script(redis_lua.LOOKUP)
         self._entries: AsyncScript = client.register_script(redis_lua.POD_ENTRIES)
         self._sweep: AsyncScript = client.register_script(redis_lua.SWEEP)
+        self._claim_writer: AsyncScript = client.register_script(redis_lua.CLAIM_WRITER)
+        self._release_writer: AsyncScript = client.register_script(redis_lua.RELEASE_WRITER)
         #: hint entries removed by :meth:`sweep_forever`, and sweeps that failed
         self.swept = 0
         self.sweep_errors = 0
@@ -307,6 +310,25 @@ class RedisIndex:
         """Close the client if this index created it (:meth:`from_url`)."""
         if self._owns:
             await self._r.aclose()
+
+    # -- the writer lease ----------------------------------------------------------------
+
+    async def claim_writer(self, holder: str, lease_s: float) -> str | None:
+        """Take or renew this namespace's writer lease for ``holder`` (it expires
+        ``lease_s`` after the last claim); None when ``holder`` holds it, else whoever
+        does.  One process should apply KV events to a namespace: two apply every event
+        twice and each one's resync clears the pod under the other's bookkeeping."""
+        cur = await self._claim_writer(keys=[self._k.writer], args=[holder, int(lease_s * 1000)])
+        return None if cur is None else (cur.decode() if isinstance(cur, bytes) else str(cur))
+
+    async def writer(self) -> str | None:
+        """Who holds the writer lease now (None: nobody)."""
+        cur = await self._r.get(self._k.writer)
+        return None if cur is None else (cur.decode() if isinstance(cur, bytes) else str(cur))
+
+    async def release_writer(self, holder: str) -> None:
+        """Give the writer lease up if ``holder`` holds it."""
+        await self._release_writer(keys=[self._k.writer], args=[holder])
 
     # -- maintenance -------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from prometheus_client import generate_latest
 
 from router.config import Settings
 from router.indexer import Indexer, main
@@ -238,3 +239,28 @@ async def test_the_indexer_sweeps_cleared_pods_ids_out_of_the_index_in_the_backg
         assert (health["swept"], health["sweep_errors"]) == (2, 0)
     finally:
         await indexer.stop()
+
+
+async def test_two_indexers_on_one_namespace_the_second_reports_the_first(
+    sim_pod: SimPod, redis_url: str, redis_namespace: str, tmp_path: Path
+) -> None:
+    settings = Settings.load(["--config", str(write_config(tmp_path, sim_pod, redis_namespace))])
+    first = Indexer(settings, redis_url, metrics_port=0)
+    second = Indexer(settings, redis_url, metrics_port=0)
+    await first.start()
+    try:
+        await second.start()
+        try:
+            await wait_until(lambda: second.lease.conflict == first.lease.holder)
+            assert first.lease.conflict is None
+            assert "kvroute_index_writer_conflict 1.0" in generate_latest(second.metrics).decode()
+        finally:
+            await second.stop()
+    finally:
+        await first.stop()
+    # both stopped: the lease was given up, not left to expire
+    ix = RedisIndex.from_url(redis_url, namespace=redis_namespace)
+    try:
+        assert await ix.writer() is None
+    finally:
+        await ix.close()

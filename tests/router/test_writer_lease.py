@@ -1,0 +1,110 @@
+"""One KV-event writer per Redis namespace: the writer lease (real Redis server)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from router.app import Gateway, create_app
+from router.config import Settings
+from router.serve import RunningServer
+from router.writer_lease import WriterLease
+from scoring.index.redis import RedisIndex
+from tests.support.aio import wait_until
+
+
+@pytest.fixture
+async def index(redis_url: str, redis_namespace: str) -> AsyncIterator[RedisIndex]:
+    ix = RedisIndex.from_url(redis_url, namespace=redis_namespace)
+    yield ix
+    await ix.close()
+
+
+def conflict_gauge(registry: CollectorRegistry) -> float:
+    for line in generate_latest(registry).decode().splitlines():
+        if line.startswith("kvroute_index_writer_conflict "):
+            return float(line.split()[1])
+    raise AssertionError("kvroute_index_writer_conflict missing")
+
+
+async def test_the_first_writer_holds_the_lease_and_a_second_one_is_told_who(
+    index: RedisIndex,
+) -> None:
+    assert await index.claim_writer("a", 10) is None
+    assert await index.claim_writer("a", 10) is None  # renewing
+    assert await index.claim_writer("b", 10) == "a"
+    await index.release_writer("b")  # not b's to give up
+    assert await index.claim_writer("b", 10) == "a"
+    await index.release_writer("a")
+    assert await index.claim_writer("b", 10) is None
+
+
+async def test_a_writer_that_stops_claiming_loses_the_lease_when_it_expires(
+    index: RedisIndex,
+) -> None:
+    assert await index.claim_writer("dead", 0.3) is None  # then never renews
+    assert await index.claim_writer("next", 10) == "dead"
+    await asyncio.sleep(0.5)
+    assert await index.claim_writer("next", 10) is None
+
+
+async def test_a_second_writer_raises_the_conflict_gauge_until_the_first_leaves(
+    index: RedisIndex, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = WriterLease(index, CollectorRegistry(), lease_s=0.6, holder="first")
+    second_metrics = CollectorRegistry()
+    second = WriterLease(index, second_metrics, lease_s=0.6, holder="second")
+    assert await index.claim_writer("first", 0.6) is None  # first is the writer
+    tasks = [asyncio.create_task(first.run())]
+    try:
+        tasks.append(asyncio.create_task(second.run()))
+        await wait_until(lambda: second.conflict == "first", "the second writer told")
+        assert conflict_gauge(second_metrics) == 1
+        assert "another process (first) writes the KV-event index" in caplog.text
+        tasks[0].cancel()
+        await first.release()
+        await wait_until(lambda: second.conflict is None, "the second writer takes over")
+        assert conflict_gauge(second_metrics) == 0
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_router_that_writes_the_shared_index_holds_the_lease_and_others_do_not(
+    index: RedisIndex, redis_url: str, redis_namespace: str
+) -> None:
+    base = {
+        "redis_url": redis_url,
+        "redis_namespace": redis_namespace,
+        "discovery": {"static": [{"name": "p", "url": "http://127.0.0.1:9", "models": ["m"]}]},
+        "fleet": {"enabled": False},
+        "health": {"enabled": False},
+    }
+    reader = await RunningServer(create_app(Settings.model_validate(base))).start()
+    writer = await RunningServer(
+        create_app(Settings.model_validate({**base, "index_writer": True}))
+    ).start()
+    try:
+        assert gateway(reader).lease is None  # a reading replica claims nothing
+        lease = gateway(writer).lease
+        assert lease is not None
+
+        async def held() -> bool:
+            return await index.writer() == lease.holder
+
+        await wait_until(held, "the writing router's claim")
+    finally:
+        await writer.stop()
+        await reader.stop()
+    assert await index.writer() is None  # given up on stop, not left to expire
+
+
+def gateway(server: RunningServer) -> Gateway:
+    app: Any = server.server.config.app
+    g: Gateway = app.state.gateway
+    return g
