@@ -471,39 +471,12 @@ class RequestRouter:
     def _views_now(
         self, hits: Mapping[str, Mapping[str, int]], names: list[str]
     ) -> dict[str, PodView]:
-        """:meth:`_views` for an in-memory index and load store: no awaits."""
+        """:meth:`_views` for an in-memory index and load store: no awaits (and no
+        snapshot: the store's counts are read directly)."""
         local = self._local_load
         assert local is not None
-        # _merge_views over local.snapshot_now(names), without the snapshot's dict and
-        # tuples (no pending overlay with a local store)
         inflight_of, prefill_of = local.counts()
-        scraper = self.scraper
-        scraped_of = scraper.fresh() if scraper is not None else None
-        resident_of = self._resident_blocks().get
-        views: dict[str, PodView] = {}
-        for name in names:
-            held = hits.get(name)
-            scraped = scraped_of(name) if scraped_of is not None else None
-            if scraped is None:
-                views[name] = PodView(
-                    name,
-                    dict(held) if held else {},
-                    inflight_of(name, 0),
-                    prefill_of(name, 0),
-                    resident_blocks=resident_of(name, 0),
-                )
-            else:
-                views[name] = PodView(
-                    name,
-                    dict(held) if held else {},
-                    inflight_of(name, 0),
-                    prefill_of(name, 0),
-                    scraped.waiting,
-                    scraped.running,
-                    scraped.kv_usage,
-                    resident_of(name, 0),
-                )
-        return views
+        return self._build_views(hits, names, inflight_of, prefill_of, None)
 
     def _merge_views(
         self,
@@ -514,37 +487,47 @@ class RequestRouter:
         # the pending overlay (read after the awaits) only ever holds anything with a
         # shared store: the proxy updates a local one synchronously
         pending = self.pending.get if self._local_load is None else None
+        return self._build_views(
+            hits,
+            names,
+            lambda pod, _: load.get(pod, _NO_LOAD)[0],
+            lambda pod, _: load.get(pod, _NO_LOAD)[1],
+            pending,
+        )
+
+    def _build_views(
+        self,
+        hits: Mapping[str, Mapping[str, int]],
+        names: list[str],
+        inflight_of: Callable[[str, int], int],
+        prefill_of: Callable[[str, int], int],
+        pending: Callable[[str], tuple[int, int]] | None,
+    ) -> dict[str, PodView]:
+        """One view per candidate: index hits, router-tracked load (plus the pending
+        overlay), fresh scraped metrics, and how many blocks its cache holds."""
         scraper = self.scraper
         scraped_of = scraper.fresh() if scraper is not None else None
         resident_of = self._resident_blocks().get
         views: dict[str, PodView] = {}
         for name in names:
-            inflight, prefill = load.get(name, _NO_LOAD)
+            inflight = inflight_of(name, 0)
+            prefill = prefill_of(name, 0)
             if pending is not None:
                 p_n, p_tokens = pending(name)
                 inflight += p_n
                 prefill += p_tokens
             held = hits.get(name)
             scraped = scraped_of(name) if scraped_of is not None else None
-            if scraped is None:
-                views[name] = PodView(
-                    name,
-                    dict(held) if held else {},
-                    inflight,
-                    prefill,
-                    resident_blocks=resident_of(name, 0),
-                )
-            else:
-                views[name] = PodView(
-                    name,
-                    dict(held) if held else {},
-                    inflight,
-                    prefill,
-                    scraped.waiting,
-                    scraped.running,
-                    scraped.kv_usage,
-                    resident_of(name, 0),
-                )
+            views[name] = PodView(
+                name,
+                dict(held) if held else {},
+                inflight,
+                prefill,
+                None if scraped is None else scraped.waiting,
+                None if scraped is None else scraped.running,
+                None if scraped is None else scraped.kv_usage,
+                resident_of(name, 0),
+            )
         return views
 
     def _resident_blocks(self) -> Mapping[str, int]:
