@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import sys
 import time
@@ -38,7 +37,6 @@ import bench_router_overhead as overhead
 
 from router.app import create_app
 from router.config import Settings
-from router.proxy import PodTransport
 from router.routing import parse_body
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
@@ -101,32 +99,6 @@ async def cpu_per_request(app: App, n: int, concurrency: int = 32) -> float:
     return 1e6 * used / done
 
 
-def relay_floor(urls: list[str]) -> App:
-    """A bare relay (round robin) on kvroute's pod transport."""
-    hosts = [u.split("//")[1].rsplit(":", 1) for u in urls]
-    pods = itertools.cycle([(h, int(p)) for h, p in hosts])
-    transport = PodTransport()
-    drop = {b"content-length", b"date", b"server", b"connection", b"transfer-encoding"}
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        body = (await receive()).get("body", b"")
-        host, port = next(pods)
-        head = b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: application/json\r\n" % (
-            scope["path"].encode(),
-            host.encode(),
-            port,
-        ) + b"content-length: %d\r\n\r\n" % len(body)
-        up = await transport.send_raw(host, port, head, body, 2.0, 600.0)
-        headers = [(k, v) for k, v in up.headers if k.lower() not in drop]
-        content = await up.stream.read_all()
-        await up.stream.aclose()
-        headers.append((b"content-length", b"%d" % len(content)))
-        await send({"type": "http.response.start", "status": up.status, "headers": headers})
-        await send({"type": "http.response.body", "body": content})
-
-    return app
-
-
 async def measure(urls: list[str], n: int) -> dict[str, float]:
     static = [{"name": f"sim-{i}", "url": u, "models": ["sim-model"]} for i, u in enumerate(urls)]
     settings = Settings.load(["--discovery.static", json.dumps(static), "--log-level", "warning"])
@@ -153,7 +125,7 @@ async def measure(urls: list[str], n: int) -> dict[str, float]:
             policy.on_complete(routed.route, routed.ranking[0])
         decide = 1e6 * (time.process_time() - t0) / n
         whole = await cpu_per_request(app, n)
-        floor = await cpu_per_request(relay_floor(urls), n)
+        floor = await cpu_per_request(overhead.relay_app(urls), n)
     finally:
         await inbox.put({"type": "lifespan.shutdown"})
         await outbox.get()

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -47,6 +48,8 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 BODY = json.dumps({"model": "sim-model", "prompt": "hi", "max_tokens": 1}).encode()
 STREAM_BODY = json.dumps(
@@ -318,59 +321,71 @@ def start_kvroute(urls: list[str], workers: int) -> tuple[Proc, int]:
     return Proc(f"kvroute w{workers}", p), port
 
 
+HERE = Path(__file__).resolve().parent
+
 PEER_ENV = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
 
-#: the ``--floor`` target: a bare ASGI relay (round robin) on kvroute's server protocol
-#: and pod transport
+
+def relay_app(urls: list[str]) -> Callable[..., Any]:
+    """The ``--floor`` target: a bare ASGI relay (round robin over ``urls``) on
+    kvroute's pod transport -- no routing, no metrics.  (bench_hot_path.py calls it in
+    process.)"""
+    from router.proxy import PodTransport
+
+    hosts = [u.split("//")[1].rsplit(":", 1) for u in urls]
+    pods = itertools.cycle([(h, int(p)) for h, p in hosts])
+    transport = PodTransport()
+    drop = {b"content-length", b"date", b"server", b"connection", b"transfer-encoding"}
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = (await receive()).get("body", b"")
+        host, pod_port = next(pods)
+        head = (
+            b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n"
+            % (scope["path"].encode(), host.encode(), pod_port, len(body))
+        )
+        up = await transport.send_raw(host, pod_port, head, body, 2.0, 600.0)
+        headers = [(k, v) for k, v in up.headers if k.lower() not in drop]
+        if up.is_event_stream:
+            await send({"type": "http.response.start", "status": up.status, "headers": headers})
+            async for chunk in up.stream:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            await up.stream.aclose()
+            return
+        content = await up.stream.read_all()
+        await up.stream.aclose()
+        headers.append((b"content-length", b"%d" % len(content)))
+        await send({"type": "http.response.start", "status": up.status, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
+
+    return app
+
+
+#: the ``--floor`` process: :func:`relay_app` on uvicorn with kvroute's server protocol
 FLOOR_APP = """
-import itertools, json, sys
+import json, sys
+sys.path.insert(0, sys.argv[3])
 import uvicorn
-from router.proxy import PodTransport
+from bench_router_overhead import relay_app
 from router.serve import OneWriteHttpToolsProtocol
 
-port, urls = int(sys.argv[1]), json.loads(sys.argv[2])
-hosts = [u.split("//")[1].rsplit(":", 1) for u in urls]
-pods = itertools.cycle([(h, int(p)) for h, p in hosts])
-transport = PodTransport()
-DROP = {b"content-length", b"date", b"server", b"connection", b"transfer-encoding"}
-
-async def app(scope, receive, send):
-    if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
-        return
-    body = (await receive()).get("body", b"")
-    host, pod_port = next(pods)
-    head = (
-        b"POST %s HTTP/1.1\\r\\nhost: %s:%d\\r\\ncontent-type: application/json\\r\\n"
-        b"content-length: %d\\r\\n\\r\\n"
-        % (scope["path"].encode(), host.encode(), pod_port, len(body))
-    )
-    up = await transport.send_raw(host, pod_port, head, body, 2.0, 600.0)
-    headers = [(k, v) for k, v in up.headers if k.lower() not in DROP]
-    if up.is_event_stream:
-        await send({"type": "http.response.start", "status": up.status, "headers": headers})
-        async for chunk in up.stream:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
-        await up.stream.aclose()
-        return
-    content = await up.stream.read_all()
-    await up.stream.aclose()
-    headers.append((b"content-length", b"%d" % len(content)))
-    await send({"type": "http.response.start", "status": up.status, "headers": headers})
-    await send({"type": "http.response.body", "body": content})
-
-uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http=OneWriteHttpToolsProtocol,
-            log_level="warning", access_log=False, server_header=False)
+uvicorn.run(relay_app(json.loads(sys.argv[2])), host="127.0.0.1", port=int(sys.argv[1]),
+            loop="uvloop", http=OneWriteHttpToolsProtocol, log_level="warning",
+            access_log=False, server_header=False)
 """
 
 
 def start_floor(urls: list[str]) -> tuple[Proc, int]:
     port = free_port()
     p = subprocess.Popen(
-        [sys.executable, "-c", FLOOR_APP, str(port), json.dumps(urls)],
+        [sys.executable, "-c", FLOOR_APP, str(port), json.dumps(urls), str(HERE)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
