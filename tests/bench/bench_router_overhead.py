@@ -8,6 +8,8 @@ once, so the pod's own time is a small constant), then, on free loopback ports:
 * ``direct``          — the client talks to pod 0 (no router);
 * ``kvroute w1/w2``   — ``kvroute serve`` with 1 and 2 uvicorn worker processes, default
                         policy (cost), KV events on, in front of all pods;
+* ``kvroute w1 round_robin`` — with ``--kvroute-rr``: 1 worker, ``--policy round_robin``
+                        (like for like with the peers' round robin);
 * ``sglang rr/ca``    — ``sglang-router`` round_robin / cache_aware (if installed);
 * ``vllm-router rr/ca`` — ``vllm-router`` round_robin / cache_aware (if installed);
 * ``python floor``    — with ``--floor``: uvicorn (kvroute's protocol) + kvroute's pod
@@ -303,7 +305,7 @@ def wait_completion(port: int, timeout: float = 60.0) -> None:
     raise RuntimeError(f"port {port} never answered a completion")
 
 
-def start_kvroute(urls: list[str], workers: int) -> tuple[Proc, int]:
+def start_kvroute(urls: list[str], workers: int, policy: str = "cost") -> tuple[Proc, int]:
     port = free_port()
     static = [{"name": f"sim-{i}", "url": u, "models": ["sim-model"]} for i, u in enumerate(urls)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
@@ -312,13 +314,15 @@ def start_kvroute(urls: list[str], workers: int) -> tuple[Proc, int]:
             sys.executable,
             *f"-m router.cli serve --port {port} --workers {workers}".split(),
             *["--log-level", "warning", "--discovery.static", json.dumps(static)],
+            *["--policy", policy],
         ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     wait_http(port, "/ready")
-    return Proc(f"kvroute w{workers}", p), port
+    suffix = "" if policy == "cost" else f" {policy}"
+    return Proc(f"kvroute w{workers}{suffix}", p), port
 
 
 HERE = Path(__file__).resolve().parent
@@ -454,6 +458,11 @@ def main() -> int:
     ap.add_argument(
         "--floor", action="store_true", help="add the bare Python relay (no routing) target"
     )
+    ap.add_argument(
+        "--kvroute-rr",
+        action="store_true",
+        help="add kvroute w1 with --policy round_robin (like for like with the peers' rr)",
+    )
     args = ap.parse_args()
 
     try:
@@ -475,6 +484,11 @@ def main() -> int:
         target_pids: dict[str, list[int]] = {"direct": []}
         for w in (1, 2):
             proc, port = start_kvroute(urls, w)
+            procs.append(proc)
+            targets.append((proc.name, port))
+            target_pids[proc.name] = [proc.popen.pid]
+        if args.kvroute_rr:
+            proc, port = start_kvroute(urls, 1, "round_robin")
             procs.append(proc)
             targets.append((proc.name, port))
             target_pids[proc.name] = [proc.popen.pid]
