@@ -19,6 +19,15 @@ Model name per pod (it seeds the block keys, so it must match what the routers u
 the topic ``kv@<pod>@<model>``, else the pod's first configured model, else
 ``events.model_fallback``.
 
+Hot standby: one process writes a namespace, the holder of its writer lease
+(:mod:`router.writer_lease`).  A second `kvroute index` on the namespace (a second
+replica) runs discovery and its ``/metrics`` but subscribes to no events until the
+lease is free (the writer stopped, or died and its lease expired after
+``--lease-seconds``, default 15); then it joins every pod (replaying what the pods'
+replay buffers hold) and writes.  A writer that finds its lease taken by another process
+(it stalled for longer than the lease) stops and exits with status 3, to come back as a
+standby.  ``/health`` says ``role``: ``active`` or ``standby``.
+
 Sweep: the indexer is the process that writes the index, so it also runs
 :meth:`~scoring.index.redis.RedisIndex.sweep_forever` every ``--sweep-interval``
 seconds (default 300; 0 turns it off): a cleared or vanished pod's retired slot ids
@@ -47,7 +56,7 @@ from router.discovery import DiscoveryError, build_discovery
 from router.events import IndexSink, KVEventSubscriber
 from router.events.sink import make_sink as _make_sink
 from router.pods import PodRegistry
-from router.writer_lease import WriterLease
+from router.writer_lease import LEASE_S, WriterLease
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +69,15 @@ def make_sink(index: Any, settings: Settings) -> IndexSink:
 
 #: default seconds between two sweeps of retired slot ids (``--sweep-interval``)
 DEFAULT_SWEEP_INTERVAL_S = 300.0
+#: exit status of an indexer whose writer lease another process took
+EXIT_LEASE_LOST = 3
 
 
 class Indexer:
     """Discovery + subscriber + RedisIndex + a /metrics, /health server + the index
-    sweep, in one loop.  ``sweep_interval_s`` <= 0 runs no sweep."""
+    sweep, in one loop.  ``sweep_interval_s`` <= 0 runs no sweep.  The subscriber and
+    the sweep start once this process holds the namespace's writer lease (at once
+    when nobody else does)."""
 
     def __init__(
         self,
@@ -74,6 +87,7 @@ class Indexer:
         metrics_host: str = "127.0.0.1",
         metrics_port: int = 9100,
         sweep_interval_s: float = DEFAULT_SWEEP_INTERVAL_S,
+        lease_s: float = LEASE_S,
     ) -> None:
         from scoring.index.redis import RedisIndex
 
@@ -83,7 +97,7 @@ class Indexer:
         self.registry = PodRegistry()
         self.index = RedisIndex.from_url(redis_url, namespace=settings.redis_namespace)
         self.sink = make_sink(self.index, settings)
-        self.lease = WriterLease(self.index, self.metrics)
+        self.lease = WriterLease(self.index, self.metrics, lease_s=lease_s, standby=True)
         self.subscriber = KVEventSubscriber(
             settings.events, self.registry, self.sink, metrics_registry=self.metrics
         )
@@ -98,6 +112,9 @@ class Indexer:
         self._tasks: list[asyncio.Task[None]] = []
         self._sweep_task: asyncio.Task[None] | None = None
         self._lease_task: asyncio.Task[None] | None = None
+        self._activate_task: asyncio.Task[None] | None = None
+        #: the subscriber runs (this process holds the lease and writes)
+        self.active = False
 
     def _app(self) -> FastAPI:
         app = FastAPI(title="kvroute index", docs_url=None, redoc_url=None, openapi_url=None)
@@ -111,6 +128,8 @@ class Indexer:
             stats = self.subscriber.stats
             return {
                 "status": "ok",
+                "role": "active" if self.active else "standby",
+                "writer": self.lease.holder if self.active else self.lease.waiting_for,
                 "pods": sorted(p.name for p in self.registry.all()),
                 "batches": stats.total("batches"),
                 "events": stats.total("events"),
@@ -122,7 +141,8 @@ class Indexer:
         return app
 
     async def start(self) -> None:
-        await self.subscriber.start()
+        """Discovery, the metrics server and the lease now; the subscriber and the sweep
+        when the lease is this process's (:meth:`_activate`)."""
         self._tasks.append(asyncio.create_task(self.discovery.run(self.registry), name="discovery"))
         self._tasks.append(
             asyncio.create_task(self._server.serve(sockets=[self._sock]), name="metrics-http")
@@ -132,18 +152,33 @@ class Indexer:
                 self._tasks[-1].result()  # raise the server's startup error
             await asyncio.sleep(0.01)
         self._lease_task = asyncio.create_task(self.lease.run(), name="writer-lease")
-        if self.sweep_interval_s > 0:
-            self._sweep_task = asyncio.create_task(
-                self.index.sweep_forever(self.sweep_interval_s), name="index-sweep"
-            )
+        self._activate_task = asyncio.create_task(self._activate(), name="activate")
         log.info(
-            "kvroute index: writing to Redis namespace %r; metrics on %s",
+            "kvroute index: Redis namespace %r; metrics on %s",
             self.settings.redis_namespace,
             self.metrics_url,
         )
 
+    async def _activate(self) -> None:
+        await self.lease.acquired.wait()
+        if self.lease.lost.is_set():
+            return
+        await self.subscriber.start()
+        self.active = True
+        if self.sweep_interval_s > 0:
+            self._sweep_task = asyncio.create_task(
+                self.index.sweep_forever(self.sweep_interval_s), name="index-sweep"
+            )
+        log.info("kvroute index: writing Redis namespace %r", self.settings.redis_namespace)
+
     async def stop(self) -> None:
         self._server.should_exit = True
+        self.active = False
+        if self._activate_task is not None:
+            self._activate_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._activate_task
+            self._activate_task = None
         if self._sweep_task is not None:
             self._sweep_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -166,15 +201,18 @@ class Indexer:
         self._sock.close()
 
 
-async def run(indexer: Indexer, stop: asyncio.Event) -> None:
-    """Run until ``stop`` is set or the metrics server exits (it handles SIGINT/SIGTERM)."""
+async def run(indexer: Indexer, stop: asyncio.Event) -> bool:
+    """Run until ``stop`` is set, the metrics server exits (it handles SIGINT/SIGTERM)
+    or another process takes the writer lease; -> whether the lease was lost."""
     await indexer.start()
     try:
-        waiter = asyncio.create_task(stop.wait())
-        await asyncio.wait([waiter, *indexer._tasks[1:]], return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
+        waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(indexer.lease.lost.wait())]
+        await asyncio.wait([*waiters, *indexer._tasks[1:]], return_when=asyncio.FIRST_COMPLETED)
+        for w in waiters:
+            w.cancel()
     finally:
         await indexer.stop()
+    return indexer.lease.lost.is_set()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -193,6 +231,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="seconds between sweeps of cleared pods' ids from the index (0: no sweep)",
     )
+    p.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=LEASE_S,
+        metavar="SECONDS",
+        help="the writer lease's lifetime: a standby takes over this long after the writer "
+        "died (renewed every third of it)",
+    )
     return p
 
 
@@ -210,6 +256,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
         return 2
+    if args.lease_seconds <= 0:
+        print(
+            f"kvroute index: --lease-seconds must be > 0, got {args.lease_seconds:g}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     url = args.redis or settings.redis_url
     if not url:
         print(
@@ -222,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
-    async def _main() -> None:
+    async def _main() -> bool:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -233,12 +286,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics_host=args.metrics_host,
             metrics_port=args.metrics_port,
             sweep_interval_s=args.sweep_interval,
+            lease_s=args.lease_seconds,
         )
-        await run(indexer, stop)
+        return await run(indexer, stop)
 
     try:
-        asyncio.run(_main())
+        lost = asyncio.run(_main())
     except (DiscoveryError, OSError) as exc:  # cannot discover pods, port taken...
         print(f"kvroute index: {exc}", file=sys.stderr, flush=True)
         return 2
+    if lost:
+        print(
+            "kvroute index: another process took the writer lease; exiting to restart as a standby",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_LEASE_LOST
     return 0

@@ -476,7 +476,12 @@ def test_an_external_redis_is_what_routers_and_indexer_use(
     assert settings.redis_url == url and settings.index_writer is False  # routers only read
     assert one(docs, "Deployment")["spec"]["replicas"] == 3
     indexer = one(docs, "Deployment", "indexer")
-    assert indexer["spec"]["replicas"] == 1 and indexer["spec"]["strategy"]["type"] == "Recreate"
+    assert indexer["spec"]["replicas"] == 1
+    # the new pod waits as a standby (writer lease) until the old one gives the lease up
+    assert indexer["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     argv = argv_in(docs, indexer, tmp_path / "indexer")
     assert argv[:2] == ["kvroute", "index"]
     from router.indexer import _parser
@@ -484,6 +489,7 @@ def test_an_external_redis_is_what_routers_and_indexer_use(
     args, rest = _parser().parse_known_args(argv[2:])
     assert Settings.load(rest, env_config=False).redis_url == url
     assert args.metrics_host == "0.0.0.0"
+    assert args.lease_seconds == 15
     (metrics,) = container(indexer)["ports"]
     assert metrics["containerPort"] == args.metrics_port
     assert container(indexer)["readinessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
@@ -493,6 +499,21 @@ def test_an_external_redis_is_what_routers_and_indexer_use(
         if s["metadata"]["labels"]["app.kubernetes.io/component"] == "indexer"
     ]
     assert svc["spec"]["ports"][0]["name"] == "metrics"
+
+
+def test_indexer_standbys_and_the_lease_are_values(tmp_path: Path, no_kvroute_env: None) -> None:
+    values = copy.deepcopy(MODES["redis external"])
+    values["indexer"] = {"replicas": 2, "leaseSeconds": 6}
+    docs = render(values)
+    indexer = one(docs, "Deployment", "indexer")
+    assert indexer["spec"]["replicas"] == 2
+    from router.indexer import _parser
+
+    args, _ = _parser().parse_known_args(argv_in(docs, indexer, tmp_path)[2:])
+    assert args.lease_seconds == 6
+    for key in ("replicas", "leaseSeconds"):
+        with pytest.raises(helm.HelmValuesError, match=key):
+            render({**values, "indexer": {key: 0}})
 
 
 def test_the_bundled_valkey_is_what_the_config_points_at(

@@ -241,26 +241,102 @@ async def test_the_indexer_sweeps_cleared_pods_ids_out_of_the_index_in_the_backg
         await indexer.stop()
 
 
-async def test_two_indexers_on_one_namespace_the_second_reports_the_first(
+async def test_a_second_indexer_on_the_namespace_waits_as_a_standby_and_takes_over(
     sim_pod: SimPod, redis_url: str, redis_namespace: str, tmp_path: Path
 ) -> None:
     settings = Settings.load(["--config", str(write_config(tmp_path, sim_pod, redis_namespace))])
-    first = Indexer(settings, redis_url, metrics_port=0)
-    second = Indexer(settings, redis_url, metrics_port=0)
+    first = Indexer(settings, redis_url, metrics_port=0, lease_s=1.5)
+    second = Indexer(settings, redis_url, metrics_port=0, lease_s=1.5)
+    reader = RedisIndex.from_url(redis_url, namespace=redis_namespace)
+    hasher = BlockHasher(BS, MODEL)
+    n = 0
+
+    async def indexed_by(indexer: Indexer, client: httpx.AsyncClient) -> bool:
+        """A new prompt on the pod ends up in Redis, through ``indexer``."""
+        nonlocal n
+        n += 1
+        tokens = await complete(client, sim_pod, f"standby test prompt {n} " * 10)
+        await asyncio.sleep(0.05)
+        seen = indexer.subscriber.stats.pod("sim-0").batches > 0
+        return seen and "sim-0" in await reader.lookup(hasher.keys(tokens))
+
     await first.start()
     try:
+        await wait_until(lambda: first.active, "the first indexer takes the lease")
         await second.start()
         try:
-            await wait_until(lambda: second.lease.conflict == first.lease.holder)
-            assert first.lease.conflict is None
-            assert "kvroute_index_writer_conflict 1.0" in generate_latest(second.metrics).decode()
+            async with httpx.AsyncClient(timeout=10) as client:
+                await wait_until(lambda: indexed_by(first, client), "the writer indexes")
+                health = (await client.get(f"{second.metrics_url}/health")).json()
+                assert (health["role"], health["writer"]) == ("standby", first.lease.holder)
+                # the standby subscribed to nothing and reports no conflict: one writer
+                assert not second.active
+                assert second.subscriber.stats.pod("sim-0").batches == 0
+                assert second.lease.conflict is None
+                text = generate_latest(second.metrics).decode()
+                assert "kvroute_index_writer_conflict 0.0" in text
+                assert "kvroute_index_writer_active 0.0" in text
+
+                await first.stop()  # gives the lease up: the standby takes over
+                await wait_until(lambda: second.active, "the standby takes over")
+                await wait_until(lambda: indexed_by(second, client), "the new writer indexes")
+                health = (await client.get(f"{second.metrics_url}/health")).json()
+                assert (health["role"], health["writer"]) == ("active", second.lease.holder)
+                assert "kvroute_index_writer_active 1.0" in generate_latest(second.metrics).decode()
         finally:
             await second.stop()
     finally:
         await first.stop()
+        await reader.close()
     # both stopped: the lease was given up, not left to expire
     ix = RedisIndex.from_url(redis_url, namespace=redis_namespace)
     try:
         assert await ix.writer() is None
     finally:
         await ix.close()
+
+
+async def test_an_indexer_whose_lease_was_taken_stops_writing_and_exits_3(
+    sim_pod: SimPod, redis_url: str, redis_namespace: str, tmp_path: Path
+) -> None:
+    config = write_config(tmp_path, sim_pod, redis_namespace)
+    proc = subprocess.Popen(
+        [
+            *[sys.executable, "-m", "router.cli", "index", "--redis", redis_url],
+            *["--config", str(config), "--metrics-port", "0", "--lease-seconds", "1.5"],
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    ix = RedisIndex.from_url(redis_url, namespace=redis_namespace)
+    try:
+
+        async def holds() -> bool:
+            assert proc.poll() is None, proc.stdout.read().decode()  # type: ignore[union-attr]
+            return await ix.writer() is not None
+
+        await wait_until(holds, "the indexer takes the lease", timeout=60)
+        # what another process sees after this one stalled past its lease
+        holder = await ix.writer()
+        assert holder is not None
+        await ix.release_writer(holder)
+        assert await ix.claim_writer("usurper", 60) is None
+        rc = await asyncio.to_thread(proc.wait, 30)
+    finally:
+        await ix.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = proc.stdout.read().decode()  # type: ignore[union-attr]
+    assert rc == 3, out
+    assert "was taken by usurper" in out
+    assert "exiting to restart as a standby" in out
+
+
+def test_main_rejects_a_lease_that_is_not_positive_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--redis", "redis://127.0.0.1:1", "--lease-seconds", "0"]) == 2
+    assert "--lease-seconds must be > 0" in capsys.readouterr().err
