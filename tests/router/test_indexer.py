@@ -63,6 +63,20 @@ def write_config(tmp_path: Path, pod: SimPod, namespace: str, **extra: Any) -> P
     return path
 
 
+def index_process(redis_url: str, config: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """`kvroute index` as its own process (stdout and stderr in one pipe)."""
+    return subprocess.Popen(
+        [
+            *[sys.executable, "-m", "router.cli", "index", "--redis", redis_url],
+            *["--config", str(config), "--metrics-port", "0", *extra],
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
 async def complete(client: httpx.AsyncClient, pod: SimPod, prompt: str) -> list[int]:
     """Send a completion to the pod; return the prompt's token ids (its /tokenize)."""
     r = await client.post(
@@ -166,24 +180,7 @@ async def test_the_kvroute_index_command_runs_and_stops_on_sigterm(
     sim_pod: SimPod, redis_url: str, redis_namespace: str, tmp_path: Path
 ) -> None:
     config = write_config(tmp_path, sim_pod, redis_namespace)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "router.cli",
-            "index",
-            "--redis",
-            redis_url,
-            "--config",
-            str(config),
-            "--metrics-port",
-            "0",
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    proc = index_process(redis_url, config)
     reader = RedisIndex.from_url(redis_url, namespace=redis_namespace)
     try:
         async with httpx.AsyncClient(timeout=10) as client:
@@ -300,16 +297,7 @@ async def test_an_indexer_whose_lease_was_taken_stops_writing_and_exits_3(
     sim_pod: SimPod, redis_url: str, redis_namespace: str, tmp_path: Path
 ) -> None:
     config = write_config(tmp_path, sim_pod, redis_namespace)
-    proc = subprocess.Popen(
-        [
-            *[sys.executable, "-m", "router.cli", "index", "--redis", redis_url],
-            *["--config", str(config), "--metrics-port", "0", "--lease-seconds", "1.5"],
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    proc = index_process(redis_url, config, "--lease-seconds", "1.5")
     ix = RedisIndex.from_url(redis_url, namespace=redis_namespace)
     try:
 
