@@ -9,7 +9,9 @@ when ``index_writer``: by default a separate `kvroute index` writes), the load s
 metrics scraper; it stops them in reverse order.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or not),
-``POST /v1/embeddings``, ``GET /v1/models``, ``POST /v1/route`` (explain, no forwarding),
+``POST /v1/embeddings``, ``POST /v1/responses`` with ``GET /v1/responses/{id}`` and
+``POST /v1/responses/{id}/cancel`` (sent to the pod that created the response, see
+:mod:`router.responses`), ``GET /v1/models``, ``POST /v1/route`` (explain, no forwarding),
 ``GET /health``, ``GET /ready``, ``GET /metrics``; and ``proxy.passthrough_paths``
 (``/tokenize``, ``/rerank``...: least-loaded pod serving the body's model).
 """
@@ -42,6 +44,7 @@ from router.load import LoadStore, MemoryLoadStore, MetricsScraper, PendingLoad
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.pods import PodRegistry, PodSpec
 from router.proxy import PodTLS, PodTransport, Proxy, make_client
+from router.responses import MemoryOwnerStore, OwnerStore, RedisOwnerStore
 from router.routing import Kind, RequestRouter, explain, parse_body
 from router.tokenize import PromptTokenizer, load_tokenizer
 from router.writer_lease import WriterLease
@@ -128,6 +131,9 @@ class Gateway:
             pending=self.pending,
             transport=self.transport,
         )
+        #: response id -> the pod that stored it (``/v1/responses``)
+        self.owners: OwnerStore = _make_owner_store(settings)
+        self.router.owners = self.proxy.owners = self.owners
         self._api_keys = [k.encode() for k in settings.api_keys]
         self._tasks: list[asyncio.Task[Any]] = []
         self._running = False
@@ -290,6 +296,8 @@ class Gateway:
             await self.load.close()
         with contextlib.suppress(Exception):
             await self.index.close()
+        with contextlib.suppress(Exception):
+            await self.owners.close()
 
     async def _index_gauge_loop(self) -> None:
         while True:
@@ -319,6 +327,13 @@ def _make_load_store(settings: Settings) -> LoadStore:
 
         return RedisLoadStore.from_url(settings.redis_url, namespace=settings.redis_namespace)
     return MemoryLoadStore()
+
+
+def _make_owner_store(settings: Settings) -> OwnerStore:
+    r = settings.responses
+    if settings.redis_url:
+        return RedisOwnerStore.from_url(settings.redis_url, settings.redis_namespace, r.owner_ttl_s)
+    return MemoryOwnerStore(r.max_owners, r.owner_ttl_s)
 
 
 def _make_sink(index: BlockIndex, settings: Settings) -> Any:
@@ -427,14 +442,37 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def embeddings(request: Request) -> Response:
         return await _routed(request, "embedding", "/v1/embeddings")
 
+    async def _to_owner(request: Request, response_id: str, method: bytes) -> Response:
+        g = gw(request)
+        g.check_api_key(request.headers)
+        body = await g.read_body(request) if method == b"POST" else b""
+        pod = await g.router.owner_of(response_id)
+        target = request.scope.get("raw_path") or request.url.path.encode()
+        query = request.scope.get("query_string") or b""
+        path = (target + (b"?" + query if query else b"")).decode("latin-1")
+        return await g.proxy.relay(pod, method, path, request.headers.raw, body)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Response:
+        """A stored response (``?stream=true``: its events), from the pod holding it."""
+        return await _to_owner(request, response_id, b"GET")
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        """Cancel a background response on the pod running it."""
+        return await _to_owner(request, response_id, b"POST")
+
     @app.post("/v1/route")
     async def route(request: Request) -> Response:
-        """Explain where a chat (``messages``) or completion (``prompt``) body would go."""
+        """Explain where a chat (``messages``), completion (``prompt``) or Responses
+        (``input``) body would go."""
         g = gw(request)
         g.check_api_key(request.headers)
         raw = await g.read_body(request)
         body = parse_body(raw)
         kind: Kind = "chat" if "messages" in body or "prompt" not in body else "completion"
+        if "input" in body and "messages" not in body and "prompt" not in body:
+            kind = "responses"
         routed = await g.router.decide(kind, body, request.headers)
         return json_response(explain(routed, g.registry, g.settings.policy))
 
@@ -479,6 +517,7 @@ _FAST_KINDS: tuple[tuple[str, Kind], ...] = (
     ("/v1/chat/completions", "chat"),
     ("/v1/completions", "completion"),
     ("/v1/embeddings", "embedding"),
+    ("/v1/responses", "responses"),
 )
 
 

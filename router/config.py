@@ -65,6 +65,7 @@ OWN_PATHS = frozenset(
         "/v1/chat/completions",
         "/v1/completions",
         "/v1/embeddings",
+        "/v1/responses",
         "/v1/route",
         "/v1/models",
         "/health",
@@ -72,9 +73,9 @@ OWN_PATHS = frozenset(
         "/metrics",
     }
 )
-#: vLLM's other JSON POST endpoints, relayed by default.  Not ``/v1/responses``: a
-#: response that names a ``previous_response_id`` must reach the pod that stored it,
-#: which least-load routing does not know
+#: vLLM's other JSON POST endpoints, relayed by default (``/v1/responses`` is served by
+#: the router itself: a response naming a ``previous_response_id`` must reach the pod
+#: that stored it, see router/responses.py)
 PASSTHROUGH_PATHS = (
     "/tokenize",
     "/detokenize",
@@ -149,6 +150,24 @@ class ScrapeSettings(_Section):
     timeout_s: float = Field(default=1.0, gt=0, description="timeout of one scrape")
     stale_after_s: float = Field(
         default=5.0, gt=0, description="scraped values older than this are treated as unknown"
+    )
+
+
+class ResponsesSettings(_Section):
+    """The Responses API (/v1/responses): which pod owns a stored response."""
+
+    owner_ttl_s: float = Field(
+        default=86_400.0,
+        gt=0,
+        description="how long the router remembers which pod created a response (follow-ups "
+        "with previous_response_id, GET and cancel go there); with redis_url the key "
+        "{namespace}:resp:{id} expires after this",
+    )
+    max_owners: int = Field(
+        default=100_000,
+        ge=1,
+        description="without redis_url: response owners kept in memory (LRU); each replica "
+        "knows only the responses it relayed",
     )
 
 
@@ -249,6 +268,7 @@ class Settings(BaseSettings):
 
     proxy: ProxySettings = Field(default_factory=ProxySettings)
     scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
+    responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
     events: EventsSettings = Field(default_factory=EventsSettings)

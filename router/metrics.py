@@ -295,6 +295,21 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.responses_unscored = Counter(
+            "kvroute_responses_unscored",
+            "Responses API requests routed least-loaded because they do not convert exactly "
+            "to a chat prompt, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.responses_affinity = Counter(
+            "kvroute_responses_affinity",
+            "Responses API requests naming a stored response (previous_response_id, GET, "
+            "cancel), by result: owner (sent to the pod that created it), unknown (no owner "
+            "recorded), owner_gone (its pod is no longer a candidate)",
+            ["result"],
+            registry=r,
+        )
         self.scrape_errors = self._hot(
             "counter",
             "kvroute_scrape_errors",

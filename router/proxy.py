@@ -48,6 +48,7 @@ from router.errors import RouterError
 from router.load import LoadStore, PendingLoad, RequestLoad
 from router.metrics import PodMetrics, RouterMetrics
 from router.pods import PodRegistry
+from router.responses import CreatedSniffer, OwnerStore, id_from_body
 from router.routing import Routed
 from scoring.policies.base import Policy
 
@@ -353,6 +354,8 @@ class Proxy:
         self._drop = _DROP_REQUEST_B | (
             frozenset() if forward_authorization else frozenset({b"authorization"})
         )
+        #: where a created response's owner is recorded (``/v1/responses``)
+        self.owners: OwnerStore | None = None
 
     async def aclose(self) -> None:
         """Close the transport if this proxy made its own."""
@@ -498,6 +501,10 @@ class Proxy:
                 continue
             self._served(routed, pod, pm)
             if content is not None:
+                if routed.kind == "responses" and 200 <= resp.status < 300:
+                    rid = id_from_body(content)
+                    if rid is not None:
+                        await self.remember(rid, pod)
                 if load.local is not None:
                     gauge.dec()
                     load.end_now()
@@ -550,8 +557,21 @@ class Proxy:
         first = True
         status = resp.status
         m = self.metrics
+        sniff = (
+            CreatedSniffer()
+            if routed.kind == "responses" and 200 <= status < 300 and self.owners is not None
+            else None
+        )
         try:
             async for chunk in resp.stream:
+                if sniff is not None:
+                    # the owner is recorded before the client sees response.created, so
+                    # a follow-up sent as soon as it did finds it; the rest is not read
+                    rid = sniff.feed(chunk)
+                    if rid is not None:
+                        await self.remember(rid, pod)
+                    if sniff.done:
+                        sniff = None
                 if first and chunk:
                     first = False
                     ttft = time.perf_counter() - started
@@ -575,6 +595,64 @@ class Proxy:
             await resp.stream.aclose()
             self._count(routed, pod, status)
 
+    async def remember(self, response_id: str, pod: str) -> None:
+        """Record ``pod`` as the owner of ``response_id`` (a failing store is logged,
+        never fails the answer)."""
+        if self.owners is None:
+            return
+        try:
+            await self.owners.put(response_id, pod)
+        except Exception as exc:
+            log.warning("recording the owner of response %s failed: %r", response_id, exc)
+
+    async def relay(
+        self,
+        pod: str,
+        method: bytes,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes = b"",
+    ) -> Response:
+        """Send one request as it is to ``pod`` (``target``: path and query) and relay
+        the answer: ``GET /v1/responses/{id}`` (JSON, or SSE with ``stream=true``) and
+        ``POST .../cancel``.  No retry elsewhere: only this pod holds the response."""
+        state = self.registry.get(pod)
+        if state is None:
+            raise RouterError(502, f"pod {pod} is gone", reason="no_pod")
+        t = _Target(state.spec.url, target)
+        head = method + b" " + t.lead[len(b"POST ") :] + self._head_tail(headers, len(body))
+        m = self.metrics
+        try:
+            resp = await self.transport.send_raw(
+                t.host, t.port, head, body, self._connect_timeout, self._read_timeout, t.tls
+            )
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            m.child(m.upstream_errors, pod, "connect").inc()
+            raise RouterError(
+                502, f"cannot connect to pod {pod}: {exc!r}", reason="connect"
+            ) from None
+        except httpx.TimeoutException:
+            m.child(m.upstream_errors, pod, "timeout").inc()
+            raise RouterError(
+                504, f"pod {pod} did not answer in time", reason="upstream_timeout"
+            ) from None
+        except httpx.HTTPError as exc:
+            m.child(m.upstream_errors, pod, "transport").inc()
+            raise RouterError(502, f"pod {pod} failed: {exc!r}", reason="transport") from None
+        out = self._response_headers(resp, pod)
+        if resp.is_event_stream:
+            relay = _RelayResponse(
+                _chunks(resp), status_code=resp.status, on_close=_Once(resp.stream.aclose)
+            )
+            relay.raw_headers = out
+            return relay
+        try:
+            content = await resp.stream.read_all()
+        finally:
+            await resp.stream.aclose()
+        out.append((b"content-length", b"%d" % len(content)))
+        return _RawResponse(resp.status, out, content)
+
     async def _complete(self, load: RequestLoad, gauge: Any, routed: Routed, pod: str) -> None:
         gauge.dec()
         if load.local is not None:
@@ -582,6 +660,14 @@ class Proxy:
         else:
             await load.end()
         self.policy.on_complete(routed.route, pod)
+
+
+async def _chunks(resp: _Upstream) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in resp.stream:
+            yield chunk
+    finally:
+        await resp.stream.aclose()
 
 
 # -- the transport ---------------------------------------------------------------------------

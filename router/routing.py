@@ -37,6 +37,7 @@ from router.errors import RouterError, bad_request
 from router.load import LoadStore, MemoryLoadStore, MetricsScraper, PendingLoad
 from router.metrics import RouterMetrics
 from router.pods import PodRegistry, PodState
+from router.responses import OwnerStore, Unscored, to_chat
 from router.tokenize import ChatEncoder, EncodedPrompt, PromptTokenizer, TokenizeError
 from scoring.blocks import BlockHasher
 from scoring.index.base import BlockIndex
@@ -45,7 +46,7 @@ from scoring.policies.base import Decision, PodView, Policy, RouteRequest
 
 log = logging.getLogger(__name__)
 
-Kind = Literal["chat", "completion", "embedding", "passthrough"]
+Kind = Literal["chat", "completion", "embedding", "passthrough", "responses"]
 
 DEFAULT_BLOCK_SIZE = 16
 _decode = msgspec.json.decode
@@ -215,6 +216,8 @@ class RequestRouter:
         #: ``(base model, token ids, block size, block keys, *, lora, cache_salt)``; must
         #: not block (``router.events.IndexSink.learn_later`` only queues it)
         self.on_routed: Callable[..., None] | None = None
+        #: who created which stored response (``/v1/responses``); set by the app
+        self.owners: OwnerStore | None = None
 
     def _next_id(self) -> str:
         """A request id unique across replicas (random prefix + counter; cheaper than
@@ -388,6 +391,15 @@ class RequestRouter:
 
         if kind == "embedding" or kind == "passthrough":
             return await self._decide_least_loaded(kind, body, model, stream, pods, request_id)
+        encode_kind: Kind = kind
+        encode_body = body
+        if kind == "responses":
+            pre = await self._responses(body, model, stream, pods, request_id)
+            if isinstance(pre, Routed):
+                return pre
+            prompt, encode_body = pre
+            encode_kind = "chat"
+            max_tokens = body.get("max_output_tokens")
 
         plan = self._plan(model, pods, names)
         base, lora, bs, entry = plan.base, plan.lora, plan.block_size, plan.encoding
@@ -407,7 +419,7 @@ class RequestRouter:
             finally:
                 entry.hist.observe(_perf() - t_tok)
         else:
-            enc = await self._encode(kind, body, prompt, entry, lora)
+            enc = await self._encode(encode_kind, encode_body, prompt, entry, lora)
         ids, keys = enc.token_ids, enc.block_keys
         max_len = plan.max_len
         if max_len is not None and len(ids) > max_len:
@@ -415,7 +427,7 @@ class RequestRouter:
                 f"this model's maximum context length is {max_len} tokens, but the prompt has "
                 f"{len(ids)} tokens",
                 "context_length_exceeded",
-                param="messages" if kind == "chat" else "prompt",
+                param={"chat": "messages", "responses": "input"}.get(kind, "prompt"),
             )
         if enc.approximate:
             self.metrics.child(self.metrics.approximate_tokenizations, model).inc()
@@ -543,9 +555,10 @@ class RequestRouter:
         return self.resident
 
     def _only_model(self, kind: Kind, model: Any) -> str:
-        """The model of a body without one: a passthrough request (``/tokenize`` and the
-        like, where vLLM makes ``model`` optional) goes to the one model served."""
-        if kind == "passthrough" and model is None:
+        """The model of a body without one: a passthrough or Responses request
+        (``/tokenize``, ``/v1/responses`` and the like, where vLLM makes ``model``
+        optional) goes to the one model served."""
+        if (kind == "passthrough" or kind == "responses") and model is None:
             served = self.registry.served_models()
             if len(served) == 1:
                 return next(iter(served))
@@ -553,6 +566,116 @@ class RequestRouter:
                 f"'model' is required: {len(served)} models are served", "missing_model", "model"
             )
         raise bad_request("'model' is required and must be a string", "missing_model", "model")
+
+    # -- the Responses API -------------------------------------------------------------
+
+    async def _responses(
+        self,
+        body: dict[str, Any],
+        model: str,
+        stream: bool,
+        pods: Sequence[PodState],
+        request_id: str,
+    ) -> Routed | tuple[list[dict[str, Any]], dict[str, Any]]:
+        """A ``/v1/responses`` body: a follow-up goes to the pod owning its
+        ``previous_response_id`` (a decided :class:`Routed`); a new response that
+        converts exactly to chat -> (messages, the chat body to encode); anything else is
+        routed least-loaded and counted as unscored."""
+        inp = body.get("input")
+        if not isinstance(inp, (str, list)):
+            raise bad_request(
+                "'input' is required: a string or a list of input items", "invalid_input", "input"
+            )
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            if not isinstance(previous, str) or not previous:
+                raise bad_request(
+                    "'previous_response_id' must be a string",
+                    "invalid_previous_response_id",
+                    "previous_response_id",
+                )
+            owner = await self._owner(previous)
+            m = self.metrics
+            if owner is not None and any(p.name == owner for p in pods):
+                m.child(m.responses_affinity, "owner").inc()
+                return await self._decide_owner(body, model, stream, owner, request_id)
+            m.child(m.responses_affinity, "unknown" if owner is None else "owner_gone").inc()
+            # the history lives on a pod we cannot reach: no exact prompt to score (the
+            # pod answers 404, which is relayed)
+            reason = "previous_response_id"
+            return await self._unscored(reason, body, model, stream, pods, request_id)
+        try:
+            form = to_chat(body)
+        except Unscored as why:
+            return await self._unscored(why.reason, body, model, stream, pods, request_id)
+        chat_body: dict[str, Any] = {"tools": form.tools}
+        for key in ("chat_template_kwargs", "cache_salt"):
+            if key in body:
+                chat_body[key] = body[key]
+        return form.messages, chat_body
+
+    async def _owner(self, response_id: str) -> str | None:
+        """The pod that created ``response_id`` (None: not known to the owner store)."""
+        if self.owners is None:
+            return None
+        try:
+            return await self.owners.get(response_id)
+        except Exception as exc:  # the store is down: route as if unknown
+            log.warning("response owner lookup failed: %r", exc)
+            self.metrics.child(self.metrics.responses_affinity, "store_error").inc()
+            return None
+
+    async def owner_of(self, response_id: str) -> str:
+        """The registered pod that created ``response_id`` (GET, cancel); 404 when the
+        router knows no owner, or its pod left (counted)."""
+        m = self.metrics
+        owner = await self._owner(response_id)
+        if owner is not None and self.registry.get(owner) is not None:
+            m.child(m.responses_affinity, "owner").inc()
+            return owner
+        m.child(m.responses_affinity, "unknown" if owner is None else "owner_gone").inc()
+        why = "is not known to the router" if owner is None else f"was stored on pod {owner}, gone"
+        raise self.reject(
+            RouterError(
+                404,
+                f"Response with id '{response_id}' not found: it {why}",
+                reason="response_not_found",
+                param="response_id",
+            )
+        )
+
+    async def _unscored(
+        self,
+        reason: str,
+        body: dict[str, Any],
+        model: str,
+        stream: bool,
+        pods: Sequence[PodState],
+        request_id: str,
+    ) -> Routed:
+        self.metrics.child(self.metrics.responses_unscored, reason).inc()
+        return await self._decide_least_loaded("responses", body, model, stream, pods, request_id)
+
+    async def _decide_owner(
+        self, body: dict[str, Any], model: str, stream: bool, owner: str, request_id: str
+    ) -> Routed:
+        """A follow-up: only the owner (any other pod answers 404, so no retry there)."""
+        views = await self._views((), [owner])
+        route = RouteRequest(
+            request_id=request_id, model=model, prompt_tokens=0, block_keys=[], block_size=1
+        )
+        return Routed(
+            kind="responses",
+            body=body,
+            model=model,
+            stream=stream,
+            route=route,
+            decision=Decision(
+                pod=owner, scores={owner: 0.0}, lower_is_better=True, detail={"affinity": "owner"}
+            ),
+            ranking=[owner],
+            views=views,
+        )
 
     async def _decide_least_loaded(
         self,
