@@ -321,13 +321,24 @@ class RequestRouter:
         entry: _Encoding,
         lora: str | None,
     ) -> EncodedPrompt:
-        """``prompt``: the validated messages (chat) or :func:`_first_prompt` (completion).
-        A local tokenizer on a short prompt runs inline (no coroutine, no thread)."""
+        """``prompt``: the validated messages (chat), :func:`_first_prompt` (completion)
+        or :func:`router.responses.to_chat`'s messages (responses, whose ``body`` is then
+        the chat body of its tools and template kwargs).  A local tokenizer on a short
+        prompt runs inline (no coroutine, no thread)."""
         encoder = entry.encoder
         salt = body.get("cache_salt")
         cache_salt = salt if isinstance(salt, str) and salt else None
         t0 = _perf()
         try:
+            if kind == "responses":  # messages and chat-format tools from to_chat
+                kwargs = body.get("chat_template_kwargs")
+                return await encoder.aencode_responses(
+                    prompt,
+                    tools=body.get("tools"),
+                    chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
+                    lora=lora,
+                    cache_salt=cache_salt,
+                )
             if kind == "chat":
                 tools = body.get("tools")
                 if tools is not None and not isinstance(tools, list):
@@ -391,14 +402,12 @@ class RequestRouter:
 
         if kind == "embedding" or kind == "passthrough":
             return await self._decide_least_loaded(kind, body, model, stream, pods, request_id)
-        encode_kind: Kind = kind
         encode_body = body
         if kind == "responses":
             pre = await self._responses(body, model, stream, pods, request_id)
             if isinstance(pre, Routed):
                 return pre
             prompt, encode_body = pre
-            encode_kind = "chat"
             max_tokens = body.get("max_output_tokens")
 
         plan = self._plan(model, pods, names)
@@ -419,7 +428,7 @@ class RequestRouter:
             finally:
                 entry.hist.observe(_perf() - t_tok)
         else:
-            enc = await self._encode(encode_kind, encode_body, prompt, entry, lora)
+            enc = await self._encode(kind, encode_body, prompt, entry, lora)
         ids, keys = enc.token_ids, enc.block_keys
         max_len = plan.max_len
         if max_len is not None and len(ids) > max_len:

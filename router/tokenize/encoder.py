@@ -282,6 +282,68 @@ class ChatEncoder:
             return await asyncio.to_thread(self.encode_chat, messages, **kwargs)
         return self.encode_chat(messages, **kwargs)
 
+    # --- the Responses API ------------------------------------------------------------
+
+    def encode_responses(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+    ) -> EncodedPrompt:
+        """A Responses API request converted to chat ``messages``, as vLLM 0.32 tokenizes
+        it: the chat template rendered (with the generation prompt), then tokenized with
+        ``add_special_tokens=True`` -- the completion rule, where chat uses False (the
+        Responses request's ``TokenizeParams`` keep their default).  With a tokenizer
+        that adds a BOS, that is one token more than the same chat request, so a
+        response and a chat never share cached blocks.  Tokenizers without a separate
+        render step (builtin, approx) encode it as the chat.  No multi-turn reuse."""
+        tok: Any = self.tokenizer
+        with self._count_errors:
+            if isinstance(tok, IncrementalTokenizer) and hasattr(tok, "encode_text"):
+                text = tok.render_chat(
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=True,
+                    chat_template_kwargs=chat_template_kwargs,
+                )
+                ids = tok.encode_text(text, add_special_tokens=True)
+            else:
+                ids = tok.encode_chat(
+                    messages, tools=tools, chat_template_kwargs=chat_template_kwargs
+                )
+        return self._finish(ids, lora, cache_salt)
+
+    async def aencode_responses(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+    ) -> EncodedPrompt:
+        """:meth:`encode_responses` (a remote tokenizer: ``/tokenize`` with the chat and
+        ``add_special_tokens``; a long render in a worker thread)."""
+        remote = getattr(self.tokenizer, "aencode_chat", None)
+        if remote is not None:
+            with self._count_errors:
+                ids = await remote(
+                    messages,
+                    tools=tools,
+                    chat_template_kwargs=chat_template_kwargs,
+                    add_special_tokens=True,
+                )
+            return self._finish(ids, lora, cache_salt)
+        kwargs: dict[str, Any] = dict(
+            tools=tools, chat_template_kwargs=chat_template_kwargs, lora=lora, cache_salt=cache_salt
+        )
+        if isinstance(messages, Sequence) and chat_chars(messages) > self.offload_chars:
+            return await asyncio.to_thread(self.encode_responses, messages, **kwargs)
+        return self.encode_responses(messages, **kwargs)
+
     # --- internals --------------------------------------------------------------------
 
     def _counting_errors(self) -> _CountErrors:

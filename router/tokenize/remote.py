@@ -114,7 +114,10 @@ class RemoteTokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> dict[str, Any]:
+        """``add_special_tokens``: tokenize the rendered chat as a completion prompt
+        (vLLM's Responses API does; chat does not)."""
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise TokenizeError("messages must be a non-empty list of message objects")
         body: dict[str, Any] = {
@@ -127,6 +130,8 @@ class RemoteTokenizer:
             body["tools"] = list(tools)
         if chat_template_kwargs:
             body["chat_template_kwargs"] = dict(chat_template_kwargs)
+        if add_special_tokens:
+            body["add_special_tokens"] = True
         return body
 
     def prompt_body(self, prompt: str) -> dict[str, Any]:
@@ -175,6 +180,7 @@ class RemoteTokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         return await self._apost(
             self.chat_body(
@@ -182,6 +188,7 @@ class RemoteTokenizer:
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 chat_template_kwargs=chat_template_kwargs,
+                add_special_tokens=add_special_tokens,
             )
         )
 

@@ -27,6 +27,9 @@ from router.responses import (
     to_chat,
 )
 from router.serve import RunningServer
+from router.tokenize import ChatEncoder, load_tokenizer
+from router.tokenize.hf import HFTokenizer
+from scoring.blocks import BlockHasher
 from tests.fixtures.tokenizers.build import fixture_dirs
 from tests.router.test_app import MODEL, running, sim
 
@@ -268,10 +271,14 @@ def _chat_equivalent() -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("tokenizer", ["builtin", "chatml", "llama3", "parts"])
-async def test_a_converted_request_encodes_to_the_tokens_of_the_equivalent_chat(
+@pytest.mark.parametrize("tokenizer", ["builtin", "chatml", "llama3", "zephyr", "parts"])
+async def test_a_converted_request_encodes_as_vllm_renders_the_equivalent_chat(
     tokenizer: str,
 ) -> None:
+    """The converted request is the equivalent chat request, rendered by the same
+    template; vLLM 0.32 then tokenizes a Responses prompt with add_special_tokens=True
+    (chat: False), so a tokenizer that adds a BOS (llama3 here) gives one token more,
+    and the others the very ids of the chat."""
     spec = "builtin" if tokenizer == "builtin" else str(fixture_dirs()[tokenizer])
     responses_body = {
         "model": MODEL,
@@ -286,13 +293,31 @@ async def test_a_converted_request_encodes_to_the_tokens_of_the_equivalent_chat(
             }
         ],
     }
+    chat_body = _chat_equivalent()
     async with running([sim(0)], tokenizer=spec) as rig:
         router = rig.gateway.router
         converted = await router.decide("responses", responses_body, {})
-        chat = await router.decide("chat", _chat_equivalent(), {})
-    assert converted.route.prompt_tokens == chat.route.prompt_tokens > 100
-    assert converted.route.block_keys == chat.route.block_keys
-    assert converted.tokenizer_name == chat.tokenizer_name
+        chat = await router.decide("chat", chat_body, {})
+    tok = load_tokenizer(spec)
+    hasher = BlockHasher(16, MODEL)
+    chat_ids = (
+        ChatEncoder(tok, hasher)
+        .encode_chat(chat_body["messages"], tools=chat_body["tools"])
+        .token_ids
+    )
+    if isinstance(tok, HFTokenizer):
+        text = tok.render_chat(chat_body["messages"], tools=chat_body["tools"])
+        expected = tok.encode_text(text, add_special_tokens=True)
+    else:
+        expected = chat_ids
+    assert chat.route.prompt_tokens == len(chat_ids) > 100
+    assert converted.route.prompt_tokens == len(expected)
+    assert converted.route.block_keys == hasher.keys(expected)
+    if tokenizer == "llama3":
+        assert expected == [expected[0], *chat_ids]  # the BOS, once more
+    else:
+        assert expected == chat_ids
+        assert converted.route.block_keys == chat.route.block_keys
 
 
 async def test_model_is_optional_when_one_model_is_served_and_input_is_required() -> None:
