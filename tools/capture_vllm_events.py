@@ -109,6 +109,9 @@ class EngineConfig:
     model: str = "tiny-llama"
     extra_args: tuple[str, ...] = ()
     kv_cache_gib: int = 1
+    #: extra environment of the engine, as (name, value) pairs (e.g. the Responses
+    #: API store: ``(("VLLM_ENABLE_RESPONSES_API_STORE", "1"),)``)
+    env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -146,6 +149,7 @@ class EngineProcess:
         env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1" if self.config.int_hashes else "0"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.config.kv_cache_gib)
         env["MODEL"] = str(VLLM_ROOT / self.config.model)
+        env.update(self.config.env)
         args = [str(SERVE_SH), str(self.http_port), str(self.zmq_port), self.config.hash_algo]
         if self.config.num_blocks is not None:
             args += ["--num-gpu-blocks-override", str(self.config.num_blocks)]

@@ -35,7 +35,7 @@ class EngineFactory:
 
     def __call__(self, name: str = "a", **config: Any) -> EngineProcess:
         """A healthy engine; ``config`` is :class:`EngineConfig`'s fields (hash_algo,
-        int_hashes, python_hash_seed, num_blocks, model, extra_args, kv_cache_gib);
+        int_hashes, python_hash_seed, num_blocks, model, extra_args, kv_cache_gib, env);
         ``name`` tells apart engines with the same configuration."""
         return self.many([name], **config)[0]
 

@@ -1,0 +1,120 @@
+"""Live: the Responses API through kvroute in front of two real vLLM CPU engines that
+store responses (``VLLM_ENABLE_RESPONSES_API_STORE=1``; each engine keeps its own).
+
+Opt-in (``pytest -m vllm tests/vllm -k responses``):
+
+* for a request the router converts to chat, the router's prompt token count
+  (``/v1/route``) equals the engine's ``usage.input_tokens`` (the conversion and the
+  encoder match what vLLM renders, including the BOS its Responses path adds on top of
+  the chat template), and the engine's KV events for it are the router's blocks;
+* follow-ups naming ``previous_response_id`` (streaming and not) and ``GET`` of a
+  response go through the router to the engine that stored it and succeed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.vllm.conftest import EngineFactory
+from tests.vllm.test_vllm_routing import MODEL, _pods, _wait_indexed, running_router
+from tools.capture_vllm_events import EngineProcess
+
+pytestmark = pytest.mark.vllm
+
+STORE = (("VLLM_ENABLE_RESPONSES_API_STORE", "1"),)
+
+
+@pytest.fixture(scope="module")
+def engines(engine: EngineFactory) -> list[EngineProcess]:
+    return engine.many(["responses-0", "responses-1"], hash_algo="sha256", env=STORE)
+
+
+BODIES = {
+    "string": {"input": "What is the capital of France?"},
+    "messages": {
+        "instructions": "Answer in one short sentence. "
+        + " ".join(f"Background fact {i} is worth remembering." for i in range(20)),
+        "input": [
+            {"role": "user", "content": "Hello there, who are you?"},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "I am a small test model."}],
+            },
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Name three colours."}],
+            },
+        ],
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(BODIES))
+async def test_the_routers_prompt_tokens_equal_the_engines_input_tokens(
+    engines: list[EngineProcess], name: str
+) -> None:
+    body = {"model": MODEL, "max_output_tokens": 4, "temperature": 0, **BODIES[name]}
+    async with running_router(_pods(engines)) as router:
+        plan = (await router.post("/v1/route", json=body)).json()
+        r = await router.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvroute-pod"] in {"vllm-0", "vllm-1"}
+        assert plan["blocks"] == plan["prompt_tokens"] // 32
+        assert r.json()["usage"]["input_tokens"] == plan["prompt_tokens"]
+        assert "kvroute_responses_unscored_total{" not in (await router.get("/metrics")).text
+        if plan["blocks"]:
+            # the engine's KV events for the response's prompt are the router's blocks
+            again = await _wait_indexed(router, body, r.headers["x-kvroute-pod"], plan["blocks"])
+            assert again["pod"] == r.headers["x-kvroute-pod"]
+
+
+def _created_and_done(raw: bytes) -> tuple[str, str]:
+    """(the id of response.created, the last event's type) of a Responses SSE body."""
+    events = []
+    for block in raw.decode().split("\n\n"):
+        data = [line[6:] for line in block.split("\n") if line.startswith("data: ")]
+        if data:
+            events.append(json.loads(data[0]))
+    assert events[0]["type"] == "response.created"
+    return events[0]["response"]["id"], events[-1]["type"]
+
+
+async def test_follow_ups_and_get_reach_the_engine_that_stored_the_response(
+    engines: list[EngineProcess],
+) -> None:
+    base: dict[str, Any] = {"model": MODEL, "max_output_tokens": 4, "temperature": 0}
+    async with running_router(_pods(engines)) as router:
+        first = await router.post("/v1/responses", json={**base, "input": "Say hello."})
+        assert first.status_code == 200, first.text
+        pod, rid = first.headers["x-kvroute-pod"], first.json()["id"]
+        for turn in range(3):
+            body = {**base, "input": f"And again, turn {turn}.", "previous_response_id": rid}
+            if turn % 2:
+                async with router.stream(
+                    "POST", "/v1/responses", json={**body, "stream": True}
+                ) as r:
+                    raw = b"".join([c async for c in r.aiter_raw()])
+                    assert r.status_code == 200, raw.decode()
+                    assert r.headers["x-kvroute-pod"] == pod
+                rid, last = _created_and_done(raw)
+                assert last == "response.completed"
+            else:
+                r = await router.post("/v1/responses", json=body)
+                assert r.status_code == 200, r.text
+                assert r.headers["x-kvroute-pod"] == pod
+                rid = r.json()["id"]
+        got = await router.get(f"/v1/responses/{rid}")
+        assert got.status_code == 200, got.text
+        assert got.headers["x-kvroute-pod"] == pod and got.json()["id"] == rid
+        # the other engine does not know it: the router did not guess
+        other = engines[1 - int(pod.rsplit("-", 1)[1])]
+        async with httpx.AsyncClient(timeout=30) as c:
+            assert (await c.get(f"{other.base_url}/v1/responses/{rid}")).status_code == 404
+        m = (await router.get("/metrics")).text
+        assert 'kvroute_responses_affinity_total{result="owner"} 4.0' in m
