@@ -73,12 +73,17 @@ class _Handler(BaseHTTPRequestHandler):
                 err = {"error": {"message": "unsupported role: narrator", "code": 400}}
                 self._send(400, json.dumps(err).encode())
                 return
-            ids = self.server.tok.encode_chat(
-                body["messages"],
+            tok = self.server.tok
+            chat_args: dict[str, Any] = dict(
                 tools=body.get("tools"),
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 chat_template_kwargs=body.get("chat_template_kwargs"),
             )
+            if body.get("add_special_tokens"):  # vLLM: the rendered text, as a prompt
+                text = tok.render_chat(body["messages"], **chat_args)
+                ids = tok.encode_text(text, add_special_tokens=True)
+            else:
+                ids = tok.encode_chat(body["messages"], **chat_args)
             self._send(200, json.dumps({"tokens": ids, "count": len(ids)}).encode())
         else:
             ids = self.server.tok.encode_prompt(body["prompt"])
@@ -143,6 +148,28 @@ def test_tools_are_forwarded_to_the_pod(engines: list[_Engine]) -> None:
     RemoteTokenizer(engines[0].url).encode_chat(MESSAGES, tools=tools, add_generation_prompt=False)
     assert engines[0].bodies[-1]["tools"] == tools
     assert engines[0].bodies[-1]["add_generation_prompt"] is False
+
+
+def test_a_responses_request_asks_the_pod_for_the_chat_with_special_tokens(
+    tok: HFTokenizer, engines: list[_Engine]
+) -> None:
+    remote = RemoteTokenizer(engines[0].url, model="tiny")
+    hasher = BlockHasher(4, "tiny")
+
+    async def run() -> list[int]:
+        try:
+            enc = await ChatEncoder(remote, hasher).aencode_responses(MESSAGES)
+            return enc.token_ids
+        finally:
+            await remote.aclose()
+
+    ids = asyncio.run(run())
+    assert engines[0].bodies[-1]["add_special_tokens"] is True
+    # what a local tokenizer computes for the same request, as vLLM's Responses path does
+    assert ids == ChatEncoder(tok, hasher).encode_responses(MESSAGES).token_ids
+    # the Llama-3 template starts with its BOS, and tokenizing adds another one
+    chat = tok.encode_chat(MESSAGES)
+    assert ids == [ids[0], *chat] and ids[0] == chat[0]
 
 
 def test_sync_methods_work_for_offline_tools(tok: HFTokenizer, engines: list[_Engine]) -> None:
