@@ -41,7 +41,7 @@ from router.errors import RouterError, json_response
 from router.events import KVEventSubscriber
 from router.health import HealthChecker
 from router.load import LoadStore, MemoryLoadStore, MetricsScraper, PendingLoad
-from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.metrics import CONTENT_TYPE, RouterMetrics, register_build_info
 from router.pods import PodRegistry, PodSpec
 from router.proxy import PodTLS, PodTransport, Proxy, make_client
 from router.responses import MemoryOwnerStore, OwnerStore, RedisOwnerStore
@@ -62,6 +62,7 @@ class Gateway:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.metrics = RouterMetrics()
+        register_build_info(self.metrics.registry, "serve", settings.policy)
         self.registry = PodRegistry()
         self.policy: Policy = build_policy(settings.policy, settings.policy_params)
         self._tokenizers: dict[str, PromptTokenizer] = {}

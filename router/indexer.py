@@ -55,6 +55,7 @@ from router.config import Settings
 from router.discovery import DiscoveryError, build_discovery
 from router.events import IndexSink, KVEventSubscriber
 from router.events.sink import make_sink as _make_sink
+from router.metrics import register_build_info
 from router.pods import PodRegistry
 from router.writer_lease import LEASE_S, WriterLease
 
@@ -94,6 +95,7 @@ class Indexer:
         self.settings = settings
         self.sweep_interval_s = sweep_interval_s
         self.metrics = CollectorRegistry()
+        register_build_info(self.metrics, "index")
         self.registry = PodRegistry()
         self.index = RedisIndex.from_url(redis_url, namespace=settings.redis_namespace)
         self.sink = make_sink(self.index, settings)

@@ -14,6 +14,7 @@ callables the app registers (:meth:`RouterMetrics.add_collector`).
 from __future__ import annotations
 
 import contextlib
+import platform
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -52,6 +53,29 @@ _FAST_BUCKETS = (
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def kvroute_version() -> str:
+    """The installed kvroute's version ("unknown" when run from a tree not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvroute")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def register_build_info(registry: CollectorRegistry, component: str, policy: str = "") -> None:
+    """``kvroute_build_info{version, python, component, policy} 1``: which kvroute a
+    process runs (a rollout shows as two versions side by side), as what (``serve``,
+    ``index``) and, for a router, with which policy."""
+    Gauge(
+        "kvroute_build_info",
+        "Always 1: the kvroute version, Python version, component (serve, index) and "
+        "routing policy of this process",
+        ["version", "python", "component", "policy"],
+        registry=registry,
+    ).labels(kvroute_version(), platform.python_version(), component, policy).set(1)
 
 
 # -- hot-path metric families ------------------------------------------------------------------

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import platform
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -336,6 +338,17 @@ async def test_metrics_count_requests_tokens_and_decisions(rig: Rig) -> None:
     assert "kvroute_routing_decision_seconds_count 1.0" in m
     assert 'kvroute_tokenization_seconds_count{tokenizer="builtin"} 1.0' in m
     assert f'kvroute_inflight_requests{{pod="{pod}"}} 0.0' in m
+
+
+async def test_metrics_name_the_build_component_and_policy(rig: Rig) -> None:
+    from router.metrics import kvroute_version
+
+    m = await rig.metrics()
+    (line,) = [ln for ln in m.splitlines() if ln.startswith("kvroute_build_info{")]
+    assert 'component="serve"' in line and 'policy="cost"' in line
+    assert f'python="{platform.python_version()}"' in line
+    assert f'version="{kvroute_version()}"' in line and line.endswith(" 1.0")
+    assert kvroute_version() == importlib.metadata.version("kvroute")
 
 
 def test_a_departed_pod_leaves_no_series_behind() -> None:

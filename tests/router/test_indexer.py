@@ -157,6 +157,7 @@ async def test_indexer_writes_a_sim_pods_events_into_redis_for_router_replicas(
             m = await client.get(f"{indexer.metrics_url}/metrics")
             assert m.status_code == 200
             assert 'kvroute_event_batches_total{pod="sim-0"}' in m.text
+            assert 'component="index"' in m.text and "kvroute_build_info{" in m.text
             h = await client.get(f"{indexer.metrics_url}/health")
             assert h.json()["pods"] == ["sim-0"]
             assert h.json()["events"] > 0
