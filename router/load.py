@@ -198,19 +198,24 @@ class Scraped:
     running: int | None = None
     kv_usage: float | None = None
     block_size: int | None = None
+    #: the KV cache's size in blocks (``num_gpu_blocks``)
+    capacity_blocks: int | None = None
 
 
 def parse_vllm_metrics(text: str) -> Scraped:
     """Pick the routing-relevant series out of a Prometheus text exposition.
 
     Sums ``num_requests_waiting/running`` over engines, averages ``kv_cache_usage_perc``
-    (older engines call it ``gpu_cache_usage_perc``), takes ``block_size`` from the
-    labels of ``vllm:cache_config_info``.
+    (older engines call it ``gpu_cache_usage_perc``), takes ``block_size`` and
+    ``num_gpu_blocks`` (the cache's capacity) from the labels of
+    ``vllm:cache_config_info`` (summed over engines: data-parallel engines each have
+    their own cache).
     """
     waiting = running = 0.0
     seen_w = seen_r = False
     usage: list[float] = []
     block_size: int | None = None
+    capacity = 0
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
@@ -243,12 +248,16 @@ def parse_vllm_metrics(text: str) -> Scraped:
             bs = _label(labels, "block_size")
             if bs is not None and bs.isdigit() and int(bs) > 0:
                 block_size = int(bs)
+            blocks = _label(labels, "num_gpu_blocks")
+            if blocks is not None and blocks.isdigit():
+                capacity += int(blocks)
     return Scraped(
         at=time.monotonic(),
         waiting=int(waiting) if seen_w else None,
         running=int(running) if seen_r else None,
         kv_usage=(sum(usage) / len(usage)) if usage else None,
         block_size=block_size,
+        capacity_blocks=capacity or None,
     )
 
 

@@ -548,6 +548,7 @@ class RequestRouter:
                 None if scraped is None else scraped.running,
                 None if scraped is None else scraped.kv_usage,
                 resident_of(name, 0),
+                None if scraped is None else scraped.capacity_blocks,
             )
         return views
 
@@ -757,6 +758,7 @@ def explain(routed: Routed, registry: PodRegistry, policy: str) -> dict[str, Any
                 "running": v.running,
                 "kv_usage": v.kv_usage,
                 "resident_blocks": v.resident_blocks,
+                "capacity_blocks": v.capacity_blocks,
                 "score": scores.get(pod),
             }
         )

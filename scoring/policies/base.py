@@ -54,6 +54,9 @@ class PodView:
     #: blocks the pod's prefix cache holds, all prefixes (the index's count; None when
     #: unknown): where a prefix nobody holds has the most room to stay
     resident_blocks: int | None = None
+    #: blocks the pod's KV cache can hold (the engine's ``num_gpu_blocks``; None when
+    #: unknown): with ``resident_blocks``, its free room
+    capacity_blocks: int | None = None
 
     def cached_blocks(self, tier: str = "GPU") -> int:
         return self.hits.get(tier, 0)

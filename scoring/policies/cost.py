@@ -20,12 +20,14 @@ load from slower tiers.
 
 The pod with the smallest score wins.  Pods within ``tie_epsilon_s`` of the minimum
 are tied.  With ``tie_break_by_room`` (default on) and every tied view carrying
-``resident_blocks``, the tie narrows to the pods whose caches hold the fewest blocks: a
-prefix no pod holds (the typical tie: same load, nothing cached) starts where it has the
-most room, so new prefix groups spread over the fleet instead of piling onto pods that
-already hold others and evicting them.  Among what remains the winner is chosen by
-rendezvous hashing of the request id (highest ``xxh3(seed, request_id + pod)``):
-deterministic for a request, uniform across pods, with no bias toward the first
+``resident_blocks``, the tie narrows to the pods with the most free room: the most free
+blocks (``capacity_blocks - resident_blocks``) when every tied view knows its capacity
+(a fleet of different cache sizes), else the fewest resident blocks.  A prefix no pod
+holds (the typical tie: same load, nothing cached) starts where it has the most room,
+so new prefix groups spread over the fleet instead of piling onto pods that already
+hold others and evicting them.  Among what remains the winner is chosen by rendezvous
+hashing of the request id (highest ``xxh3(seed, request_id + pod)``): deterministic
+for a request, uniform across pods, with no bias toward the first
 candidate.  ``Decision.scores`` holds each pod's
 score in seconds (``lower_is_better``).
 
@@ -189,12 +191,19 @@ def predict_ttft(
 
 
 def _most_room(tied: list[str], pods: Sequence[PodView]) -> list[str]:
-    """The tied pods whose caches hold the fewest blocks (all of them when a tied pod's
-    count is unknown)."""
-    resident = {v.pod: v.resident_blocks for v in pods}
-    counts = [resident.get(name) for name in tied]
+    """The tied pods with the most free room: the most free blocks (capacity - resident)
+    when every tied pod's capacity is known, else the fewest resident blocks (all of
+    them when a tied pod's count is unknown)."""
+    by_name = {v.pod: v for v in pods}
+    views = [by_name[name] for name in tied]
+    counts = [v.resident_blocks for v in views]
     if None in counts:
         return tied
+    caps = [v.capacity_blocks for v in views]
+    if None not in caps:
+        free = [c - n for c, n in zip(caps, counts, strict=True)]  # type: ignore[operator]
+        most = max(free)
+        return [name for name, f in zip(tied, free, strict=True) if f == most]
     least = min(counts)  # type: ignore[type-var]
     return [name for name, n in zip(tied, counts, strict=True) if n == least]
 

@@ -148,6 +148,7 @@ class SimPod:
             running=self.decoding + (1 if self.prefilling else 0),
             kv_usage=min(1.0, self.active_blocks / max(1, self.cfg.capacity_blocks)),
             resident_blocks=len(self.cache),
+            capacity_blocks=self.cfg.capacity_blocks,
         )
 
     def start_prefill(self, keys: list[int], prompt_tokens: int) -> tuple[float, int, int]:

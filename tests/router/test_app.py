@@ -426,6 +426,7 @@ async def test_scraped_pod_metrics_feed_the_load_view_and_block_size(rig: Rig) -
     scraped = rig.gateway.scraper.get("sim-0")
     assert scraped is not None
     assert scraped.block_size == 16
+    assert scraped.capacity_blocks == sim(0).capacity_blocks
     assert scraped.running == 0 and scraped.waiting == 0
 
 
@@ -462,6 +463,34 @@ async def test_route_sees_the_blocks_a_pod_reported_through_kv_events() -> None:
         cold_body = {"model": MODEL, "prompt": "a new topic " * 40, "max_tokens": 4}
         cold = await r.client.post("/v1/completions", json=cold_body)
         assert cold.headers["x-kvroute-pod"] == other
+
+
+async def test_a_new_prefix_starts_on_the_pod_with_the_most_free_cache_blocks() -> None:
+    """Caches of different sizes: the big pod already holds a prefix, the small one
+    nothing, yet the big one has more free blocks, so a prefix nobody holds starts there
+    (counting resident blocks alone would pick the small, empty pod)."""
+    import asyncio
+
+    small, big = sim(0, kv_events=True, capacity_tokens=2048), sim(1, kv_events=True)
+    async with running([small, big], events=True) as r:
+        warm = {"model": MODEL, "prompt": "what the big pod holds " * 40, "max_tokens": 1}
+        async with httpx.AsyncClient(timeout=30) as direct:  # bypassing the router
+            (await direct.post(f"{r.pods[1].url}/v1/completions", json=warm)).raise_for_status()
+        cold = {"model": MODEL, "prompt": "a new topic " * 40, "max_tokens": 1}
+        for _ in range(500):  # the big pod's events reach the index, its count the views
+            cand = {
+                c["pod"]: c
+                for c in (await r.client.post("/v1/route", json=cold)).json()["candidates"]
+            }
+            if cand["sim-1"]["resident_blocks"] > 0:
+                break
+            await asyncio.sleep(0.02)
+        assert cand["sim-0"]["resident_blocks"] == 0
+        assert cand["sim-0"]["capacity_blocks"] == small.capacity_blocks == 128
+        assert cand["sim-1"]["capacity_blocks"] == big.capacity_blocks
+        assert big.capacity_blocks - cand["sim-1"]["resident_blocks"] > small.capacity_blocks
+        sent = await r.client.post("/v1/completions", json=cold)
+        assert sent.headers["x-kvroute-pod"] == "sim-1"
 
 
 async def test_an_orphan_block_from_a_pod_raises_the_applier_orphan_counter_on_metrics() -> None:

@@ -44,12 +44,21 @@ def test_vllm_metrics_are_summed_over_engines() -> None:
     assert s.waiting == 7
     assert s.kv_usage == pytest.approx(0.375)
     assert s.block_size == 32
+    assert s.capacity_blocks == 1024  # num_gpu_blocks
+
+
+def test_the_cache_capacity_of_data_parallel_engines_adds_up() -> None:
+    info = 'vllm:cache_config_info{{block_size="16",engine="{e}",num_gpu_blocks="{n}"}} 1.0\n'
+    s = parse_vllm_metrics(info.format(e=0, n=500) + info.format(e=1, n=700))
+    assert s.capacity_blocks == 1200
+    # an engine that has not sized its cache yet says "None": unknown, not zero
+    assert parse_vllm_metrics(info.format(e=0, n="None")).capacity_blocks is None
 
 
 def test_missing_series_are_unknown_not_zero() -> None:
     s = parse_vllm_metrics("# nothing here\nother_metric 1\n")
     assert s.running is None and s.waiting is None and s.kv_usage is None
-    assert s.block_size is None
+    assert s.block_size is None and s.capacity_blocks is None
 
 
 def test_older_gpu_cache_usage_name_is_understood() -> None:

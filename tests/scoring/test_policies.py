@@ -318,6 +318,21 @@ def test_cost_starts_a_prefix_nobody_holds_on_the_pod_with_the_most_cache_room()
     assert min(chosen.values()) > 60
 
 
+def test_cost_weighs_room_by_free_blocks_when_the_caches_differ_in_size() -> None:
+    """A fleet of different cache sizes: the most *free* blocks wins the tie, not the
+    fewest resident ones (a small cache holding little can still be the fullest)."""
+    policy = build_policy("cost")
+    views = [
+        PodView(pod="big", resident_blocks=4_000, capacity_blocks=10_000),  # 6,000 free
+        PodView(pod="small", resident_blocks=1_000, capacity_blocks=2_000),  # 1,000 free
+        PodView(pod="mid", resident_blocks=0, capacity_blocks=5_000),  # 5,000 free
+    ]
+    assert {policy.pick(req(f"id-{i}", keys=[i]), views).pod for i in range(100)} == {"big"}
+    # a capacity unknown on one tied pod: back to the fewest resident blocks
+    partly = [*views[:2], PodView(pod="mid", resident_blocks=0)]
+    assert {policy.pick(req(f"id-{i}", keys=[i]), partly).pod for i in range(100)} == {"mid"}
+
+
 def test_cost_room_only_breaks_ties_and_can_be_turned_off() -> None:
     policy = build_policy("cost")
     held = [

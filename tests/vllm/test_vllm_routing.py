@@ -290,3 +290,20 @@ async def test_the_engines_tokenize_and_detokenize_are_relayed_through_the_route
     back = await router.post("/detokenize", json={"model": MODEL, "tokens": tokens})
     assert back.status_code == 200, back.text
     assert "Relayed as it is." in back.json()["prompt"]
+
+
+async def test_the_router_reads_each_engines_cache_size_from_its_metrics(
+    engines: list[EngineProcess], router: httpx.AsyncClient
+) -> None:
+    """vLLM's ``vllm:cache_config_info`` carries ``num_gpu_blocks`` once the cache is
+    sized: the room tie-break weighs free blocks with it."""
+    import re
+
+    plan = await _route(router, {"model": MODEL, "prompt": "how big is your cache?"})
+    cand = {c["pod"]: c for c in plan["candidates"]}
+    async with httpx.AsyncClient(timeout=10) as c:
+        for i, e in enumerate(engines):
+            text = (await c.get(e.base_url + "/metrics")).text
+            found = re.search(r'vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text)
+            assert found, "the engine does not expose num_gpu_blocks"
+            assert cand[f"vllm-{i}"]["capacity_blocks"] == int(found.group(1)) > 0
