@@ -190,22 +190,23 @@ def predict_ttft(
     return work / p.prefill_rate_tokens_per_s * slowdown + transfer, cached
 
 
-def _most_room(tied: list[str], pods: Sequence[PodView]) -> list[str]:
-    """The tied pods with the most free room: the most free blocks (capacity - resident)
-    when every tied pod's capacity is known, else the fewest resident blocks (all of
-    them when a tied pod's count is unknown)."""
-    by_name = {v.pod: v for v in pods}
-    views = [by_name[name] for name in tied]
-    counts = [v.resident_blocks for v in views]
-    if None in counts:
-        return tied
-    caps = [v.capacity_blocks for v in views]
-    if None not in caps:
-        free = [c - n for c, n in zip(caps, counts, strict=True)]  # type: ignore[operator]
-        most = max(free)
-        return [name for name, f in zip(tied, free, strict=True) if f == most]
-    least = min(counts)  # type: ignore[type-var]
-    return [name for name, n in zip(tied, counts, strict=True) if n == least]
+def _most_room(tied: Sequence[PodView]) -> list[str]:
+    """The names of the tied pods with the most free room: the most free blocks
+    (capacity - resident) when every tied pod's capacity is known, else the fewest
+    resident blocks (all of them when a tied pod's count is unknown)."""
+    by_free = True
+    for v in tied:
+        if v.resident_blocks is None:
+            return [v.pod for v in tied]
+        if v.capacity_blocks is None:
+            by_free = False
+    # room: free blocks, or minus the resident ones; the largest wins
+    rooms = [
+        (v.capacity_blocks - v.resident_blocks) if by_free else -v.resident_blocks  # type: ignore[operator]
+        for v in tied
+    ]
+    most = max(rooms)
+    return [v.pod for v, room in zip(tied, rooms, strict=True) if room == most]
 
 
 class CostPolicy(Policy):
@@ -316,7 +317,7 @@ class CostPolicy(Policy):
         limit = best + p.tie_epsilon_s  # type: ignore[operator]
         tied = [name for name, t in predicted.items() if t <= limit]
         if len(tied) > 1 and p.tie_break_by_room:
-            tied = _most_room(tied, pods)
+            tied = _most_room([v for v in pods if predicted[v.pod] <= limit])
         chosen = tied[0]
         if len(tied) > 1:  # rendezvous: the highest hash (the first of equal ones) wins
             rid = request.request_id.encode() + b"\x00"
