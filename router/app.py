@@ -42,6 +42,7 @@ from router.events import KVEventSubscriber
 from router.health import HealthChecker
 from router.load import LoadStore, MemoryLoadStore, MetricsScraper, PendingLoad
 from router.metrics import CONTENT_TYPE, RouterMetrics, register_build_info
+from router.metrics_share import SharedMetrics
 from router.pods import PodRegistry, PodSpec
 from router.proxy import PodTLS, PodTransport, Proxy, make_client
 from router.responses import MemoryOwnerStore, OwnerStore, RedisOwnerStore
@@ -137,6 +138,8 @@ class Gateway:
         self.router.owners = self.proxy.owners = self.owners
         self._api_keys = [k.encode() for k in settings.api_keys]
         self._tasks: list[asyncio.Task[Any]] = []
+        #: `kvroute serve --workers N`: every worker's metrics in one /metrics
+        self.shared_metrics = SharedMetrics.from_env(self.metrics.render)
         self._running = False
         self.registry.subscribe(self._on_pod)
 
@@ -268,6 +271,8 @@ class Gateway:
             await self.scraper.scrape_all()
         self.scraper.start()
         self._tasks.append(asyncio.create_task(self._index_gauge_loop(), name="index-gauge"))
+        if self.shared_metrics is not None:
+            self._tasks.append(asyncio.create_task(self.shared_metrics.run(), name="metrics-share"))
         if self.lease is not None:
             self._tasks.append(asyncio.create_task(self.lease.run(), name="writer-lease"))
 
@@ -286,6 +291,8 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        if self.shared_metrics is not None:
+            self.shared_metrics.remove()
         if self.lease is not None:
             await self.lease.release()
         with contextlib.suppress(Exception):
@@ -509,7 +516,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(gw(request).metrics.render(), media_type=CONTENT_TYPE)
+        g = gw(request)
+        shared = g.shared_metrics
+        body = g.metrics.render() if shared is None else shared.render_all()
+        return Response(body, media_type=CONTENT_TYPE)
 
     return app
 

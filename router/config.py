@@ -200,8 +200,9 @@ class Settings(BaseSettings):
     workers: int = Field(
         default=1,
         ge=1,
-        description="uvicorn worker processes; each keeps its own index, load view and "
-        "metrics (a scrape of /metrics sees one worker): on Kubernetes, scale with replicas",
+        description="uvicorn worker processes; each keeps its own index and (without "
+        "Redis) its own load view; /metrics merges all workers' metrics. On Kubernetes, "
+        "scale with replicas",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     shutdown_grace_s: int = Field(

@@ -15,15 +15,18 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from router import metrics_share
 from router.config import Settings
 
 log = logging.getLogger(__name__)
@@ -270,13 +273,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings.fleet.pods,
             settings.fleet.model,
         )
-    if settings.workers > 1:
-        log.warning(
-            "%d workers: each keeps its own metrics, and a scrape of /metrics reaches one "
-            "of them (counters jump between scrapes); where Prometheus scrapes, prefer one "
-            "worker per process and more replicas",
-            settings.workers,
-        )
+    made_share_dir: str | None = None
+    if settings.workers > 1 and not os.environ.get(metrics_share.ENV):
+        # one /metrics for all workers (router.metrics_share); a directory given in the
+        # environment is used as it is and left in place
+        made_share_dir = tempfile.mkdtemp(prefix="kvroute-metrics-")
+        os.environ[metrics_share.ENV] = made_share_dir
     # uvicorn re-raises SIGINT/SIGTERM after its own graceful shutdown; turn that into a
     # normal return so the fleet is stopped and the exit status is 0
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -300,6 +302,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         pass
     finally:
         os.environ.pop(SETTINGS_ENV, None)
+        if made_share_dir is not None:
+            os.environ.pop(metrics_share.ENV, None)
+            shutil.rmtree(made_share_dir, ignore_errors=True)
         if fleet is not None:
             fleet.stop()
         for sig, handler in previous.items():
