@@ -291,6 +291,16 @@ class Settings(BaseSettings):
         return v
 
     @model_validator(mode="after")
+    def _one_index_writer(self) -> Settings:
+        if self.index_writer and self.workers > 1:
+            raise ValueError(
+                f"index_writer with workers={self.workers}: every worker would apply every KV "
+                "event to Redis (several writers on one namespace); run `kvroute index` as "
+                "the writer, or one worker"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _policy_known(self) -> Settings:
         from scoring.policies.registry import available_policies
 

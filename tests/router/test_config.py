@@ -143,3 +143,9 @@ def test_list_settings_from_env_vars_are_json_or_comma_separated(
     s = Settings.load([])
     assert s.api_keys == ["sk-1", "sk-2"]
     assert s.proxy.passthrough_paths == ["/tokenize", "/rerank"]
+
+
+def test_a_writing_router_with_several_workers_is_refused_naming_both_settings() -> None:
+    with pytest.raises(ValueError, match="index_writer with workers=2"):
+        Settings.load(["--redis-url", "redis://127.0.0.1:1", "--index-writer", "--workers", "2"])
+    assert Settings.load(["--workers", "2"]).workers == 2  # reading workers are fine
