@@ -43,7 +43,7 @@ import threading
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -261,26 +261,34 @@ class ChatEncoder:
         lora: str | None = None,
         cache_salt: str | None = None,
     ) -> EncodedPrompt:
-        remote = getattr(self.tokenizer, "aencode_chat", None)
-        if remote is not None:
-            with self._count_errors:
-                ids = await remote(
-                    messages,
-                    tools=tools,
-                    add_generation_prompt=add_generation_prompt,
-                    chat_template_kwargs=chat_template_kwargs,
-                )
-            return self._finish(ids, lora, cache_salt)
-        kwargs: dict[str, Any] = dict(
+        template: dict[str, Any] = dict(
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
-            lora=lora,
-            cache_salt=cache_salt,
         )
+        return await self._aencode_messages(messages, template, self.encode_chat, lora, cache_salt)
+
+    async def _aencode_messages(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        template: dict[str, Any],
+        local: Callable[..., EncodedPrompt],
+        lora: str | None,
+        cache_salt: str | None,
+        **remote_only: Any,
+    ) -> EncodedPrompt:
+        """``messages`` encoded by a remote tokenizer (``template`` and ``remote_only``
+        its keyword arguments), else by ``local`` (``template``, lora, cache_salt): in a
+        worker thread when the chat is long."""
+        remote = getattr(self.tokenizer, "aencode_chat", None)
+        if remote is not None:
+            with self._count_errors:
+                ids = await remote(messages, **template, **remote_only)
+            return self._finish(ids, lora, cache_salt)
+        kwargs = dict(template, lora=lora, cache_salt=cache_salt)
         if isinstance(messages, Sequence) and chat_chars(messages) > self.offload_chars:
-            return await asyncio.to_thread(self.encode_chat, messages, **kwargs)
-        return self.encode_chat(messages, **kwargs)
+            return await asyncio.to_thread(local, messages, **kwargs)
+        return local(messages, **kwargs)
 
     # --- the Responses API ------------------------------------------------------------
 
@@ -327,22 +335,10 @@ class ChatEncoder:
     ) -> EncodedPrompt:
         """:meth:`encode_responses` (a remote tokenizer: ``/tokenize`` with the chat and
         ``add_special_tokens``; a long render in a worker thread)."""
-        remote = getattr(self.tokenizer, "aencode_chat", None)
-        if remote is not None:
-            with self._count_errors:
-                ids = await remote(
-                    messages,
-                    tools=tools,
-                    chat_template_kwargs=chat_template_kwargs,
-                    add_special_tokens=True,
-                )
-            return self._finish(ids, lora, cache_salt)
-        kwargs: dict[str, Any] = dict(
-            tools=tools, chat_template_kwargs=chat_template_kwargs, lora=lora, cache_salt=cache_salt
+        template: dict[str, Any] = dict(tools=tools, chat_template_kwargs=chat_template_kwargs)
+        return await self._aencode_messages(
+            messages, template, self.encode_responses, lora, cache_salt, add_special_tokens=True
         )
-        if isinstance(messages, Sequence) and chat_chars(messages) > self.offload_chars:
-            return await asyncio.to_thread(self.encode_responses, messages, **kwargs)
-        return self.encode_responses(messages, **kwargs)
 
     # --- internals --------------------------------------------------------------------
 

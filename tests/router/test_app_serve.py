@@ -20,6 +20,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def sigterm(proc: subprocess.Popen[bytes]) -> int:
+    """Stop ``proc`` as Kubernetes would (SIGTERM); -> its exit status (killed, and the
+    test failed, when it does not exit within 30 s)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
 @pytest.mark.slow
 def test_serve_without_pods_answers_from_the_embedded_fleet_and_stops_cleanly() -> None:
     port = free_port()
@@ -53,12 +65,7 @@ def test_serve_without_pods_answers_from_the_embedded_fleet_and_stops_cleanly() 
         assert r.headers["x-kvroute-pod"] in {"sim-0", "sim-1"}
         assert r.json()["choices"][0]["message"]["content"]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        code = sigterm(proc)
     assert code == 0
 
 

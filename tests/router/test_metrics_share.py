@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.metrics_share import merge
-from tests.router.test_app_serve import free_port
+from tests.router.test_app_serve import free_port, sigterm
 
 WORKER_A = """\
 # HELP kvroute_requests_total Requests answered
@@ -140,11 +139,6 @@ def test_two_workers_answer_metrics_for_both(tmp_path: Path) -> None:
         for _ in range(6):  # whichever worker answers, it answers for both
             assert requests_total(httpx.get(base + "/metrics").text) == sent
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        code = sigterm(proc)
     assert code == 0
     assert not list(tmp_path.glob("*.prom"))  # each worker removed its file on the way out
