@@ -71,6 +71,8 @@ PANELS_WITH_DATA = {
         "Pod health",
         "Scrape errors / s by pod",  # dead-0
         "Health checks",  # dead-0
+        "Responses: follow-ups by owner lookup",
+        "Responses: routed without a cache score",
     },
     "kvroute-fleet.json": {
         "Fleet prefix-cache hit rate",
@@ -87,11 +89,14 @@ PANELS_WITH_DATA = {
         "Cache configuration",
     },
 }
-#: alert expressions that the stack makes true, and the pod each names
+#: alert expressions that the stack makes true, and the pod each names (None: the alert
+#: is about the router, not a pod)
 ALERTS_FIRING = {
     "KvroutePodUnhealthy": "dead-0",
     "KvroutePodScrapeFailing": "dead-0",
     "KvrouteIndexEmptyWhileServing": "quiet-0",
+    # half of the traffic's follow-ups name a response nobody stored
+    "KvrouteResponsesOwnerUnknown": None,
 }
 #: alert expressions that must stay false on this healthy-enough stack
 ALERTS_QUIET = {
@@ -106,7 +111,9 @@ ALERTS_QUIET = {
 
 class Traffic:
     """Chat completions through the router from a thread, until stopped; every 10th asks
-    for a model nobody serves (a 404 counted in kvroute_bad_requests_total)."""
+    for a model nobody serves (a 404 counted in kvroute_bad_requests_total); every 10th
+    is a Responses API round: a response (with a function-call item: unscored), a
+    follow-up naming it (its owner is known) and one naming a response nobody stored."""
 
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
@@ -124,11 +131,24 @@ class Traffic:
                     body = {"model": "no-such-model", "messages": messages}
                     r = client.post(f"{self.stack.router_url}/v1/chat/completions", json=body)
                     status = r.status_code
+                elif i % 10 == 4:
+                    status = self._responses(client, i)
                 else:
                     status = self.stack.chat(1000 + i)
                 self.statuses[status] = self.statuses.get(status, 0) + 1
                 self.sent += 1
                 self._stop.wait(0.1)
+
+    def _responses(self, client: httpx.Client, i: int) -> int:
+        url = f"{self.stack.router_url}/v1/responses"
+        call = {"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"}
+        first = client.post(url, json={"model": MODEL, "input": [call], "max_output_tokens": 4})
+        if first.status_code != 200:
+            return first.status_code
+        follow = {"model": MODEL, "input": "and then?", "max_output_tokens": 4}
+        known = client.post(url, json={**follow, "previous_response_id": first.json()["id"]})
+        client.post(url, json={**follow, "previous_response_id": f"resp_never_stored_{i}"})
+        return known.status_code
 
     def __enter__(self) -> Traffic:
         self._thread.start()
