@@ -671,20 +671,16 @@ class RequestRouter:
     ) -> Routed:
         """A follow-up: only the owner (any other pod answers 404, so no retry there)."""
         views = await self._views((), [owner])
-        route = RouteRequest(
-            request_id=request_id, model=model, prompt_tokens=0, block_keys=[], block_size=1
-        )
-        return Routed(
-            kind="responses",
-            body=body,
-            model=model,
-            stream=stream,
-            route=route,
-            decision=Decision(
-                pod=owner, scores={owner: 0.0}, lower_is_better=True, detail={"affinity": "owner"}
-            ),
-            ranking=[owner],
-            views=views,
+        return _without_prompt(
+            "responses",
+            body,
+            model,
+            stream,
+            request_id,
+            [owner],
+            {owner: 0.0},
+            views,
+            {"affinity": "owner"},
         )
 
     async def _decide_least_loaded(
@@ -707,19 +703,27 @@ class RequestRouter:
         )
         ranking = [names[i] for i in order]
         scores = {n: float(views[n].inflight) for n in names}
-        route = RouteRequest(
-            request_id=request_id, model=model, prompt_tokens=0, block_keys=[], block_size=1
-        )
-        return Routed(
-            kind=kind,
-            body=body,
-            model=model,
-            stream=stream,
-            route=route,
-            decision=Decision(pod=ranking[0], scores=scores, lower_is_better=True),
-            ranking=ranking,
-            views=views,
-        )
+        return _without_prompt(kind, body, model, stream, request_id, ranking, scores, views)
+
+
+def _without_prompt(
+    kind: Kind,
+    body: dict[str, Any],
+    model: str,
+    stream: bool,
+    request_id: str,
+    ranking: list[str],
+    scores: dict[str, float],
+    views: dict[str, PodView],
+    detail: dict[str, Any] | None = None,
+) -> Routed:
+    """A decision that scored no prompt (least loaded, or a stored response's owner):
+    no tokens, no block keys; ``ranking`` best first, ``scores`` lower is better."""
+    route = RouteRequest(
+        request_id=request_id, model=model, prompt_tokens=0, block_keys=[], block_size=1
+    )
+    decision = Decision(ranking[0], scores, lower_is_better=True, detail=detail or {})
+    return Routed(kind, body, model, stream, route, decision, ranking, views)
 
 
 def _rank(decision: Decision, names: Sequence[str]) -> list[str]:
