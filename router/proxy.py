@@ -302,7 +302,7 @@ class _Target:
 
     __slots__ = ("host", "lead", "port", "tls")
 
-    def __init__(self, url: str, path: str) -> None:
+    def __init__(self, url: str, path: str, method: bytes = b"POST") -> None:
         parsed = httpx.URL(url.rstrip("/") + path)
         if parsed.scheme not in _DEFAULT_PORTS:
             raise httpx.UnsupportedProtocol(
@@ -311,7 +311,9 @@ class _Target:
         self.host: str = parsed.host
         self.port: int = parsed.port or _DEFAULT_PORTS[parsed.scheme]
         self.tls = parsed.scheme == "https"
-        self.lead = b"POST " + parsed.raw_path + b" HTTP/1.1\r\nhost: " + parsed.netloc + b"\r\n"
+        self.lead = (
+            method + b" " + parsed.raw_path + b" HTTP/1.1\r\nhost: " + parsed.netloc + b"\r\n"
+        )
 
 
 class Proxy:
@@ -466,27 +468,13 @@ class Proxy:
                 self._served(routed, pod, pm)
                 pm.requests(499).inc()
                 return Response(status_code=499)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-                await self._finish(load, gauge, routed, pod)
-                m.child(m.upstream_errors, pod, "connect").inc()
-                last_error = RouterError(
-                    502, f"cannot connect to pod {pod}: {exc!r}", reason="connect"
-                )
-                continue
-            except httpx.TimeoutException:
-                await self._finish(load, gauge, routed, pod)
-                self._served(routed, pod, pm)
-                m.child(m.upstream_errors, pod, "timeout").inc()
-                pm.requests(504).inc()
-                return RouterError(
-                    504, f"pod {pod} did not answer in time", reason="upstream_timeout"
-                ).response({self.pod_header: pod})
             except httpx.HTTPError as exc:
                 await self._finish(load, gauge, routed, pod)
+                last_error = self._upstream_error(pod, exc)
+                if last_error.reason == "connect":
+                    continue  # nothing reached the pod: the next-best one may answer
                 self._served(routed, pod, pm)
-                m.child(m.upstream_errors, pod, "transport").inc()
-                last_error = RouterError(502, f"pod {pod} failed: {exc!r}", reason="transport")
-                pm.requests(502).inc()
+                pm.requests(last_error.status).inc()
                 return last_error.response({self.pod_header: pod})
 
             if content is None and resp.status in RETRYABLE_STATUS and not last:
@@ -520,6 +508,19 @@ class Proxy:
         self._count(routed, attempts[-1] if attempts else "none", 502)
         err = last_error or RouterError(503, "no pod available", reason="no_pod")
         return err.response()
+
+    def _upstream_error(self, pod: str, exc: httpx.HTTPError) -> RouterError:
+        """The OpenAI error for a failed exchange with ``pod`` (counted by reason):
+        502 ``connect`` (nothing was sent), 504 ``upstream_timeout``, 502 ``transport``."""
+        m = self.metrics
+        if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)):
+            m.child(m.upstream_errors, pod, "connect").inc()
+            return RouterError(502, f"cannot connect to pod {pod}: {exc!r}", reason="connect")
+        if isinstance(exc, httpx.TimeoutException):
+            m.child(m.upstream_errors, pod, "timeout").inc()
+            return RouterError(504, f"pod {pod} did not answer in time", reason="upstream_timeout")
+        m.child(m.upstream_errors, pod, "transport").inc()
+        return RouterError(502, f"pod {pod} failed: {exc!r}", reason="transport")
 
     async def _finish(self, load: RequestLoad, gauge: Any, routed: Routed, pod: str) -> None:
         """An attempt that failed before relaying: undo its load and bookkeeping."""
@@ -619,26 +620,14 @@ class Proxy:
         state = self.registry.get(pod)
         if state is None:
             raise RouterError(502, f"pod {pod} is gone", reason="no_pod")
-        t = _Target(state.spec.url, target)
-        head = method + b" " + t.lead[len(b"POST ") :] + self._head_tail(headers, len(body))
-        m = self.metrics
+        t = _Target(state.spec.url, target, method)
+        head = t.lead + self._head_tail(headers, len(body))
         try:
             resp = await self.transport.send_raw(
                 t.host, t.port, head, body, self._connect_timeout, self._read_timeout, t.tls
             )
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            m.child(m.upstream_errors, pod, "connect").inc()
-            raise RouterError(
-                502, f"cannot connect to pod {pod}: {exc!r}", reason="connect"
-            ) from None
-        except httpx.TimeoutException:
-            m.child(m.upstream_errors, pod, "timeout").inc()
-            raise RouterError(
-                504, f"pod {pod} did not answer in time", reason="upstream_timeout"
-            ) from None
         except httpx.HTTPError as exc:
-            m.child(m.upstream_errors, pod, "transport").inc()
-            raise RouterError(502, f"pod {pod} failed: {exc!r}", reason="transport") from None
+            raise self._upstream_error(pod, exc) from None
         out = self._response_headers(resp, pod)
         if resp.is_event_stream:
             relay = _RelayResponse(
