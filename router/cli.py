@@ -10,8 +10,8 @@ import importlib
 import sys
 
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("router.serve", "run the OpenAI-compatible router"),
-    "index": ("router.indexer", "run a KV-event indexer writing into Redis"),
+    "serve": ("router.proxy.serve", "run the OpenAI-compatible router"),
+    "index": ("router.indexer.main", "run a KV-event indexer writing into Redis"),
     "sim": ("router.sim.main", "run one simulated vLLM pod"),
     "replay": ("scoring.replay.cli", "replay a trace against simulated pods, per policy"),
 }

@@ -36,9 +36,9 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from router.discovery import DiscoverySettings
 from router.events.settings import EventsSettings
-from router.health import HealthSettings
+from router.fleet.discovery import DiscoverySettings
+from router.fleet.health import HealthSettings
 
 
 class _Section(BaseModel):
@@ -75,7 +75,7 @@ OWN_PATHS = frozenset(
 )
 #: vLLM's other JSON POST endpoints, relayed by default (``/v1/responses`` is served by
 #: the router itself: a response naming a ``previous_response_id`` must reach the pod
-#: that stored it, see router/responses.py)
+#: that stored it, see router/decision/responses.py)
 PASSTHROUGH_PATHS = (
     "/tokenize",
     "/detokenize",

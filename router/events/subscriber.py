@@ -55,7 +55,7 @@ from router.events.replay import ReplayError, fetch_replay
 from router.events.settings import EventsSettings
 from router.events.stats import EventStats, register_event_stats
 from router.events.topic import TopicError, parse_topic
-from router.pods import PodRegistry, PodSpec
+from router.fleet.pods import PodRegistry, PodSpec
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ the in-memory index; the shared behaviour suite holds both to them):
 
 Key layout and cluster placement: see :mod:`scoring.index.redis_lua` and docs/redis.md.
 
-:class:`RedisLoadStore` is the shared twin of ``router.load.MemoryLoadStore``: per-replica
+:class:`RedisLoadStore` is the shared twin of ``router.fleet.load.MemoryLoadStore``: per-replica
 counters (a hash per replica, with a heartbeat and a TTL) summed at snapshot time, so a
 crashed replica's in-flight requests vanish from everyone's view after ``ttl_s``.
 """
@@ -395,7 +395,7 @@ def _raise_if_cancelled(cause: BaseException | None = None) -> None:
 
 
 class RedisLoadStore:
-    """Router-tracked load shared by all replicas (the ``router.load.LoadStore`` protocol).
+    """Router-tracked load shared by all replicas (the ``router.fleet.load.LoadStore`` protocol).
 
     Each replica keeps its own counters in one hash (``{ns}:load:h:<replica>``), fields
     ``i NUL pod`` (in-flight requests) and ``t NUL pod`` (outstanding prefill tokens),
@@ -469,7 +469,7 @@ class RedisLoadStore:
             keys=[self._k.load_replicas, self._hash], args=[self._replica, self._ttl_ms]
         )
 
-    # router.load.LoadStore protocol
+    # router.fleet.load.LoadStore protocol
     async def begin(self, pod: str, prefill_tokens: int) -> None:
         await self.incr(pod, 1, prefill_tokens)
 

@@ -87,7 +87,7 @@ async def run_once(index: Any, n: int, blocks: int, rate: float) -> dict[str, fl
     import zmq.asyncio
 
     from router.events import EventsSettings, IndexSink, KVEventSubscriber
-    from router.pods import PodRegistry, PodSpec
+    from router.fleet.pods import PodRegistry, PodSpec
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     ready = mp.get_context("spawn").Event()

@@ -35,9 +35,9 @@ import uvloop
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_router_overhead as overhead
 
-from router.app import create_app
 from router.config import Settings
-from router.routing import parse_body
+from router.decision.core import parse_body
+from router.proxy.app import create_app
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 BODY = overhead.BODY

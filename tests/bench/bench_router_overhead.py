@@ -334,7 +334,7 @@ def relay_app(urls: list[str]) -> Callable[..., Any]:
     """The ``--floor`` target: a bare ASGI relay (round robin over ``urls``) on
     kvroute's pod transport -- no routing, no metrics.  (bench_hot_path.py calls it in
     process.)"""
-    from router.proxy import PodTransport
+    from router.proxy.forward import PodTransport
 
     hosts = [u.split("//")[1].rsplit(":", 1) for u in urls]
     pods = itertools.cycle([(h, int(p)) for h, p in hosts])
@@ -378,7 +378,7 @@ import json, sys
 sys.path.insert(0, sys.argv[3])
 import uvicorn
 from bench_router_overhead import relay_app
-from router.serve import OneWriteHttpToolsProtocol
+from router.proxy.serve import OneWriteHttpToolsProtocol
 
 uvicorn.run(relay_app(json.loads(sys.argv[2])), host="127.0.0.1", port=int(sys.argv[1]),
             loop="uvloop", http=OneWriteHttpToolsProtocol, log_level="warning",

@@ -73,7 +73,7 @@ def labels_from_code() -> dict[str, set[str]]:
     """Label names of every router family, from the router's own collectors, each
     given one child (the live run cannot provoke every retry reason or resync)."""
     from router.events.stats import EventStats, register_event_stats
-    from router.health import _HealthCollector
+    from router.fleet.health import _HealthCollector
     from router.metrics import RouterMetrics
 
     m = RouterMetrics()

@@ -199,7 +199,7 @@ def test_the_build_context_leaves_tests_and_git_out() -> None:
     for path in ("tests", "tests/fixtures/vllm_events/manifest.json", ".git", "docs", "helm"):
         assert dockerignored(path), path
     assert dockerignored("router/__pycache__/app.cpython-311.pyc")
-    assert not dockerignored("router/app.py")
+    assert not dockerignored("router/proxy/app.py")
 
 
 def test_the_final_stage_installs_wheels_only_and_carries_no_build_tools() -> None:

@@ -415,7 +415,7 @@ def test_kubernetes_discovery_may_list_and_watch_pods_and_nothing_else() -> None
     (role,) = of_kind(docs, "Role")
     (binding,) = of_kind(docs, "RoleBinding")
     assert role["metadata"]["namespace"] == NAMESPACE
-    # router/discovery.py K8sDiscovery: GET .../pods?labelSelector (list) and ?watch=1
+    # router/fleet/discovery.py K8sDiscovery: GET .../pods?labelSelector (list) and ?watch=1
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
@@ -484,7 +484,7 @@ def test_an_external_redis_is_what_routers_and_indexer_use(
     }
     argv = argv_in(docs, indexer, tmp_path / "indexer")
     assert argv[:2] == ["kvroute", "index"]
-    from router.indexer import _parser
+    from router.indexer.main import _parser
 
     args, rest = _parser().parse_known_args(argv[2:])
     assert Settings.load(rest, env_config=False).redis_url == url
@@ -507,7 +507,7 @@ def test_indexer_standbys_and_the_lease_are_values(tmp_path: Path, no_kvroute_en
     docs = render(values)
     indexer = one(docs, "Deployment", "indexer")
     assert indexer["spec"]["replicas"] == 2
-    from router.indexer import _parser
+    from router.indexer.main import _parser
 
     args, _ = _parser().parse_known_args(argv_in(docs, indexer, tmp_path)[2:])
     assert args.lease_seconds == 6

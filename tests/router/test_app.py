@@ -13,11 +13,11 @@ from typing import Any
 import httpx
 import pytest
 
-from router.app import Gateway, create_app
 from router.config import Settings
-from router.fleet import start_pods, static_pods, stop_pods
-from router.routing import RESIDENT_STALE_S
-from router.serve import RunningServer
+from router.decision.core import RESIDENT_STALE_S
+from router.fleet.embedded import start_pods, static_pods, stop_pods
+from router.proxy.app import Gateway, create_app
+from router.proxy.serve import RunningServer
 from router.sim.pod import SimPod
 from router.sim.settings import SimSettings
 
@@ -549,7 +549,7 @@ async def test_a_bad_tokenizer_spec_fails_the_start_instead_of_the_first_request
 async def test_a_pod_discovered_later_is_health_checked_and_served_at_once(rig: Rig) -> None:
     import asyncio
 
-    from router.pods import PodSpec
+    from router.fleet.pods import PodSpec
 
     late = (await start_pods([sim(7, lora_adapters=["late-lora"])]))[0]
     try:

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.serve import OneWriteHttpToolsProtocol, RunningServer, _OneWriteTransport
+from router.proxy.serve import OneWriteHttpToolsProtocol, RunningServer, _OneWriteTransport
 
 
 class RecordingTransport(asyncio.Transport):

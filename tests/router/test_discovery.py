@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from router.discovery import (
+from router.fleet.discovery import (
     DiscoveryError,
     DiscoverySettings,
     DnsDiscovery,
@@ -30,7 +30,7 @@ from router.discovery import (
     build_discovery,
     pod_is_ready,
 )
-from router.pods import PodRegistry
+from router.fleet.pods import PodRegistry
 from tests.support.aio import running, serve_app, wait_until
 
 # -- settings ------------------------------------------------------------------------

@@ -9,7 +9,7 @@ The hit rate is the pods' own: sum of ``vllm:prefix_cache_hits_total`` / sum of
 ``cost``) must reach >= 90% of what the offline replay (``scoring.replay``, the engine
 behind `kvroute replay`) predicts for the same requests, and >= 3x what round robin
 gets on a fresh fleet.  The Redis variant runs a separate indexer (`kvroute index`'s
-:class:`~router.indexer.Indexer`) writing into a real Valkey server, with the router
+:class:`~router.indexer.main.Indexer`) writing into a real Valkey server, with the router
 reading the index and sharing its load through it.
 """
 
@@ -25,11 +25,11 @@ from typing import Any
 import httpx
 import pytest
 
-from router.app import Gateway, create_app
 from router.config import Settings
 from router.events import KVEventSubscriber
-from router.fleet import start_pods, static_pods, stop_pods
-from router.serve import RunningServer
+from router.fleet.embedded import start_pods, static_pods, stop_pods
+from router.proxy.app import Gateway, create_app
+from router.proxy.serve import RunningServer
 from router.sim.pod import SimPod
 from router.sim.settings import SimSettings
 from router.tokenize import ByteTokenizer
@@ -266,7 +266,7 @@ async def test_cost_routing_reaches_the_replay_prediction_and_3x_round_robin(
 async def test_with_redis_a_separate_indexer_feeds_the_router_and_the_hit_rate_holds(
     tmp_path: Path, redis_url: str, redis_namespace: str, round_robin_hit_rate: Any
 ) -> None:
-    from router.indexer import Indexer
+    from router.indexer.main import Indexer
 
     pods = await start_pods([sim(i) for i in range(PODS)])
     indexer: Indexer | None = None

@@ -12,12 +12,12 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from router.app import Gateway, create_app
 from router.config import Settings
 from router.events import EventsSettings, IndexSink
 from router.events.sink import build_engine_hasher
-from router.fleet import start_pods, static_pods, stop_pods
-from router.serve import RunningServer
+from router.fleet.embedded import start_pods, static_pods, stop_pods
+from router.proxy.app import Gateway, create_app
+from router.proxy.serve import RunningServer
 from router.sim.settings import SimSettings
 from scoring.events import IndexOps
 from scoring.events.engine_hash import DEFAULT_SEED

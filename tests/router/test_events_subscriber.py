@@ -35,7 +35,7 @@ from router.events import (
     make_topic,
     parse_topic,
 )
-from router.pods import PodRegistry, PodSpec
+from router.fleet.pods import PodRegistry, PodSpec
 from scoring.blocks import BlockHasher
 from scoring.index.memory import InMemoryIndex
 from tests.support.aio import wait_until

@@ -11,8 +11,8 @@ from fastapi import FastAPI, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
-from router.health import HealthChecker, HealthSettings
-from router.pods import PodRegistry, PodSpec
+from router.fleet.health import HealthChecker, HealthSettings
+from router.fleet.pods import PodRegistry, PodSpec
 from tests.support.aio import running, serve_app, wait_until
 
 

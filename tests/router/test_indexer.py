@@ -19,7 +19,7 @@ import yaml
 from prometheus_client import generate_latest
 
 from router.config import Settings
-from router.indexer import Indexer, main
+from router.indexer.main import Indexer, main
 from router.sim.pod import SimPod
 from router.sim.settings import SimSettings
 from scoring.blocks import BlockHasher

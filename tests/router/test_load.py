@@ -15,11 +15,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from router.app import create_app
 from router.config import Settings
-from router.load import MemoryLoadStore, MetricsScraper, RequestLoad, parse_vllm_metrics
-from router.pods import PodRegistry, PodSpec
-from router.serve import RunningServer
+from router.fleet.load import MemoryLoadStore, MetricsScraper, RequestLoad, parse_vllm_metrics
+from router.fleet.pods import PodRegistry, PodSpec
+from router.proxy.app import create_app
+from router.proxy.serve import RunningServer
 
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

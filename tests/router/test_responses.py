@@ -16,17 +16,17 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from router.app import create_app
 from router.config import Settings
-from router.fleet import static_pods
-from router.responses import (
+from router.decision.responses import (
     CreatedSniffer,
     MemoryOwnerStore,
     Unscored,
     id_from_body,
     to_chat,
 )
-from router.serve import RunningServer
+from router.fleet.embedded import static_pods
+from router.proxy.app import create_app
+from router.proxy.serve import RunningServer
 from router.tokenize import ChatEncoder, load_tokenizer
 from router.tokenize.hf import HFTokenizer
 from scoring.blocks import BlockHasher
@@ -431,7 +431,7 @@ async def test_the_memory_owner_store_is_a_bounded_lru_whose_entries_expire(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = [1000.0]
-    monkeypatch.setattr("router.responses.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("router.decision.responses.time.monotonic", lambda: clock[0])
     store = MemoryOwnerStore(max_owners=2, ttl_s=60)
     await store.put("a", "p0")
     await store.put("b", "p1")

@@ -1,10 +1,10 @@
-"""The ranking of candidates after a decision (router.routing._rank): the decision's pod
+"""The ranking of candidates after a decision (router.decision.core._rank): the decision's pod
 first, then by score (lower or higher is better), unscored pods last, ties in the
 candidates' order."""
 
 from __future__ import annotations
 
-from router.routing import _rank
+from router.decision.core import _rank
 from scoring.policies.base import Decision
 
 

@@ -26,11 +26,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from router.app import Gateway
 from router.config import Settings
-from router.discovery import K8sDiscovery
-from router.pods import PodRegistry
-from router.proxy import _PAUSE_ABOVE, PodTLS, PodTransport
+from router.fleet.discovery import K8sDiscovery
+from router.fleet.pods import PodRegistry
+from router.proxy.app import Gateway
+from router.proxy.forward import _PAUSE_ABOVE, PodTLS, PodTransport
 from router.sim.pod import SimPod
 from router.sim.settings import SimSettings
 from tests.router.test_discovery import FakeApiServer, k8s_pod, k8s_settings
@@ -181,7 +181,7 @@ async def test_a_pod_certificate_from_an_untrusted_ca_is_a_502_naming_tls_in_the
             client,
         ),
     ):
-        with caplog.at_level(logging.WARNING, logger="router.proxy"):
+        with caplog.at_level(logging.WARNING, logger="router.proxy.forward"):
             r = await client.post("/v1/chat/completions", json=CHAT)
             r2 = await client.post("/v1/chat/completions", json=CHAT)
         for resp in (r, r2):
@@ -351,7 +351,7 @@ async def test_k8s_discovery_lists_and_watches_an_https_api_server_with_its_ca(
 async def test_k8s_discovery_with_the_wrong_ca_counts_logs_and_retries(
     certs: Certs, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="router.discovery"):
+    with caplog.at_level(logging.WARNING, logger="router.fleet.discovery"):
         async with k8s_over_tls(certs, tmp_path, certs.other_ca) as (api, disc, reg):
             await wait_until(lambda: disc.errors >= 2)  # failed, paused, tried again
             assert api.requests == []  # no request got past the handshake
@@ -367,7 +367,7 @@ def test_k8s_discovery_says_when_its_ca_file_is_missing(
     verified against the system trust store: said once, when the client is made."""
     missing = tmp_path / "no-such-ca.crt"
     disc = K8sDiscovery(k8s_settings("https://127.0.0.1:1", tmp_path, ca_file=str(missing)))
-    with caplog.at_level(logging.WARNING, logger="router.discovery"):
+    with caplog.at_level(logging.WARNING, logger="router.fleet.discovery"):
         client = disc._make_client()
     asyncio.run(client.aclose())
     warned = [r.getMessage() for r in caplog.records if "ca_file" in r.getMessage()]

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from router.app import Gateway, create_app
 from router.config import Settings
-from router.serve import RunningServer
-from router.writer_lease import WriterLease
+from router.indexer.lease import WriterLease
+from router.proxy.app import Gateway, create_app
+from router.proxy.serve import RunningServer
 from scoring.index.redis import RedisIndex
 from tests.support.aio import wait_until
 
@@ -86,7 +86,7 @@ async def test_a_second_writer_raises_the_conflict_gauge_until_the_first_leaves(
 async def test_a_standby_waits_without_a_conflict_and_takes_over_when_the_writer_leaves(
     index: RedisIndex, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level("INFO", logger="router.writer_lease")
+    caplog.set_level("INFO", logger="router.indexer.lease")
     first_metrics, second_metrics = CollectorRegistry(), CollectorRegistry()
     first = WriterLease(index, first_metrics, lease_s=0.6, holder="first", standby=True)
     second = WriterLease(index, second_metrics, lease_s=0.6, holder="second", standby=True)

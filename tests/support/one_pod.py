@@ -9,9 +9,9 @@ from typing import Any
 
 import httpx
 
-from router.app import Gateway, create_app
 from router.config import Settings
-from router.serve import RunningServer
+from router.proxy.app import Gateway, create_app
+from router.proxy.serve import RunningServer
 
 
 @contextlib.asynccontextmanager

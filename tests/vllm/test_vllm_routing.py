@@ -10,7 +10,7 @@ router, and must land on the engine holding it:
 * that engine's own ``vllm:prefix_cache_hits_total`` rises by the shared prefix's
   tokens, and the other engine's does not move.
 
-Uses ``router.app.create_app(Settings)`` with a static pod list (events dialled from
+Uses ``router.proxy.app.create_app(Settings)`` with a static pod list (events dialled from
 each engine's PUB socket, replay from its ROUTER socket), the engine's HF tokenizer
 files for exact token ids, and block size 32.
 """
@@ -81,9 +81,9 @@ async def running_router(
 ) -> AsyncIterator[httpx.AsyncClient]:
     """``kvroute`` (create_app + uvicorn on a free port) in front of ``pods``; yields a
     client once /ready answers 200."""
-    from router.app import create_app
     from router.config import Settings
-    from router.serve import RunningServer
+    from router.proxy.app import create_app
+    from router.proxy.serve import RunningServer
 
     settings = Settings.model_validate(
         {

@@ -33,11 +33,11 @@ from typing import Any, Literal
 import msgspec
 
 from router.config import Settings
+from router.decision.responses import OwnerStore, Unscored, to_chat
 from router.errors import RouterError, bad_request
-from router.load import LoadStore, MemoryLoadStore, MetricsScraper, PendingLoad
+from router.fleet.load import LoadStore, MemoryLoadStore, MetricsScraper, PendingLoad
+from router.fleet.pods import PodRegistry, PodState
 from router.metrics import RouterMetrics
-from router.pods import PodRegistry, PodState
-from router.responses import OwnerStore, Unscored, to_chat
 from router.tokenize import ChatEncoder, EncodedPrompt, PromptTokenizer, TokenizeError
 from scoring.blocks import BlockHasher
 from scoring.index.base import BlockIndex
@@ -322,7 +322,7 @@ class RequestRouter:
         lora: str | None,
     ) -> EncodedPrompt:
         """``prompt``: the validated messages (chat), :func:`_first_prompt` (completion)
-        or :func:`router.responses.to_chat`'s messages (responses, whose ``body`` is then
+        or :func:`router.decision.responses.to_chat`'s messages (responses, whose ``body`` is then
         the chat body of its tools and template kwargs).  A local tokenizer on a short
         prompt runs inline (no coroutine, no thread)."""
         encoder = entry.encoder

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Sequence
 
 from router.config import FleetSettings, Settings
-from router.discovery import StaticPod
+from router.fleet.discovery import StaticPod
 from router.sim.pod import SimPod
 from router.sim.settings import SimSettings
 

@@ -31,7 +31,7 @@ from typing import Any, Literal, Protocol
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from router.pods import PodRegistry, PodSpec
+from router.fleet.pods import PodRegistry, PodSpec
 
 log = logging.getLogger(__name__)
 

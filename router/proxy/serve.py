@@ -1,7 +1,7 @@
 """`kvroute serve`: run the router (uvicorn, ``--workers N`` processes).
 
 With no pods configured (static discovery, empty list) and ``fleet.enabled``, an
-embedded simulated fleet (:mod:`router.fleet`) is started first and the router is
+embedded simulated fleet (:mod:`router.fleet.embedded`) is started first and the router is
 pointed at it, so ``kvroute serve`` answers at once on a fresh machine.  SIGINT /
 SIGTERM stop uvicorn, then the fleet.
 
@@ -26,8 +26,8 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from router import metrics_share
 from router.config import Settings
+from router.proxy import metrics_share
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         and not settings.discovery.static
         and settings.fleet.enabled
     ):
-        from router.fleet import EmbeddedFleet
+        from router.fleet.embedded import EmbeddedFleet
 
         fleet = EmbeddedFleet(settings.fleet)
         fleet.start()
@@ -275,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     made_share_dir: str | None = None
     if settings.workers > 1 and not os.environ.get(metrics_share.ENV):
-        # one /metrics for all workers (router.metrics_share); a directory given in the
+        # one /metrics for all workers (router.proxy.metrics_share); a directory given in the
         # environment is used as it is and left in place
         made_share_dir = tempfile.mkdtemp(prefix="kvroute-metrics-")
         os.environ[metrics_share.ENV] = made_share_dir
@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         os.environ[SETTINGS_ENV] = settings.model_dump_json()
         uvicorn.run(
-            "router.app:app_from_env",
+            "router.proxy.app:app_from_env",
             factory=True,
             host=settings.host,
             port=settings.port,

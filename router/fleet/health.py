@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.pods import PodRegistry, PodState
+from router.fleet.pods import PodRegistry, PodState
 
 log = logging.getLogger(__name__)
 

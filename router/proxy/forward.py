@@ -44,12 +44,12 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from router.config import ProxySettings
+from router.decision.core import Routed
+from router.decision.responses import CreatedSniffer, OwnerStore, id_from_body
 from router.errors import RouterError
-from router.load import LoadStore, PendingLoad, RequestLoad
+from router.fleet.load import LoadStore, PendingLoad, RequestLoad
+from router.fleet.pods import PodRegistry
 from router.metrics import PodMetrics, RouterMetrics
-from router.pods import PodRegistry
-from router.responses import CreatedSniffer, OwnerStore, id_from_body
-from router.routing import Routed
 from scoring.policies.base import Policy
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ metrics scraper; it stops them in reverse order.
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or not),
 ``POST /v1/embeddings``, ``POST /v1/responses`` with ``GET /v1/responses/{id}`` and
 ``POST /v1/responses/{id}/cancel`` (sent to the pod that created the response, see
-:mod:`router.responses`), ``GET /v1/models``, ``POST /v1/route`` (explain, no forwarding),
+:mod:`router.decision.responses`), ``GET /v1/models``, ``POST /v1/route`` (explain, no forwarding),
 ``GET /health``, ``GET /ready``, ``GET /metrics``; and ``proxy.passthrough_paths``
 (``/tokenize``, ``/rerank``...: least-loaded pod serving the body's model).
 """
@@ -36,19 +36,19 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from router.config import Settings
-from router.discovery import build_discovery
+from router.decision.core import Kind, RequestRouter, explain, parse_body
+from router.decision.responses import MemoryOwnerStore, OwnerStore, RedisOwnerStore
 from router.errors import RouterError, json_response
 from router.events import KVEventSubscriber
-from router.health import HealthChecker
-from router.load import LoadStore, MemoryLoadStore, MetricsScraper, PendingLoad
+from router.fleet.discovery import build_discovery
+from router.fleet.health import HealthChecker
+from router.fleet.load import LoadStore, MemoryLoadStore, MetricsScraper, PendingLoad
+from router.fleet.pods import PodRegistry, PodSpec
+from router.indexer.lease import WriterLease
 from router.metrics import CONTENT_TYPE, RouterMetrics, register_build_info
-from router.metrics_share import SharedMetrics
-from router.pods import PodRegistry, PodSpec
-from router.proxy import PodTLS, PodTransport, Proxy, make_client
-from router.responses import MemoryOwnerStore, OwnerStore, RedisOwnerStore
-from router.routing import Kind, RequestRouter, explain, parse_body
+from router.proxy.forward import PodTLS, PodTransport, Proxy, make_client
+from router.proxy.metrics_share import SharedMetrics
 from router.tokenize import PromptTokenizer, load_tokenizer
-from router.writer_lease import WriterLease
 from scoring.index.base import BlockIndex
 from scoring.policies import build_policy
 from scoring.policies.base import Policy

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from router.pods import PodRegistry
+from router.fleet.pods import PodRegistry
 
 log = logging.getLogger(__name__)
 

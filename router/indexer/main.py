@@ -20,7 +20,7 @@ the topic ``kv@<pod>@<model>``, else the pod's first configured model, else
 ``events.model_fallback``.
 
 Hot standby: one process writes a namespace, the holder of its writer lease
-(:mod:`router.writer_lease`).  A second `kvroute index` on the namespace (a second
+(:mod:`router.indexer.lease`).  A second `kvroute index` on the namespace (a second
 replica) runs discovery and its ``/metrics`` but subscribes to no events until the
 lease is free (the writer stopped, or died and its lease expired after
 ``--lease-seconds``, default 15); then it joins every pod (replaying what the pods'
@@ -52,12 +52,12 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from router.config import Settings
-from router.discovery import DiscoveryError, build_discovery
 from router.events import IndexSink, KVEventSubscriber
 from router.events.sink import make_sink as _make_sink
+from router.fleet.discovery import DiscoveryError, build_discovery
+from router.fleet.pods import PodRegistry
+from router.indexer.lease import LEASE_S, WriterLease
 from router.metrics import register_build_info
-from router.pods import PodRegistry
-from router.writer_lease import LEASE_S, WriterLease
 
 log = logging.getLogger(__name__)
 
