@@ -75,7 +75,7 @@ OWN_PATHS = frozenset(
 )
 #: vLLM's other JSON POST endpoints, relayed by default (``/v1/responses`` is served by
 #: the router itself: a response naming a ``previous_response_id`` must reach the pod
-#: that stored it, see router/decision/responses.py)
+#: that stored it, see router/decision/owners.py)
 PASSTHROUGH_PATHS = (
     "/tokenize",
     "/detokenize",

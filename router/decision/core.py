@@ -15,9 +15,10 @@ Validation (every failure is a :class:`~router.errors.RouterError`, counted by r
 * prompt longer than the smallest ``max_model_len`` of the candidates (config, else
   learned from the pods' ``/v1/models``) -> 400 ``context_length_exceeded``.
 
-The LoRA rule: a ``model`` that is not a pod's base model is an adapter; its block keys
-are chained from the base model's root with the adapter name folded into every block
-(as the indexer does with the events' ``lora_name``).
+The pieces live beside this module: the body's checks and the decided request
+(:mod:`.request`), the model's plan (:mod:`.plan`: base model, adapter, block size,
+encoder), the candidates' views (:mod:`.views`), the Responses API's rules
+(:mod:`.responses`) and ``POST /v1/route``'s explanation (:mod:`.explain`).
 """
 
 from __future__ import annotations
@@ -27,150 +28,33 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
-
-import msgspec
+from typing import Any
 
 from router.config import Settings
-from router.decision.responses import OwnerStore, Unscored, to_chat
+from router.decision.owners import OwnerStore
+from router.decision.plan import Encoding, Planner
+from router.decision.request import (
+    Kind,
+    Routed,
+    check_messages,
+    first_prompt,
+    rank,
+    without_prompt,
+)
+from router.decision.responses import Unscored, to_chat
+from router.decision.views import ViewBuilder
 from router.errors import RouterError, bad_request
-from router.fleet.load import LoadStore, MemoryLoadStore, MetricsScraper, PendingLoad
+from router.fleet.load import LoadStore, PendingLoad
 from router.fleet.pods import PodRegistry, PodState
+from router.fleet.scrape import MetricsScraper
 from router.metrics import RouterMetrics
-from router.tokenize import ChatEncoder, EncodedPrompt, PromptTokenizer, TokenizeError
-from scoring.blocks import BlockHasher
+from router.tokenize import EncodedPrompt, PromptTokenizer, TokenizeError
 from scoring.index.base import BlockIndex
-from scoring.index.memory import InMemoryIndex
-from scoring.policies.base import Decision, PodView, Policy, RouteRequest
+from scoring.policies.base import Policy, RouteRequest
 
 log = logging.getLogger(__name__)
 
-Kind = Literal["chat", "completion", "embedding", "passthrough", "responses"]
-
-DEFAULT_BLOCK_SIZE = 16
-_decode = msgspec.json.decode
-_MAX_ID = 1 << 32  # token ids are hashed as uint32
 _perf = time.perf_counter
-_monotonic = time.monotonic
-#: an in-memory index's per-pod entry counts are re-read at most this often
-RESIDENT_STALE_S = 0.05
-
-
-@dataclass(slots=True)
-class Routed:
-    """A decided request: what to send, where first, and where next on a retry."""
-
-    kind: Kind
-    body: dict[str, Any]
-    model: str
-    stream: bool
-    route: RouteRequest
-    decision: Decision
-    #: candidate pods, best first (the decision's pod first)
-    ranking: list[str]
-    views: dict[str, PodView]
-    tokenizer_name: str = "none"
-    approximate: bool = False
-
-    def cached_tokens(self, pod: str) -> int:
-        """Prompt tokens the index says ``pod`` holds (any tier)."""
-        view = self.views.get(pod)
-        if view is None or not view.hits:
-            return 0
-        return min(view.best_cached_blocks() * self.route.block_size, self.route.prompt_tokens)
-
-
-class _Encoding:
-    """A model's encoder with what the request path needs of it, looked up once."""
-
-    __slots__ = ("encoder", "hist", "name")
-
-    def __init__(self, encoder: ChatEncoder, name: str, hist: Any) -> None:
-        self.encoder = encoder
-        #: the tokenizer's name (metrics label, /v1/route)
-        self.name = name
-        #: its child of kvroute_tokenization_seconds
-        self.hist = hist
-
-
-_NO_LOAD = (0, 0)
-
-
-class _Plan:
-    """What the request path derives from a model and its candidate pods (base model
-    and adapter, block size, encoder, max length), kept while the fleet and the scraped
-    values it was derived from are unchanged (``version``)."""
-
-    __slots__ = ("base", "block_size", "encoding", "lora", "max_len", "version")
-
-    def __init__(
-        self,
-        version: tuple[int, int],
-        base: str,
-        lora: str | None,
-        block_size: int,
-        encoding: _Encoding,
-        max_len: int | None,
-    ) -> None:
-        self.version = version
-        self.base = base
-        self.lora = lora
-        self.block_size = block_size
-        self.encoding = encoding
-        self.max_len = max_len
-
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = _decode(raw)
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object", "invalid_json")
-    return body
-
-
-def _check_messages(messages: Any) -> Sequence[Mapping[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise bad_request(
-            "'messages' must be a non-empty list of message objects",
-            "invalid_messages",
-            param="messages",
-        )
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(
-                f"messages[{i}] must be an object with a string 'role'",
-                "invalid_messages",
-                param=f"messages[{i}]",
-            )
-    return messages
-
-
-def _token_ids(ids: list[Any]) -> bool:
-    """Every item a token id: an int (not a bool) in [0, 2**32)."""
-    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < _MAX_ID for t in ids)
-
-
-def _first_prompt(prompt: Any) -> str | list[int]:
-    """The prompt to route on: a string or token ids (the first of a batch)."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt:
-        head = prompt[0]
-        if _token_ids(prompt):
-            return prompt
-        if isinstance(head, str) and all(isinstance(p, str) for p in prompt):
-            return head
-        if isinstance(head, list) and head and _token_ids(head):
-            return head
-    raise bad_request(
-        "'prompt' must be a string, a list of strings, a list of token ids or a list of "
-        "token-id lists (non-empty; token ids in [0, 2**32))",
-        "invalid_prompt",
-        param="prompt",
-    )
 
 
 class RequestRouter:
@@ -197,17 +81,8 @@ class RequestRouter:
         self.tokenizer_for = tokenizer_for
         self.metrics = metrics
         self.pending = pending if pending is not None else PendingLoad()
-        self._encoders: dict[tuple[int, str, int], _Encoding] = {}
-        self._plans: dict[tuple[str, ...], _Plan] = {}
-        # an in-memory index and load store are read without awaiting (no coroutine per
-        # request for what is a dict lookup)
-        self._local_load = load if isinstance(load, MemoryLoadStore) else None
-        self._lookup_now = index.lookup_sync if isinstance(index, InMemoryIndex) else None
-        #: pod -> index entries, for the policy's ``PodView.resident_blocks``; kept fresh
-        #: here for an in-memory index, set by the app's index-gauge loop for Redis
-        self.resident: Mapping[str, int] = {}
-        self._entries_now = index.pod_entries_sync if isinstance(index, InMemoryIndex) else None
-        self._resident_at = float("-inf")
+        self.planner = Planner(settings, registry, scraper, tokenizer_for, metrics)
+        self.views = ViewBuilder(index, load, scraper, self.pending)
         self._decision_hist = metrics.decision_seconds.labels()
         self._rr = 0
         self._ids = itertools.count()
@@ -249,79 +124,15 @@ class RequestRouter:
             param="model",
         )
 
-    def _base_and_lora(self, model: str, pods: Sequence[PodState]) -> tuple[str, str | None]:
-        parent = self.scraper.parents.get(model) if self.scraper is not None else None
-        if parent:
-            return parent, model
-        for p in pods:
-            if p.spec.models:
-                base = p.spec.models[0]
-                return base, (None if base == model else model)
-        return model, None
-
-    def block_size(self, model: str, pods: Sequence[str]) -> int:
-        configured = self.settings.block_size_for(model)
-        if configured:
-            return configured
-        if self.scraper is not None:
-            learned = self.scraper.block_size(pods)
-            if learned:
-                return learned
-        return DEFAULT_BLOCK_SIZE
-
-    def _encoder(self, model: str, base: str, block_size: int) -> ChatEncoder:
-        """One multi-turn-reusing encoder per (tokenizer, base model, block size)."""
-        return self._encoding(model, base, block_size).encoder
-
-    def _encoding(self, model: str, base: str, block_size: int) -> _Encoding:
-        tok = self.tokenizer_for(model)
-        key = (id(tok), base, block_size)
-        entry = self._encoders.get(key)
-        if entry is None:
-            encoder = ChatEncoder(tok, BlockHasher(block_size, base))
-            name = getattr(tok, "name", "unknown")
-            m = self.metrics
-            entry = self._encoders[key] = _Encoding(encoder, name, m.tokenize_seconds.labels(name))
-        return entry
-
-    def _plan(self, model: str, pods: Sequence[PodState], names: list[str]) -> _Plan:
-        """:meth:`_base_and_lora`, :meth:`block_size`, :meth:`_encoding` and
-        :meth:`_max_len` for ``model`` on ``names``, recomputed when the fleet or the
-        scraped values changed."""
-        version = (self.registry.version, self.scraper.version if self.scraper else 0)
-        key = (model, *names)
-        plan = self._plans.get(key)
-        if plan is None or plan.version != version:
-            base, lora = self._base_and_lora(model, pods)
-            bs = self.block_size(model, names)
-            if len(self._plans) > 4096:  # many models x candidate sets: stay bounded
-                self._plans.clear()
-            plan = self._plans[key] = _Plan(
-                version,
-                base,
-                lora,
-                bs,
-                self._encoding(model, base, bs),
-                self._max_len(model, names),
-            )
-        return plan
-
-    def _max_len(self, model: str, pods: Sequence[str]) -> int | None:
-        if model in self.settings.max_model_len:
-            return self.settings.max_model_len[model]
-        if self.scraper is not None:
-            return self.scraper.model_max_len(model, pods)
-        return None
-
     async def _encode(
         self,
         kind: Kind,
         body: Mapping[str, Any],
         prompt: Any,
-        entry: _Encoding,
+        entry: Encoding,
         lora: str | None,
     ) -> EncodedPrompt:
-        """``prompt``: the validated messages (chat), :func:`_first_prompt` (completion)
+        """``prompt``: the validated messages (chat), :func:`first_prompt` (completion)
         or :func:`router.decision.responses.to_chat`'s messages (responses, whose ``body`` is then
         the chat body of its tools and template kwargs).  A local tokenizer on a short
         prompt runs inline (no coroutine, no thread)."""
@@ -391,9 +202,9 @@ class RequestRouter:
             raise bad_request("'stream' must be a boolean", "invalid_stream", param="stream")
         prompt: Any = None
         if kind == "chat":
-            prompt = _check_messages(body.get("messages"))
+            prompt = check_messages(body.get("messages"))
         elif kind == "completion":
-            prompt = _first_prompt(body.get("prompt"))
+            prompt = first_prompt(body.get("prompt"))
         pods = self._candidates(model)
         names = [p.name for p in pods]
         request_id = headers.get("x-request-id") or self._next_id()
@@ -410,7 +221,7 @@ class RequestRouter:
             prompt, encode_body = pre
             max_tokens = body.get("max_output_tokens")
 
-        plan = self._plan(model, pods, names)
+        plan = self.planner.plan(model, pods, names)
         base, lora, bs, entry = plan.base, plan.lora, plan.block_size, plan.encoding
         if kind == "completion" and type(prompt) is str and entry.encoder.inline_prompt(prompt):
             # the common completion: a local tokenizer, inline (what _encode does, minus
@@ -450,13 +261,14 @@ class RequestRouter:
             str(session) if session is not None else None,
             max_tokens if isinstance(max_tokens, int) else None,
         )
-        lookup_now = self._lookup_now
-        if lookup_now is not None and self._local_load is not None:
-            views = self._views_now(lookup_now(keys, names) if keys else {}, names)
+        vb = self.views
+        lookup_now = vb.lookup_now
+        if lookup_now is not None:
+            views = vb.views_now(lookup_now(keys, names) if keys else {}, names)
         else:
-            views = await self._views(keys, names)
+            views = await vb.views(keys, names)
         decision = self.policy.pick(route, list(views.values()))
-        ranking = _rank(decision, names)
+        ranking = rank(decision, names)
         self._decision_hist.observe(_perf() - t0)
         if self.on_routed is not None and keys and not enc.approximate:
             salt = body.get("cache_salt")
@@ -483,86 +295,6 @@ class RequestRouter:
             entry.name,
             enc.approximate,
         )
-
-    async def _views(self, keys: Sequence[int], names: list[str]) -> dict[str, PodView]:
-        hits = await self.index.lookup(keys, names) if keys else {}
-        load = await self.load.snapshot(names)
-        return self._merge_views(hits, load, names)
-
-    def _views_now(
-        self, hits: Mapping[str, Mapping[str, int]], names: list[str]
-    ) -> dict[str, PodView]:
-        """:meth:`_views` for an in-memory index and load store: no awaits (and no
-        snapshot: the store's counts are read directly)."""
-        local = self._local_load
-        assert local is not None
-        inflight_of, prefill_of = local.counts()
-        return self._build_views(hits, names, inflight_of, prefill_of, None)
-
-    def _merge_views(
-        self,
-        hits: Mapping[str, Mapping[str, int]],
-        load: Mapping[str, tuple[int, int]],
-        names: list[str],
-    ) -> dict[str, PodView]:
-        # the pending overlay (read after the awaits) only ever holds anything with a
-        # shared store: the proxy updates a local one synchronously
-        pending = self.pending.get if self._local_load is None else None
-        return self._build_views(
-            hits,
-            names,
-            lambda pod, _: load.get(pod, _NO_LOAD)[0],
-            lambda pod, _: load.get(pod, _NO_LOAD)[1],
-            pending,
-        )
-
-    def _build_views(
-        self,
-        hits: Mapping[str, Mapping[str, int]],
-        names: list[str],
-        inflight_of: Callable[[str, int], int],
-        prefill_of: Callable[[str, int], int],
-        pending: Callable[[str], tuple[int, int]] | None,
-    ) -> dict[str, PodView]:
-        """One view per candidate: index hits, router-tracked load (plus the pending
-        overlay), fresh scraped metrics, and how many blocks its cache holds."""
-        scraper = self.scraper
-        scraped_of = scraper.fresh() if scraper is not None else None
-        resident_of = self._resident_blocks().get
-        views: dict[str, PodView] = {}
-        for name in names:
-            inflight = inflight_of(name, 0)
-            prefill = prefill_of(name, 0)
-            if pending is not None:
-                p_n, p_tokens = pending(name)
-                inflight += p_n
-                prefill += p_tokens
-            held = hits.get(name)
-            scraped = scraped_of(name) if scraped_of is not None else None
-            views[name] = PodView(
-                name,
-                dict(held) if held else {},
-                inflight,
-                prefill,
-                None if scraped is None else scraped.waiting,
-                None if scraped is None else scraped.running,
-                None if scraped is None else scraped.kv_usage,
-                resident_of(name, 0),
-                None if scraped is None else scraped.capacity_blocks,
-            )
-        return views
-
-    def _resident_blocks(self) -> Mapping[str, int]:
-        """Index entries per pod (what each pod's cache holds): from an in-memory index
-        at most :data:`RESIDENT_STALE_S` old; for Redis the app's periodic count
-        (:attr:`resident`)."""
-        entries = self._entries_now
-        if entries is not None:
-            now = _monotonic()
-            if now - self._resident_at > RESIDENT_STALE_S:
-                self._resident_at = now
-                self.resident = entries()
-        return self.resident
 
     def _only_model(self, kind: Kind, model: Any) -> str:
         """The model of a body without one: a passthrough or Responses request
@@ -670,8 +402,8 @@ class RequestRouter:
         self, body: dict[str, Any], model: str, stream: bool, owner: str, request_id: str
     ) -> Routed:
         """A follow-up: only the owner (any other pod answers 404, so no retry there)."""
-        views = await self._views((), [owner])
-        return _without_prompt(
+        views = await self.views.views((), [owner])
+        return without_prompt(
             "responses",
             body,
             model,
@@ -695,7 +427,7 @@ class RequestRouter:
         """Embeddings and passthrough requests: no prefix to follow (an embedding leaves
         no reusable KV cache), so least in-flight, ties rotated."""
         names = [p.name for p in pods]
-        views = await self._views((), names)
+        views = await self.views.views((), names)
         self._rr += 1
         order = sorted(
             range(len(names)),
@@ -703,80 +435,4 @@ class RequestRouter:
         )
         ranking = [names[i] for i in order]
         scores = {n: float(views[n].inflight) for n in names}
-        return _without_prompt(kind, body, model, stream, request_id, ranking, scores, views)
-
-
-def _without_prompt(
-    kind: Kind,
-    body: dict[str, Any],
-    model: str,
-    stream: bool,
-    request_id: str,
-    ranking: list[str],
-    scores: dict[str, float],
-    views: dict[str, PodView],
-    detail: dict[str, Any] | None = None,
-) -> Routed:
-    """A decision that scored no prompt (least loaded, or a stored response's owner):
-    no tokens, no block keys; ``ranking`` best first, ``scores`` lower is better."""
-    route = RouteRequest(
-        request_id=request_id, model=model, prompt_tokens=0, block_keys=[], block_size=1
-    )
-    decision = Decision(ranking[0], scores, lower_is_better=True, detail=detail or {})
-    return Routed(kind, body, model, stream, route, decision, ranking, views)
-
-
-def _rank(decision: Decision, names: Sequence[str]) -> list[str]:
-    """Candidates best first: the decision's pod, then by score (unscored pods last;
-    equal scores keep the candidates' order)."""
-    scores = decision.scores
-    chosen = decision.pod
-    rest = [n for n in names if n != chosen]
-    if len(rest) > 1:
-        try:  # the usual case: every candidate scored
-            rest.sort(key=scores.__getitem__, reverse=not decision.lower_is_better)
-        except KeyError:  # (a failed sort leaves the list in some order: sort again)
-            sign = 1.0 if decision.lower_is_better else -1.0
-            worst = float("inf")
-            rest = [n for n in names if n != chosen]
-            rest.sort(key=lambda n: sign * scores[n] if n in scores else worst)
-    return [chosen, *rest]
-
-
-def explain(routed: Routed, registry: PodRegistry, policy: str) -> dict[str, Any]:
-    """The body of ``POST /v1/route``."""
-    scores = routed.decision.scores
-    candidates = []
-    for pod in routed.ranking:
-        v = routed.views[pod]
-        state = registry.get(pod)
-        candidates.append(
-            {
-                "pod": pod,
-                "url": state.spec.url if state else None,
-                "cached_blocks": dict(v.hits),
-                "cached_tokens": routed.cached_tokens(pod),
-                "inflight": v.inflight,
-                "outstanding_prefill_tokens": v.outstanding_prefill_tokens,
-                "waiting": v.waiting,
-                "running": v.running,
-                "kv_usage": v.kv_usage,
-                "resident_blocks": v.resident_blocks,
-                "capacity_blocks": v.capacity_blocks,
-                "score": scores.get(pod),
-            }
-        )
-    return {
-        "pod": routed.decision.pod,
-        "policy": policy,
-        "model": routed.model,
-        "lora": routed.route.lora,
-        "prompt_tokens": routed.route.prompt_tokens,
-        "block_size": routed.route.block_size,
-        "blocks": len(routed.route.block_keys),
-        "tokenizer": routed.tokenizer_name,
-        "approximate": routed.approximate,
-        "lower_is_better": routed.decision.lower_is_better,
-        "candidates": candidates,
-        "detail": routed.decision.detail,
-    }
+        return without_prompt(kind, body, model, stream, request_id, ranking, scores, views)

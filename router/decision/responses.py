@@ -1,11 +1,12 @@
 """The OpenAI Responses API (``/v1/responses``) at the router: which requests can be
-scored, who owns a stored response, and finding a response's id in a pod's answer.
+scored (:func:`to_chat`).  Who owns a stored response is :mod:`router.decision.owners`;
+finding a response's id in a pod's answer is :mod:`router.proxy.response_ids`.
 
 vLLM keeps stored responses in the serving process (``OpenAIServingResponses.
 response_store`` / ``msg_store``): a follow-up naming ``previous_response_id``, and
 ``GET`` / ``cancel`` of an id, only work on the pod that created the response.  The
-router records ``response id -> pod`` after each 2xx (:class:`OwnerStore`: in memory,
-or in Redis so every replica sees it) and sends those requests to the owner.
+router records ``response id -> pod`` after each 2xx (an owner store: in memory, or in
+Redis so every replica sees it) and sends those requests to the owner.
 
 A new response is routed cache-aware only when it converts to chat messages exactly as
 vLLM's ``construct_input_messages`` does (:func:`to_chat`): then it is tokenized as the
@@ -16,12 +17,9 @@ guessed.
 
 from __future__ import annotations
 
-import json
-import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 _ROLES = frozenset({"user", "system", "developer", "assistant"})
 #: keys of a message item that change nothing vLLM renders (``id`` / ``status`` of an
@@ -199,167 +197,3 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
                 function[key] = tool[key]
         out.append({"type": "function", "function": function})
     return out or None
-
-
-# -- the response id in a pod's answer -------------------------------------------------------
-
-
-def id_from_body(content: bytes) -> str | None:
-    """``id`` of a non-streaming Responses answer (None when there is none)."""
-    try:
-        body = json.loads(content)
-    except ValueError:
-        return None
-    rid = body.get("id") if isinstance(body, dict) else None
-    return rid if isinstance(rid, str) and rid else None
-
-
-class CreatedSniffer:
-    """Finds the response id in a streaming answer: the ``response.created`` event's
-    ``response.id``.  Chunks are fed as they are relayed; only the text up to the end
-    of the first events is kept (bounded), and nothing once the id is found."""
-
-    #: give up when the first event is not complete within this many bytes
-    LIMIT = 1 << 16
-
-    __slots__ = ("_buf", "done", "id")
-
-    def __init__(self) -> None:
-        self._buf = b""
-        self.done = False
-        self.id: str | None = None
-
-    def feed(self, chunk: bytes) -> str | None:
-        """The id once found in the stream so far (returned once), else None."""
-        if self.done:
-            return None
-        self._buf += chunk
-        while True:
-            buf = self._buf.replace(b"\r\n", b"\n")
-            end = buf.find(b"\n\n")
-            if end < 0:
-                if len(self._buf) > self.LIMIT:
-                    self.done = True
-                    self._buf = b""
-                return None
-            event, self._buf = buf[:end], buf[end + 2 :]
-            rid = _created_id(event)
-            if rid is not None or self._event_named_other(event):
-                self.done = True
-                self._buf = b""
-                self.id = rid
-                return rid
-
-    @staticmethod
-    def _event_named_other(event: bytes) -> bool:
-        """A complete event that is not ``response.created``: the id will not come
-        (``response.created`` is vLLM's first event)."""
-        return any(
-            line.startswith(b"data:") or line.startswith(b"event:") for line in event.split(b"\n")
-        )
-
-
-def _created_id(event: bytes) -> str | None:
-    name = None
-    data = []
-    for line in event.split(b"\n"):
-        if line.startswith(b"event:"):
-            name = line[6:].strip()
-        elif line.startswith(b"data:"):
-            data.append(line[5:].strip())
-    if not data:
-        return None
-    try:
-        obj = json.loads(b"\n".join(data))
-    except ValueError:
-        return None
-    if not isinstance(obj, dict):
-        return None
-    kind = obj.get("type")
-    if name is None and isinstance(kind, str):
-        name = kind.encode()
-    if name != b"response.created":
-        return None
-    resp = obj.get("response")
-    rid = resp.get("id") if isinstance(resp, dict) else None
-    return rid if isinstance(rid, str) and rid else None
-
-
-# -- who owns a response ----------------------------------------------------------------------
-
-
-class OwnerStore(Protocol):
-    """``response id -> pod`` for the pods' stored responses."""
-
-    async def get(self, response_id: str) -> str | None: ...
-
-    async def put(self, response_id: str, pod: str) -> None: ...
-
-    async def close(self) -> None: ...
-
-
-class MemoryOwnerStore:
-    """This replica's owners: a bounded LRU, each entry kept ``ttl_s`` after it was
-    recorded (a replica that did not create a response does not know its owner: use
-    Redis with several replicas)."""
-
-    def __init__(self, max_owners: int, ttl_s: float) -> None:
-        self.max_owners = max_owners
-        self.ttl_s = ttl_s
-        self._owners: OrderedDict[str, tuple[str, float]] = OrderedDict()
-
-    async def get(self, response_id: str) -> str | None:
-        entry = self._owners.get(response_id)
-        if entry is None:
-            return None
-        pod, expires = entry
-        if time.monotonic() >= expires:
-            del self._owners[response_id]
-            return None
-        self._owners.move_to_end(response_id)
-        return pod
-
-    async def put(self, response_id: str, pod: str) -> None:
-        owners = self._owners
-        owners[response_id] = (pod, time.monotonic() + self.ttl_s)
-        owners.move_to_end(response_id)
-        while len(owners) > self.max_owners:
-            owners.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._owners)
-
-    async def close(self) -> None:
-        self._owners.clear()
-
-
-class RedisOwnerStore:
-    """Owners shared by every replica: ``{namespace}:resp:{id}`` -> pod, expiring
-    ``ttl_s`` after it was recorded."""
-
-    def __init__(self, client: Any, namespace: str, ttl_s: float, *, owns_client: bool) -> None:
-        self._r = client
-        self._prefix = f"{namespace}:resp:"
-        self._ttl_ms = max(1, int(ttl_s * 1000))
-        self._owns = owns_client
-
-    @classmethod
-    def from_url(cls, url: str, namespace: str, ttl_s: float) -> RedisOwnerStore:
-        import redis.asyncio as aioredis
-
-        client = aioredis.Redis.from_url(url, decode_responses=False)
-        return cls(client, namespace, ttl_s, owns_client=True)
-
-    def key(self, response_id: str) -> str:
-        return self._prefix + response_id
-
-    async def get(self, response_id: str) -> str | None:
-        value = await self._r.get(self._prefix + response_id)
-        return value.decode() if value is not None else None
-
-    async def put(self, response_id: str, pod: str) -> None:
-        await self._r.set(self._prefix + response_id, pod.encode(), px=self._ttl_ms)
-
-    async def close(self) -> None:
-        if self._owns:
-            await self._r.aclose()

@@ -26,8 +26,8 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from router import metrics_share
 from router.config import Settings
-from router.proxy import metrics_share
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     made_share_dir: str | None = None
     if settings.workers > 1 and not os.environ.get(metrics_share.ENV):
-        # one /metrics for all workers (router.proxy.metrics_share); a directory given in the
+        # one /metrics for all workers (router.metrics_share); a directory given in the
         # environment is used as it is and left in place
         made_share_dir = tempfile.mkdtemp(prefix="kvroute-metrics-")
         os.environ[metrics_share.ENV] = made_share_dir

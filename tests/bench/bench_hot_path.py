@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_router_overhead as overhead
 
 from router.config import Settings
-from router.decision.core import parse_body
+from router.decision.request import parse_body
 from router.proxy.app import create_app
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]

@@ -334,7 +334,7 @@ def relay_app(urls: list[str]) -> Callable[..., Any]:
     """The ``--floor`` target: a bare ASGI relay (round robin over ``urls``) on
     kvroute's pod transport -- no routing, no metrics.  (bench_hot_path.py calls it in
     process.)"""
-    from router.proxy.forward import PodTransport
+    from router.fleet.transport import PodTransport
 
     hosts = [u.split("//")[1].rsplit(":", 1) for u in urls]
     pods = itertools.cycle([(h, int(p)) for h, p in hosts])

@@ -28,7 +28,8 @@ import pytest
 from router.config import Settings
 from router.events import KVEventSubscriber
 from router.fleet.embedded import start_pods, static_pods, stop_pods
-from router.proxy.app import Gateway, create_app
+from router.proxy.app import create_app
+from router.proxy.gateway import Gateway
 from router.proxy.serve import RunningServer
 from router.sim.pod import SimPod
 from router.sim.settings import SimSettings

@@ -16,7 +16,8 @@ from router.config import Settings
 from router.events import EventsSettings, IndexSink
 from router.events.sink import build_engine_hasher
 from router.fleet.embedded import start_pods, static_pods, stop_pods
-from router.proxy.app import Gateway, create_app
+from router.proxy.app import create_app
+from router.proxy.gateway import Gateway
 from router.proxy.serve import RunningServer
 from router.sim.settings import SimSettings
 from scoring.events import IndexOps

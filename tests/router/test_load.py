@@ -16,8 +16,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from router.config import Settings
-from router.fleet.load import MemoryLoadStore, MetricsScraper, RequestLoad, parse_vllm_metrics
+from router.fleet.load import MemoryLoadStore, RequestLoad
 from router.fleet.pods import PodRegistry, PodSpec
+from router.fleet.scrape import MetricsScraper, parse_vllm_metrics
 from router.proxy.app import create_app
 from router.proxy.serve import RunningServer
 

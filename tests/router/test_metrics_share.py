@@ -1,5 +1,5 @@
 """`kvroute serve --workers N`: one /metrics for all worker processes
-(router/proxy/metrics_share.py)."""
+(router/metrics_share.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.proxy.metrics_share import merge
+from router.metrics_share import merge
 from tests.router.test_app_serve import free_port, sigterm
 
 WORKER_A = """\

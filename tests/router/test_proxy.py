@@ -459,7 +459,7 @@ def _post(port: int) -> bytes:
 
 
 async def test_transport_redials_when_the_pod_closed_the_idle_keepalive_connection() -> None:
-    from router.proxy.forward import PodTransport
+    from router.fleet.transport import PodTransport
 
     # answers, then closes the connection although it promised keep-alive
     ok_then_close = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok<close>"
@@ -480,7 +480,7 @@ async def test_transport_redials_when_the_pod_closed_the_idle_keepalive_connecti
 
 
 async def test_transport_reuses_a_keepalive_connection() -> None:
-    from router.proxy.forward import PodTransport
+    from router.fleet.transport import PodTransport
 
     server, port, conns = await _raw_pod(
         lambda n: b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"
@@ -499,7 +499,7 @@ async def test_transport_reuses_a_keepalive_connection() -> None:
 
 
 async def test_transport_reads_chunked_and_close_delimited_bodies_whole() -> None:
-    from router.proxy.forward import PodTransport
+    from router.fleet.transport import PodTransport
 
     answers = [
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n",
@@ -530,11 +530,11 @@ async def test_transport_reads_chunked_and_close_delimited_bodies_whole() -> Non
 
 
 async def test_transport_reads_a_body_larger_than_the_pause_threshold_whole() -> None:
-    """Reading from the pod pauses above _PAUSE_ABOVE buffered bytes; a whole-body read
+    """Reading from the pod pauses above PAUSE_ABOVE buffered bytes; a whole-body read
     takes what is buffered and reads on (it used to wait for the read timeout)."""
-    from router.proxy.forward import _PAUSE_ABOVE, PodTransport
+    from router.fleet.transport import PAUSE_ABOVE, PodTransport
 
-    body = bytes(range(256)) * ((3 * _PAUSE_ABOVE) // 256)
+    body = bytes(range(256)) * ((3 * PAUSE_ABOVE) // 256)
     head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body)
     server, port, _ = await _raw_pod(lambda n: head + body)
     transport = PodTransport()

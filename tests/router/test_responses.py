@@ -17,15 +17,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from router.config import Settings
-from router.decision.responses import (
-    CreatedSniffer,
-    MemoryOwnerStore,
-    Unscored,
-    id_from_body,
-    to_chat,
-)
+from router.decision.owners import MemoryOwnerStore
+from router.decision.responses import Unscored, to_chat
 from router.fleet.embedded import static_pods
 from router.proxy.app import create_app
+from router.proxy.response_ids import CreatedSniffer, id_from_body
 from router.proxy.serve import RunningServer
 from router.tokenize import ChatEncoder, load_tokenizer
 from router.tokenize.hf import HFTokenizer
@@ -431,7 +427,7 @@ async def test_the_memory_owner_store_is_a_bounded_lru_whose_entries_expire(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = [1000.0]
-    monkeypatch.setattr("router.decision.responses.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("router.decision.owners.time.monotonic", lambda: clock[0])
     store = MemoryOwnerStore(max_owners=2, ttl_s=60)
     await store.put("a", "p0")
     await store.put("b", "p1")

@@ -29,8 +29,9 @@ from starlette.routing import Route
 from router.config import Settings
 from router.fleet.discovery import K8sDiscovery
 from router.fleet.pods import PodRegistry
-from router.proxy.app import Gateway
-from router.proxy.forward import _PAUSE_ABOVE, PodTLS, PodTransport
+from router.fleet.tls import PodTLS
+from router.fleet.transport import PAUSE_ABOVE, PodTransport
+from router.proxy.gateway import Gateway
 from router.sim.pod import SimPod
 from router.sim.settings import SimSettings
 from tests.router.test_discovery import FakeApiServer, k8s_pod, k8s_settings
@@ -250,7 +251,7 @@ def test_the_tls_context_is_built_once_and_only_when_asked() -> None:
 def _big_pod() -> Starlette:
     """A pod whose answers exercise the transport: /health, a body 3x the pause
     threshold (reading pauses and resumes on the TLS transport), a chunked stream."""
-    big = bytes(range(256)) * ((3 * _PAUSE_ABOVE) // 256)
+    big = bytes(range(256)) * ((3 * PAUSE_ABOVE) // 256)
 
     async def health(request: Request) -> Response:
         return Response(b"")
@@ -294,7 +295,7 @@ def test_the_transport_speaks_tls_on_uvloop(certs: Certs) -> None:
                 up = await good.send_raw("127.0.0.1", port, _get(b"/big"), b"", 5, 30, True)
                 body = await up.stream.read_all()
                 await up.stream.aclose()
-                assert len(body) == 3 * _PAUSE_ABOVE // 256 * 256
+                assert len(body) == 3 * PAUSE_ABOVE // 256 * 256
                 assert body[:512] == bytes(range(256)) * 2
 
                 up = await good.send_raw("127.0.0.1", port, _get(b"/stream"), b"", 5, 5, True)

@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from router.config import Settings
 from router.indexer.lease import WriterLease
-from router.proxy.app import Gateway, create_app
+from router.proxy.app import create_app
+from router.proxy.gateway import Gateway
 from router.proxy.serve import RunningServer
 from scoring.index.redis import RedisIndex
 from tests.support.aio import wait_until

@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 
 from router.config import Settings
-from router.proxy.app import Gateway, create_app
+from router.proxy.app import create_app
+from router.proxy.gateway import Gateway
 from router.proxy.serve import RunningServer
 
 

@@ -1,0 +1,89 @@
+"""Who owns a stored response: ``response id -> pod``, in memory (LRU with TTL) or in
+Redis under ``{ns}:resp:{id}`` so every replica sees it.
+
+vLLM keeps stored responses in the memory of the pod that created them, so a follow-up
+(``previous_response_id``), ``GET`` and ``cancel`` of an id only work there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any, Protocol
+
+
+class OwnerStore(Protocol):
+    """``response id -> pod`` for the pods' stored responses."""
+
+    async def get(self, response_id: str) -> str | None: ...
+
+    async def put(self, response_id: str, pod: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class MemoryOwnerStore:
+    """This replica's owners: a bounded LRU, each entry kept ``ttl_s`` after it was
+    recorded (a replica that did not create a response does not know its owner: use
+    Redis with several replicas)."""
+
+    def __init__(self, max_owners: int, ttl_s: float) -> None:
+        self.max_owners = max_owners
+        self.ttl_s = ttl_s
+        self._owners: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    async def get(self, response_id: str) -> str | None:
+        entry = self._owners.get(response_id)
+        if entry is None:
+            return None
+        pod, expires = entry
+        if time.monotonic() >= expires:
+            del self._owners[response_id]
+            return None
+        self._owners.move_to_end(response_id)
+        return pod
+
+    async def put(self, response_id: str, pod: str) -> None:
+        owners = self._owners
+        owners[response_id] = (pod, time.monotonic() + self.ttl_s)
+        owners.move_to_end(response_id)
+        while len(owners) > self.max_owners:
+            owners.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    async def close(self) -> None:
+        self._owners.clear()
+
+
+class RedisOwnerStore:
+    """Owners shared by every replica: ``{namespace}:resp:{id}`` -> pod, expiring
+    ``ttl_s`` after it was recorded."""
+
+    def __init__(self, client: Any, namespace: str, ttl_s: float, *, owns_client: bool) -> None:
+        self._r = client
+        self._prefix = f"{namespace}:resp:"
+        self._ttl_ms = max(1, int(ttl_s * 1000))
+        self._owns = owns_client
+
+    @classmethod
+    def from_url(cls, url: str, namespace: str, ttl_s: float) -> RedisOwnerStore:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(url, decode_responses=False)
+        return cls(client, namespace, ttl_s, owns_client=True)
+
+    def key(self, response_id: str) -> str:
+        return self._prefix + response_id
+
+    async def get(self, response_id: str) -> str | None:
+        value = await self._r.get(self._prefix + response_id)
+        return value.decode() if value is not None else None
+
+    async def put(self, response_id: str, pod: str) -> None:
+        await self._r.set(self._prefix + response_id, pod.encode(), px=self._ttl_ms)
+
+    async def close(self) -> None:
+        if self._owns:
+            await self._r.aclose()

@@ -1,0 +1,131 @@
+"""One :class:`~scoring.policies.base.PodView` per candidate pod: the index's hits for
+the request's block keys, the router-tracked load (plus the pending overlay of a shared
+store), fresh scraped metrics and how many blocks each pod's cache holds.
+
+An in-memory index and load store are read without awaiting (no coroutine per request
+for what is a dict lookup): :attr:`ViewBuilder.immediate` says when.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from router.fleet.load import LoadStore, MemoryLoadStore, PendingLoad
+from router.fleet.scrape import MetricsScraper
+from scoring.index.base import BlockIndex
+from scoring.index.memory import InMemoryIndex
+from scoring.policies.base import PodView
+
+_monotonic = time.monotonic
+_NO_LOAD = (0, 0)
+#: an in-memory index's per-pod entry counts are re-read at most this often
+RESIDENT_STALE_S = 0.05
+
+
+class ViewBuilder:
+    """Builds the candidates' views for the policy."""
+
+    def __init__(
+        self,
+        index: BlockIndex,
+        load: LoadStore,
+        scraper: MetricsScraper | None,
+        pending: PendingLoad,
+    ) -> None:
+        self.index = index
+        self.load = load
+        self.scraper = scraper
+        self.pending = pending
+        self._local_load = load if isinstance(load, MemoryLoadStore) else None
+        #: the in-memory index's lookup, when views can be built without awaiting
+        self.lookup_now = (
+            index.lookup_sync
+            if isinstance(index, InMemoryIndex) and self._local_load is not None
+            else None
+        )
+        #: pod -> index entries, for the policy's ``PodView.resident_blocks``; kept fresh
+        #: here for an in-memory index, set by the core's index-gauge loop for Redis
+        self.resident: Mapping[str, int] = {}
+        self._entries_now = index.pod_entries_sync if isinstance(index, InMemoryIndex) else None
+        self._resident_at = float("-inf")
+
+    async def views(self, keys: Sequence[int], names: list[str]) -> dict[str, PodView]:
+        hits = await self.index.lookup(keys, names) if keys else {}
+        load = await self.load.snapshot(names)
+        return self._merge_views(hits, load, names)
+
+    def views_now(
+        self, hits: Mapping[str, Mapping[str, int]], names: list[str]
+    ) -> dict[str, PodView]:
+        """:meth:`views` for an in-memory index and load store: no awaits (and no
+        snapshot: the store's counts are read directly)."""
+        local = self._local_load
+        assert local is not None
+        inflight_of, prefill_of = local.counts()
+        return self._build_views(hits, names, inflight_of, prefill_of, None)
+
+    def _merge_views(
+        self,
+        hits: Mapping[str, Mapping[str, int]],
+        load: Mapping[str, tuple[int, int]],
+        names: list[str],
+    ) -> dict[str, PodView]:
+        # the pending overlay (read after the awaits) only ever holds anything with a
+        # shared store: the proxy updates a local one synchronously
+        pending = self.pending.get if self._local_load is None else None
+        return self._build_views(
+            hits,
+            names,
+            lambda pod, _: load.get(pod, _NO_LOAD)[0],
+            lambda pod, _: load.get(pod, _NO_LOAD)[1],
+            pending,
+        )
+
+    def _build_views(
+        self,
+        hits: Mapping[str, Mapping[str, int]],
+        names: list[str],
+        inflight_of: Callable[[str, int], int],
+        prefill_of: Callable[[str, int], int],
+        pending: Callable[[str], tuple[int, int]] | None,
+    ) -> dict[str, PodView]:
+        """One view per candidate: index hits, router-tracked load (plus the pending
+        overlay), fresh scraped metrics, and how many blocks its cache holds."""
+        scraper = self.scraper
+        scraped_of = scraper.fresh() if scraper is not None else None
+        resident_of = self._resident_blocks().get
+        views: dict[str, PodView] = {}
+        for name in names:
+            inflight = inflight_of(name, 0)
+            prefill = prefill_of(name, 0)
+            if pending is not None:
+                p_n, p_tokens = pending(name)
+                inflight += p_n
+                prefill += p_tokens
+            held = hits.get(name)
+            scraped = scraped_of(name) if scraped_of is not None else None
+            views[name] = PodView(
+                name,
+                dict(held) if held else {},
+                inflight,
+                prefill,
+                None if scraped is None else scraped.waiting,
+                None if scraped is None else scraped.running,
+                None if scraped is None else scraped.kv_usage,
+                resident_of(name, 0),
+                None if scraped is None else scraped.capacity_blocks,
+            )
+        return views
+
+    def _resident_blocks(self) -> Mapping[str, int]:
+        """Index entries per pod (what each pod's cache holds): from an in-memory index
+        at most :data:`RESIDENT_STALE_S` old; for Redis the app's periodic count
+        (:attr:`resident`)."""
+        entries = self._entries_now
+        if entries is not None:
+            now = _monotonic()
+            if now - self._resident_at > RESIDENT_STALE_S:
+                self._resident_at = now
+                self.resident = entries()
+        return self.resident

@@ -1,0 +1,75 @@
+"""The responses the proxy sends back: a complete answer with pre-built raw headers, and a
+streaming relay that always runs its ``on_close`` callback once."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from router.fleet.transport import Upstream
+
+
+class UpstreamBroken(RuntimeError):
+    """A pod's streaming response broke after bytes reached the client."""
+
+
+class Once:
+    """Runs an async callback at most once."""
+
+    __slots__ = ("args", "done", "fn")
+
+    def __init__(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        self.fn = fn
+        self.args = args
+        self.done = False
+
+    async def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            await self.fn(*self.args)
+
+
+class RelayResponse(StreamingResponse):
+    """A streaming response that always runs ``on_close`` (finished, failed or the client
+    went away — even before the first chunk, when the body generator never started)."""
+
+    def __init__(self, *args: Any, on_close: Once, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self.on_close()
+
+
+class RawResponse(Response):
+    """A complete response sent as two ASGI messages with pre-built raw headers
+    (no header normalisation: the hot path already holds them as bytes)."""
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.status_code = status
+        self.body = body
+        self.raw_headers = headers
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        await send({"type": "http.response.body", "body": self.body})
+
+
+async def relay_chunks(resp: Upstream) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in resp.stream:
+            yield chunk
+    finally:
+        await resp.stream.aclose()
