@@ -19,6 +19,7 @@ _MODULES: dict[str, str] = {
     "precise_prefix": "scoring.policies.precise_prefix",
     "cost": "scoring.policies.cost",
     "dynamo": "scoring.policies.dynamo",
+    "llmd": "scoring.policies.llmd",
 }
 
 

@@ -11,6 +11,7 @@ import pytest
 from scoring.policies import PodView, RouteRequest, build_policy
 from scoring.policies.base import NoCandidatesError
 from scoring.policies.dynamo import DynamoPolicy, softmax_pick
+from scoring.policies.llmd import LlmdPolicy
 from scoring.policies.prefill_load import ActivePrefill
 from scoring.policies.registry import PolicyConfigError
 
@@ -31,6 +32,12 @@ def req(rid: str = "r", keys: list[int] | None = None, prompt: int | None = None
 def dynamo(**params: object) -> DynamoPolicy:
     policy = build_policy("dynamo", params)
     assert isinstance(policy, DynamoPolicy)
+    return policy
+
+
+def llmd(**params: object) -> LlmdPolicy:
+    policy = build_policy("llmd", params)
+    assert isinstance(policy, LlmdPolicy)
     return policy
 
 
@@ -95,7 +102,9 @@ def test_dynamo_credits_overlap_per_tier_device_host_disk() -> None:
     assert row["overlap_credit_blocks"] == pytest.approx(1.0 + 0.0 + 4.0)
 
 
-def route(policy: DynamoPolicy, r: RouteRequest, views: list[PodView], pod: str) -> None:
+def route(
+    policy: DynamoPolicy | LlmdPolicy, r: RouteRequest, views: list[PodView], pod: str
+) -> None:
     policy.pick(r, views)
     policy.on_routed(r, pod)
 
@@ -209,10 +218,100 @@ def test_dynamo_forgets_a_removed_pod() -> None:
     assert policy.decode_blocks("p0", []) == 0
 
 
+# --- llmd ----------------------------------------------------------------------------
+
+
+def test_llmd_prefix_score_is_the_weighted_match_over_prompt_blocks() -> None:
+    policy = llmd(affinity_filter=False)
+    views = [
+        PodView("gpu", hits={"GPU": 4}),
+        PodView("mixed", hits={"GPU": 2, "CPU": 5}),  # 2 + 3 x 0.8 = 4.4 -> 4 blocks
+        PodView("disk", hits={"DISK": 2}),  # a tier with no configured weight counts 1.0
+        PodView("none"),
+    ]
+    d = policy.pick(req(keys=KEYS), views)
+    assert d.detail["prefix"] == {"gpu": 0.5, "mixed": 0.5, "disk": 0.25, "none": 0.0}
+
+
+def test_llmd_scores_are_weighted_prefix_kv_and_min_max_queue() -> None:
+    policy = llmd(affinity_filter=False)
+    views = [
+        PodView("a", hits={"GPU": 8}, waiting=4, kv_usage=0.5),
+        PodView("b", waiting=0, kv_usage=0.1),
+        PodView("c", waiting=2, kv_usage=0.0),
+    ]
+    d = policy.pick(req(keys=KEYS), views)
+    assert d.scores == pytest.approx({"a": 2.0 + 0.5 + 0.0, "b": 0.9 + 1.0, "c": 1.0 + 0.5})
+    assert d.pod == "a"
+
+
+def test_llmd_affinity_filter_keeps_only_pods_holding_at_least_80_percent() -> None:
+    keys = list(range(10))
+    views = [
+        PodView("most", hits={"GPU": 9}, waiting=9, kv_usage=0.9),
+        PodView("exactly", hits={"GPU": 8}, waiting=9, kv_usage=0.9),
+        PodView("some", hits={"GPU": 5}, waiting=0, kv_usage=0.0),  # best without the filter
+    ]
+    d = llmd(exploration_probability=0.0).pick(req(keys=keys), views)
+    assert d.detail["filter"] == "sticky"
+    assert d.detail["kept"] == ["most", "exactly"]
+    assert d.pod == "most"
+    assert d.scores["some"] < min(d.scores["most"], d.scores["exactly"])  # ranks last
+    unfiltered = llmd(affinity_filter=False).pick(req(keys=keys), views)
+    assert unfiltered.pod == "some"
+
+
+def test_llmd_affinity_filter_keeps_everyone_when_nobody_is_sticky() -> None:
+    d = llmd().pick(req(keys=KEYS), [PodView("a", hits={"GPU": 1}), PodView("b")])
+    assert d.detail["filter"] in ("no sticky pod", "exploration")
+    assert d.detail["kept"] == ["a", "b"]
+
+
+def test_llmd_explores_past_the_filter_with_the_configured_probability() -> None:
+    views = [PodView("sticky", hits={"GPU": 8}), PodView("other")]
+    always = llmd(exploration_probability=1.0).pick(req(keys=KEYS), views)
+    assert always.detail["filter"] == "exploration" and always.detail["kept"] == ["sticky", "other"]
+    policy = llmd(seed=11)  # default 0.01
+    reasons = Counter(policy.pick(req(keys=KEYS), views).detail["filter"] for _ in range(4000))
+    assert set(reasons) == {"sticky", "exploration"}
+    assert 0.005 < reasons["exploration"] / 4000 < 0.02
+
+
+def test_llmd_breaks_stickiness_when_the_sticky_pods_ttft_is_5_seconds_worse() -> None:
+    policy = llmd(exploration_probability=0.0, peak_prefill_throughput_tokens_per_s=1000.0)
+    # 6,000 uncached tokens in flight on the sticky pod: 6 s of predicted TTFT
+    backlog = req("backlog", keys=list(range(50, 58)), prompt=6000)
+    route(policy, backlog, [PodView("sticky"), PodView("other")], "sticky")
+    views = [PodView("sticky", hits={"GPU": 8}, outstanding_prefill_tokens=6000), PodView("other")]
+    assert policy.ttft_ms(views[0]) == pytest.approx(6000.0)
+    d = policy.pick(req(keys=KEYS), views)
+    assert d.detail["filter"] == "ttft gate"
+    assert d.detail["kept"] == ["sticky", "other"]
+    # 4 s worse is within the 5,000 ms penalty: stay sticky
+    views[0] = PodView("sticky", hits={"GPU": 8}, outstanding_prefill_tokens=4000)
+    assert policy.pick(req(keys=KEYS), views).detail["filter"] == "sticky"
+
+
+def test_llmd_differs_from_precise_prefix_by_scoring_the_ratio_not_the_min_max() -> None:
+    # "a" holds 1 of 8 blocks but has a long queue; "b" holds nothing and is idle
+    views = [PodView("a", hits={"GPU": 1}, waiting=5), PodView("b", waiting=0)]
+    assert build_policy("precise_prefix").pick(req(keys=KEYS), views).pod == "a"  # 1.0 x 3
+    assert llmd().pick(req(keys=KEYS), views).pod == "b"  # 0.125 x 2 < queue 1.0
+
+
+def test_llmd_gives_finite_scores_on_empty_and_zero_views() -> None:
+    policy = llmd()
+    for r in (req(keys=[], prompt=0), req(keys=KEYS)):
+        d = policy.pick(r, [PodView("a"), PodView("b")])
+        assert all(math.isfinite(s) for s in d.scores.values())
+    with pytest.raises(NoCandidatesError, match="llmd"):
+        policy.pick(req(keys=KEYS), [])
+
+
 # --- parameters ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["dynamo"])
+@pytest.mark.parametrize("name", ["dynamo", "llmd"])
 def test_unknown_parameter_is_an_error_naming_it(name: str) -> None:
     with pytest.raises(PolicyConfigError, match="bogus_knob"):
         build_policy(name, {"bogus_knob": 1})
@@ -225,6 +324,10 @@ def test_unknown_parameter_is_an_error_naming_it(name: str) -> None:
         ("dynamo", {"overlap_score_credit": -1}, "overlap_score_credit"),
         ("dynamo", {"router_temperature": float("inf")}, "router_temperature"),
         ("dynamo", {"selection_policy": "quadratic"}, "selection_policy"),
+        ("llmd", {"affinity_threshold": 1.2}, "affinity_threshold"),
+        ("llmd", {"exploration_probability": 2}, "exploration_probability"),
+        ("llmd", {"peak_prefill_throughput_tokens_per_s": 0}, "peak_prefill"),
+        ("llmd", {"tier_weights": {"CPU": -0.5}}, "tier_weights"),
     ],
 )
 def test_invalid_parameter_values_are_errors_naming_them(
