@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,11 @@ from scoring.policies.dynamo import DynamoPolicy, softmax_pick
 from scoring.policies.llmd import LlmdPolicy
 from scoring.policies.prefill_load import ActivePrefill
 from scoring.policies.registry import PolicyConfigError
+from scoring.replay.cli import fleet_defaults, main
+from scoring.replay.engine import replay_policy
+from scoring.replay.report import summarize
+from scoring.replay.trace import load_trace
+from tests.scoring.test_replay import conversations, fleet, write_jsonl
 
 BS = 16
 
@@ -335,3 +342,32 @@ def test_invalid_parameter_values_are_errors_naming_them(
 ) -> None:
     with pytest.raises(PolicyConfigError, match=field):
         build_policy(name, params)
+
+
+# --- replay --------------------------------------------------------------------------
+
+
+def test_both_peers_replay_a_trace_and_reuse_the_cache(tmp_path: Path) -> None:
+    trace = load_trace(write_jsonl(tmp_path / "t.jsonl", conversations()))
+    cfg = fleet(capacity_tokens=512 * 40)
+    hit = {
+        name: summarize(replay_policy(trace, build_policy(name, fleet_defaults(name, cfg)), cfg))[
+            "hit_rate"
+        ]
+        for name in ("round_robin", "dynamo", "llmd")
+    }
+    assert hit["dynamo"] > 2 * hit["round_robin"]
+    assert hit["llmd"] > 2 * hit["round_robin"]
+
+
+def test_replay_cli_runs_the_peers_with_their_documented_settings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", conversations(n_conv=4, turns=2))
+    argv = [str(path), "--pods", "2", "--capacity-tokens", "20480", "--json"]
+    assert main([*argv, "--policy", "dynamo", "--policy", "llmd", "--prefill-rate", "9000"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["policies"]) == {"dynamo", "llmd"}
+    assert out["params"]["llmd"]["peak_prefill_throughput_tokens_per_s"] == 9000.0
+    assert out["params"]["dynamo"] == DynamoPolicy.Params().model_dump(mode="json")
+    assert 0.0 < out["policies"]["llmd"]["hit_rate"] <= 1.0
