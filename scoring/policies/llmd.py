@@ -47,6 +47,10 @@ from scoring.policies.select import highest, require_candidates
 _EPS = 1e-9
 
 
+def _unit(x: float) -> float:
+    return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
+
+
 class LlmdParams(PolicyParams):
     prefix_weight: float = Field(default=2.0, ge=0.0, allow_inf_nan=False)
     kv_usage_weight: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
@@ -112,11 +116,13 @@ class LlmdPolicy(Policy):
         return sticky, "sticky"
 
     def _scores(self, pods: Sequence[PodView], prefix: dict[str, float]) -> dict[str, float]:
+        """The weighted sum over ``pods``, each scorer's value clamped to [0, 1] as llm-d's
+        scheduler profile does (``enforceScoreRange``)."""
         p = self._p
         queue = min_max({v.pod: float(v.waiting or 0) for v in pods}, low_is_good=True)
         return {
-            v.pod: p.prefix_weight * prefix[v.pod]
-            + p.kv_usage_weight * (1.0 - (v.kv_usage or 0.0))
+            v.pod: p.prefix_weight * _unit(prefix[v.pod])
+            + p.kv_usage_weight * _unit(1.0 - (v.kv_usage or 0.0))
             + p.queue_weight * queue[v.pod]
             for v in pods
         }

@@ -315,6 +315,12 @@ def test_llmd_gives_finite_scores_on_empty_and_zero_views() -> None:
         policy.pick(req(keys=KEYS), [])
 
 
+def test_llmd_clamps_each_scorer_to_the_unit_range() -> None:
+    # a bogus KV usage above 1 scores 0, not a negative that would outweigh the queue
+    d = llmd().pick(req(keys=KEYS), [PodView("a", kv_usage=1.7), PodView("b", kv_usage=1.0)])
+    assert d.scores == {"a": 1.0, "b": 1.0}
+
+
 # --- parameters ----------------------------------------------------------------------
 
 
