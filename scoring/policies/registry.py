@@ -18,6 +18,8 @@ _MODULES: dict[str, str] = {
     "approx_prefix": "scoring.policies.approx_prefix",
     "precise_prefix": "scoring.policies.precise_prefix",
     "cost": "scoring.policies.cost",
+    "dynamo": "scoring.policies.dynamo",
+    "llmd": "scoring.policies.llmd",
 }
 
 

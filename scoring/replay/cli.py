@@ -95,13 +95,19 @@ def parse_params(items: Sequence[str], policies: Sequence[str]) -> dict[str, dic
 
 def fleet_defaults(name: str, cfg: FleetConfig) -> dict[str, Any]:
     """Parameters a policy takes from the fleet it routes to (an operator sets these to
-    the pods' measured rates); ``--param`` overrides them."""
+    the pods' measured rates); ``--param`` overrides them.
+
+    The peers get what their own docs tell an operator to set: llm-d's affinity filter
+    says to retune ``peakPrefillThroughput`` to the deployment's prefill rate; Dynamo's
+    router asks only for the block size, which every request carries."""
     if name == "cost":
         return {
             "prefill_rate_tokens_per_s": cfg.prefill_rate,
             "tier_load_rates_tokens_per_s": {"CPU": cfg.cpu_load_rate},
             "decode_slowdown_per_running": cfg.decode_interference,
         }
+    if name == "llmd":
+        return {"peak_prefill_throughput_tokens_per_s": cfg.prefill_rate}
     return {}
 
 

@@ -265,6 +265,8 @@ def test_cli_json_is_one_object_with_ceilings_and_every_policy(
         "approx_prefix",
         "precise_prefix",
         "cost",
+        "dynamo",
+        "llmd",
     }
     for metrics in out["policies"].values():
         for key in (
