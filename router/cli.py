@@ -17,10 +17,21 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def version() -> str:
+    """The installed package's version (``0+unknown`` when run from a bare checkout)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("kvroute")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
 def _usage() -> str:
     lines = ["usage: kvroute COMMAND [options]", "", "commands:"]
     lines += [f"  {name:<8} {help_}" for name, (_, help_) in _COMMANDS.items()]
-    lines.append("\n`kvroute COMMAND --help` for a command's options.")
+    lines.append("\n`kvroute COMMAND --help` for a command's options; `kvroute --version`.")
     return "\n".join(lines)
 
 
@@ -28,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
+        return 0
+    if args[0] in ("-V", "--version"):
+        print(f"kvroute {version()}")
         return 0
     command, rest = args[0], args[1:]
     if command not in _COMMANDS:

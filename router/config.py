@@ -13,6 +13,7 @@ falls back to a default.  ``docs/config.md`` is the table of every setting.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from collections.abc import Sequence
@@ -352,6 +353,44 @@ def _pop_config_flag(args: list[str]) -> tuple[str | None, list[str]]:
     return config, out
 
 
+_HELP = """\
+The OpenAI-compatible router. Every setting below can also come from a YAML file
+(--config FILE, or KVROUTE_CONFIG) or from KVROUTE_* environment variables (nested with
+__: KVROUTE_PROXY__RETRIES=2); flags win over the environment, the environment over the
+file. With no pods configured, an embedded simulated fleet answers at once.
+
+main settings: --policy (cost), --discovery.static / --discovery.kind (dns, k8s),
+--tokenizer (builtin | DIR | remote), --redis-url, --port. All: docs/config.md.
+"""
+
+_EXAMPLE = """\
+example (router.yaml):
+  policy: cost
+  tokenizer: /models/Qwen3-8B
+  discovery:
+    static:
+      - {name: pod-a, url: "http://10.0.0.7:8000", events_endpoint: "tcp://10.0.0.7:5557"}
+      - {name: pod-b, url: "http://10.0.0.8:8000", events_endpoint: "tcp://10.0.0.8:5557"}
+
+  kvroute serve --config router.yaml --port 8000
+"""
+
+
+def _root_parser() -> argparse.ArgumentParser:
+    """The CLI's parser: the help shows ``--config`` (taken out of the arguments before
+    the settings are parsed) and an example."""
+    parser = argparse.ArgumentParser(
+        prog="kvroute serve",
+        description=_HELP,
+        epilog=_EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--config", metavar="FILE", help="YAML file of settings (also KVROUTE_CONFIG)"
+    )
+    return parser
+
+
 def _with_sources(
     base: type[Settings], cli_args: list[str], yaml_file: str | None
 ) -> type[Settings]:
@@ -372,6 +411,7 @@ def _with_sources(
             sources: list[PydanticBaseSettingsSource] = [init_settings]
             cli: CliSettingsSource[Any] = CliSettingsSource(
                 settings_cls,
+                root_parser=_root_parser(),
                 cli_parse_args=cli_args,
                 cli_prog_name="kvroute serve",
                 cli_kebab_case=True,

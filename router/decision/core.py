@@ -109,10 +109,26 @@ class RequestRouter:
         pods = self.registry.candidates(model)
         if pods:
             return pods
-        if any(model in p.models for p in self.registry.all()):
+        every = self.registry.all()
+        if any(model in p.models for p in every):
             raise RouterError(
                 503,
-                f"no healthy pod serves model {model!r} right now",
+                f"no healthy pod serves model {model!r} right now{_why_not(every)}",
+                reason="no_healthy_pod",
+                param="model",
+            )
+        if not every:
+            raise RouterError(
+                503,
+                "no pods discovered yet: check the discovery settings (discovery.kind and "
+                "its pods, hostname or selector)",
+                reason="no_pods",
+                param="model",
+            )
+        if not any(p.models for p in every):  # none has told us what it serves
+            raise RouterError(
+                503,
+                f"none of the {len(every)} pods has reported its models yet{_why_not(every)}",
                 reason="no_healthy_pod",
                 param="model",
             )
@@ -436,3 +452,11 @@ class RequestRouter:
         ranking = [names[i] for i in order]
         scores = {n: float(views[n].inflight) for n in names}
         return without_prompt(kind, body, model, stream, request_id, ranking, scores, views)
+
+
+def _why_not(pods: Sequence[PodState]) -> str:
+    """``"; pod-a: <its last problem>"`` for the first pod with a known problem."""
+    for p in pods:
+        if p.problem:
+            return f"; {p.name}: {p.problem}"
+    return ""

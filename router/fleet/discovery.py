@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.fleet.pods import PodRegistry, PodSpec
 
@@ -54,6 +54,17 @@ class StaticPod(BaseModel):
     models: list[str] = Field(
         default_factory=list, description="models served (else learned from /v1/models)"
     )
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        scheme, sep, rest = v.partition("://")
+        host = rest.split("/", 1)[0]
+        if not sep or scheme.lower() not in ("http", "https") or not host or host.startswith(":"):
+            raise ValueError(
+                f"pod url {v!r} needs a scheme and a host: http://HOST:PORT (or https://)"
+            )
+        return v
 
     def spec(self) -> PodSpec:
         return PodSpec(

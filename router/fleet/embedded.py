@@ -12,6 +12,7 @@ discovery, KV events dialled from each pod's publisher).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Sequence
 
@@ -79,6 +80,21 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+_THREAD = "kvroute-fleet"
+
+
+class _QuietFleetServers(logging.Filter):
+    """Drops the pods' uvicorn lifecycle lines ("Shutting down", "Finished server
+    process"): uvicorn logs them on one process-wide logger, at the router's level, so
+    a 4-pod fleet printed them five times at every stop."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.threadName != _THREAD or record.levelno >= logging.WARNING
+
+
+_QUIET = _QuietFleetServers()
+
+
 class EmbeddedFleet:
     """A simulated fleet on a background thread's event loop."""
 
@@ -91,7 +107,8 @@ class EmbeddedFleet:
     def start(self, timeout_s: float = 30.0) -> None:
         loop = _new_loop()
         self._loop = loop
-        self._thread = threading.Thread(target=loop.run_forever, name="kvroute-fleet", daemon=True)
+        logging.getLogger("uvicorn.error").addFilter(_QUIET)
+        self._thread = threading.Thread(target=loop.run_forever, name=_THREAD, daemon=True)
         self._thread.start()
         configs = [sim_settings(self.settings, i) for i in range(self.settings.pods)]
         fut = asyncio.run_coroutine_threadsafe(start_pods(configs), loop)

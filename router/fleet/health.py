@@ -105,6 +105,7 @@ class HealthChecker:
             return {str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")}
         except Exception as exc:  # unreachable, not JSON, not {"data": [...]}
             log.warning("health: %s: cannot read %s: %s", state.name, url, exc)
+            state.problem = f"cannot read {self.settings.models_path}: {exc}"
             return None
 
     async def check(self, state: PodState) -> bool:
@@ -114,7 +115,7 @@ class HealthChecker:
         problem = await self._probe(state)
         if problem is not None:
             self.failures[name] += 1
-            self.last_problem[name] = problem
+            self.last_problem[name] = state.problem = problem
             state.consecutive_failures += 1
             if state.healthy and state.consecutive_failures >= self.settings.failure_threshold:
                 state.healthy = False
@@ -127,6 +128,7 @@ class HealthChecker:
                 )
             return False
         state.consecutive_failures = 0
+        state.problem = None
         if not state.healthy:
             state.healthy = True
             self.readmissions[name] += 1

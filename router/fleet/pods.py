@@ -39,6 +39,8 @@ class PodState:
     #: served model names and LoRA adapters, learned from /v1/models (or the spec)
     models: set[str] = field(default_factory=set)
     consecutive_failures: int = 0
+    #: why the last health check failed, or why its models are unknown (None: fine)
+    problem: str | None = None
 
     @property
     def name(self) -> str:

@@ -58,6 +58,7 @@ from router.fleet.discovery import DiscoveryError, build_discovery
 from router.fleet.pods import PodRegistry
 from router.indexer.lease import LEASE_S, WriterLease
 from router.metrics import register_build_info
+from router.preflight import StartupError, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -247,9 +248,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args, rest = _parser().parse_known_args(list(argv or []))
     try:
-        settings = Settings.load(rest)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"kvroute index: {exc}", file=sys.stderr, flush=True)
+        settings = load_settings(rest)
+    except StartupError as exc:
+        for line in str(exc).splitlines():
+            print(f"kvroute index: {line}", file=sys.stderr, flush=True)
         return 2
     if args.sweep_interval < 0:
         print(

@@ -27,7 +27,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router import metrics_share
-from router.config import Settings
+from router.preflight import StartupError, check_settings, load_settings, unknown_env
 
 log = logging.getLogger(__name__)
 
@@ -248,15 +248,19 @@ class RunningServer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        settings = Settings.load(list(argv or []))
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"kvroute serve: {exc}", file=sys.stderr)
+    try:  # every setting is checked before anything starts (router.preflight)
+        settings = load_settings(list(argv or []))
+        check_settings(settings)
+    except StartupError as exc:
+        for line in str(exc).splitlines():
+            print(f"kvroute serve: {line}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
+    for name in unknown_env():
+        log.warning("%s names no setting and is ignored (see docs/config.md)", name)
     fleet = None
     if (
         settings.discovery.kind == "static"

@@ -53,5 +53,8 @@ def build_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
             f"{'.'.join(str(p) for p in err['loc']) or '<params>'}: {err['msg']}"
             for err in exc.errors()
         )
+        if any(err["type"] == "extra_forbidden" for err in exc.errors()):
+            known = ", ".join(cls.Params.model_fields) or "none"
+            problems += f" (parameters of {name!r}: {known})"
         raise PolicyConfigError(f"invalid parameters for policy {name!r}: {problems}") from None
     return cls(validated)
