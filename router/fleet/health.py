@@ -67,6 +67,9 @@ class HealthChecker:
         self.readmissions: dict[str, int] = defaultdict(int)
         #: why the last failed check of each pod failed
         self.last_problem: dict[str, str] = {}
+        #: (pod, model) pairs configured for a pod that its /v1/models does not list
+        #: (warned once each: a typo in ``models:`` would be advertised, never served)
+        self.unserved: set[tuple[str, str]] = set()
         if metrics_registry is not None:
             metrics_registry.register(_HealthCollector(self))
 
@@ -137,7 +140,22 @@ class HealthChecker:
             ids = await self._models(state)
             if ids is not None:
                 state.models = set(state.spec.models) | ids
+                self._check_configured(state, ids)
         return True
+
+    def _check_configured(self, state: PodState, ids: set[str]) -> None:
+        for model in state.spec.models:
+            key = (state.name, model)
+            if model not in ids and key not in self.unserved:
+                self.unserved.add(key)
+                log.warning(
+                    "health: pod %s is configured to serve %r but its %s lists only %s: "
+                    "check the pod's models: setting (a typo is advertised, never served)",
+                    state.name,
+                    model,
+                    self.settings.models_path,
+                    ", ".join(sorted(ids)) or "nothing",
+                )
 
     async def run(self) -> None:
         try:

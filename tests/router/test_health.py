@@ -200,3 +200,35 @@ async def test_a_v1_models_answer_that_is_not_a_model_list_keeps_the_known_model
             assert state is not None and state.healthy
             assert state.models == {"declared"}
             await checker.aclose()
+
+
+async def test_a_configured_model_the_pod_does_not_list_is_warned_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pod = FakePod()  # lists base-model only
+    async with serve_app(pod.app) as url:
+        reg = one_pod(url, models=("base-modle",))  # a typo in the pod's models:
+        checker = HealthChecker(reg, HealthSettings())
+        with caplog.at_level("WARNING", logger="router.fleet.health"):
+            await checker.check_all()
+            await checker.check_all()
+        warned = [r.getMessage() for r in caplog.records if "base-modle" in r.getMessage()]
+        assert len(warned) == 1 and "lists only base-model" in warned[0]
+        assert checker.unserved == {("p", "base-modle")}
+        await checker.aclose()
+
+
+async def test_a_failed_check_leaves_its_problem_on_the_pod_until_a_success() -> None:
+    pod = FakePod()
+    async with serve_app(pod.app) as url:
+        reg = one_pod(url)
+        checker = HealthChecker(reg, HealthSettings())
+        state = reg.get("p")
+        assert state is not None
+        pod.status = 503
+        await checker.check_all()
+        assert state.problem == "HTTP 503"
+        pod.status = 200
+        await checker.check_all()
+        assert state.problem is None
+        await checker.aclose()
