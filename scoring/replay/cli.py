@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -57,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     ap.add_argument("--plot", metavar="FILE.png", help="write hit-rate bars and TTFT CDFs")
+    ap.add_argument(
+        "--report",
+        metavar="FILE.html",
+        help="write one self-contained HTML page: workload, ceilings, table, plots",
+    )
     ap.add_argument(
         "--block-size", type=int, default=None, help="tokens per block (openai; default 16)"
     )
@@ -154,6 +161,12 @@ def _load(args: argparse.Namespace) -> Trace:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The replay's result (what ``--json`` prints)."""
+    return replay(args)[0]
+
+
+def replay(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """(the result, each policy's TTFTs for the plot and the report)."""
     trace = _load(args)
     for lineno, msg in trace.errors[:_MAX_REPORTED_ERRORS]:
         print(f"kvroute replay: {args.trace}:{lineno}: skipped: {msg}", file=sys.stderr)
@@ -220,18 +233,57 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bar.close()
         result["policies"][name] = summarize(outcome)
         ttfts[name] = outcome.ttft_s
+    return result, ttfts
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Before replaying: every output file can be written (its directory exists and is
+    writable) and ``--plot`` has matplotlib; :class:`ReplayConfigError` otherwise."""
+    for flag, value in (("--plot", args.plot), ("--report", args.report)):
+        if not value:
+            continue
+        parent = Path(value).resolve().parent
+        if not parent.is_dir():
+            raise ReplayConfigError(f"{flag} {value}: no such directory: {parent}")
+        if not os.access(parent, os.W_OK):
+            raise ReplayConfigError(f"{flag} {value}: cannot write in {parent}")
+    if args.plot:
+        from scoring.replay.plot import PlotUnavailable, require_matplotlib
+
+        try:
+            require_matplotlib()
+        except PlotUnavailable as exc:
+            raise ReplayConfigError(f"--plot: {exc}") from None
+
+
+def write_outputs(args: argparse.Namespace, result: dict[str, Any], ttfts: Any) -> int:
+    """The plot and the report, after the table was printed; 1 when one failed."""
+    status = 0
     if args.plot:
         from scoring.replay.plot import write_plot
 
-        write_plot(args.plot, result, ttfts)
-    return result
+        try:
+            write_plot(args.plot, result, ttfts)
+        except Exception as exc:  # the table is out already: say what failed, keep going
+            print(f"kvroute replay: --plot {args.plot}: {exc}", file=sys.stderr)
+            status = 1
+    if args.report:
+        from scoring.replay.html import write_report
+
+        try:
+            write_report(args.report, result, ttfts)
+        except Exception as exc:
+            print(f"kvroute replay: --report {args.report}: {exc}", file=sys.stderr)
+            status = 1
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:
-        result = run(args)
+        check_outputs(args)
+        result, ttfts = replay(args)
     except (ReplayConfigError, PolicyConfigError) as exc:
         print(f"kvroute replay: {exc}", file=sys.stderr)
         return 2
@@ -243,4 +295,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write("\n")
     else:
         print(format_table(result))
-    return 0
+    sys.stdout.flush()
+    return write_outputs(args, result, ttfts)

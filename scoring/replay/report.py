@@ -57,12 +57,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"prompt tokens: mean {pt['mean']:,.0f}  p50 {pt['p50']:,.0f}  p90 {pt['p90']:,.0f}  "
         f"p99 {pt['p99']:,.0f}  max {pt['max']:,}",
         f"prefix share rate {w['prefix_share_rate']:.1%}   prefix breakers "
-        f"{w['prefix_breakers']:.1%}   turns/conversation "
-        + (
-            f"{w['turns_per_conversation']['mean']:.1f}"
-            if w["turns_per_conversation"]
-            else "unknown"
-        ),
+        f"{w['prefix_breakers']:.1%}   " + turns_line(w),
         f"ceilings: infinite cache {c['infinite']:.1%}   pooled cache {c['pooled']:.1%}",
         "",
     ]
@@ -83,3 +78,15 @@ def format_table(result: dict[str, Any]) -> str:
             f"{m['throughput_rps']:>7.2f} {m['imbalance']:>6.2f} {m['replay_wall_s']:>7.1f}"
         )
     return "\n".join(lines)
+
+
+def turns_line(w: dict[str, Any]) -> str:
+    """``turns/conversation 5.0 (21 conversations)`` when sessions are known, else the
+    user turns per request, else ``unknown``."""
+    conv = w.get("turns_per_conversation")
+    if conv:
+        return f"turns/conversation {conv['mean']:.1f} ({w['conversations']} conversations)"
+    per_request = w.get("user_turns_per_request")
+    if per_request:
+        return f"user turns/request {per_request['mean']:.1f} (no session ids)"
+    return "turns unknown"

@@ -1,8 +1,10 @@
 """What operators should measure about a workload before adopting a routing policy.
 
 * ``prompt_tokens`` — distribution of prompt lengths (mean, p10, p50, p90, p99, max).
-* ``turns_per_conversation`` — user turns per request's conversation (mean, p50, max),
-  only when the trace says (OpenAI bodies); ``None`` for Mooncake.
+* ``user_turns_per_request`` — user turns in a request's history (mean, p50, max), only
+  when the trace says (OpenAI bodies); ``None`` for Mooncake.
+* ``turns_per_conversation`` — user turns of each conversation (its longest request),
+  with ``conversations``, when requests carry session ids; else ``None``.
 * ``prefix_share_rate`` — share of requests whose first block was already seen in an
   earlier request (some reuse is possible at all).
 * ``prefix_breakers`` — share of requests whose first block appears in no other request
@@ -45,6 +47,12 @@ def workload_stats(trace: Trace) -> dict[str, Any]:
     no_block = sum(1 for r in reqs if not r.route.block_keys)
     breakers = sum(1 for r in reqs if r.route.block_keys and first[r.route.block_keys[0]] == 1)
     turns = [r.turns for r in reqs if r.turns is not None]
+    # a conversation's length = the most user turns any of its requests carries
+    per_session: dict[str, int] = {}
+    for r in reqs:
+        if r.turns is not None and r.route.session is not None:
+            per_session[r.route.session] = max(per_session.get(r.route.session, 0), r.turns)
+    conv = list(per_session.values())
     span = (reqs[-1].arrival_s - reqs[0].arrival_s) if n > 1 else 0.0
     return {
         "requests": n,
@@ -59,17 +67,17 @@ def workload_stats(trace: Trace) -> dict[str, Any]:
             "max": max(prompts, default=0),
         },
         "output_tokens_mean": sum(r.output_tokens for r in reqs) / n if n else 0.0,
-        "turns_per_conversation": (
-            {
-                "mean": sum(turns) / len(turns),
-                "p50": percentile(turns, 50),
-                "max": max(turns),
-            }
-            if turns
-            else None
-        ),
+        "user_turns_per_request": _spread(turns),
+        "turns_per_conversation": _spread(conv),
+        "conversations": len(conv) if conv else None,
         "prefix_share_rate": shared / n if n else 0.0,
         "prefix_breakers": breakers / n if n else 0.0,
         "no_full_block": no_block / n if n else 0.0,
         "reuse_ceiling": infinite_ceiling(trace),
     }
+
+
+def _spread(values: Sequence[int]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {"mean": sum(values) / len(values), "p50": percentile(values, 50), "max": max(values)}

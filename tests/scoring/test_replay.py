@@ -400,5 +400,8 @@ def test_cli_replays_an_openai_trace_with_the_builtin_tokenizer(
     assert main([*args, "--capacity-tokens", "50000", "--policy", "session", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["trace"]["approximate"] is False and out["trace"]["block_size"] == 16
-    assert out["workload"]["turns_per_conversation"] == {"mean": 2.0, "p50": 2.0, "max": 3}
+    assert out["workload"]["user_turns_per_request"] == {"mean": 2.0, "p50": 2.0, "max": 3}
+    # 3 conversations (session ids) of 3 user turns each
+    assert out["workload"]["turns_per_conversation"] == {"mean": 3.0, "p50": 3.0, "max": 3}
+    assert out["workload"]["conversations"] == 3
     assert out["policies"]["session"]["hit_rate"] > 0.5  # each chat stays on its pod
