@@ -101,4 +101,13 @@ def format_table(result: dict[str, Any]) -> str:
             f"{(f'{rel:.2f}' if rel is not None else '-'):>7} "
             f"{m['throughput_rps']:>7.2f} {m['imbalance']:>6.2f} {m['replay_wall_s']:>7.1f}"
         )
+    if result["fleet"].get("pod_model") == "vllm":
+        lines.append("")
+        lines.append(
+            "vllm pods: preemptions / rejected / engine steps: "
+            + ", ".join(
+                f"{name} {m['preemptions']:,} / {m['rejected']:,} / {m['engine_steps']:,}"
+                for name, m in result["policies"].items()
+            )
+        )
     return "\n".join(lines)

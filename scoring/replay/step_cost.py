@@ -24,7 +24,7 @@ its parameters*, so ``calibrate`` can fit them by least squares to measured
 ``base_s`` is the per-step floor: streaming the weights once from HBM (a decode step of
 a small batch is memory bound) plus launch and scheduling overhead.  A roofline model
 would take ``max(weight streaming, linear FLOPs)`` instead of their sum; the linear form
-overstates a large step by at most ``base_s`` (2-5% of an 8K-token chunk on the
+overstates a large step by at most ``base_s`` (2% of an 8K-token chunk on the GPU
 presets), and fits by least squares.
 """
 
