@@ -24,9 +24,12 @@ from scoring.replay.vllm_sched import Scheduler, Seq, StepPlan, StepResult
 
 # one second per step plus a millisecond per token: step times are easy to read
 SIMPLE_COST = StepCost(
-    base_s=1.0, prefill_token_s=0.001, prefill_pair_s=0.0, decode_seq_s=0.001,
+    base_s=1.0,
+    prefill_token_s=0.001,
+    prefill_pair_s=0.0,
+    decode_seq_s=0.001,
     decode_context_token_s=0.0,
-)  # fmt: skip
+)
 
 
 def scheduler(
