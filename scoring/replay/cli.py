@@ -27,10 +27,23 @@ import yaml
 from scoring.policies.registry import PolicyConfigError, available_policies, build_policy
 from scoring.replay.ceilings import pooled_ceiling
 from scoring.replay.engine import replay_policy
+from scoring.replay.presets import ENGINE_PARAMS, PRESETS, PresetError, resolve_preset
 from scoring.replay.report import format_table, summarize
 from scoring.replay.simpod import FleetConfig, ReplayConfigError
 from scoring.replay.trace import MOONCAKE_BLOCK_TOKENS, Trace, TraceFormatError, load_trace
+from scoring.replay.vllm_pod import VllmFleetConfig
 from scoring.replay.workload import workload_stats
+
+DEFAULT_PRESET = "llama3-8b-h100"
+#: simple-model settings and their defaults (``None`` on the command line = not given)
+SIMPLE_DEFAULTS: dict[str, float | int] = {
+    "prefill_rate": 8000.0,
+    "decode_rate": 40.0,
+    "decode_batch_slope": 0.01,
+    "decode_interference": 0.005,
+    "cpu_capacity_tokens": 0,
+    "cpu_load_rate": 50_000.0,
+}
 
 _MAX_REPORTED_ERRORS = 10
 
@@ -43,7 +56,31 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("trace", help="trace file (JSONL)")
     ap.add_argument("--format", choices=["mooncake", "openai"], default="mooncake")
     ap.add_argument("--pods", type=int, default=8, help="simulated pods (default 8)")
-    ap.add_argument("--capacity-tokens", type=int, required=True, help="KV cache per pod, tokens")
+    ap.add_argument(
+        "--capacity-tokens",
+        type=int,
+        default=None,
+        help="KV cache per pod, tokens (required with --pod-model simple; vllm: the preset's)",
+    )
+    ap.add_argument(
+        "--pod-model",
+        choices=["simple", "vllm"],
+        default="simple",
+        help="simulated pod: simple (FCFS prefill + approximate decode) or vllm (vLLM V1 "
+        "scheduler: continuous batching, chunked prefill, KV blocks, preemption)",
+    )
+    ap.add_argument(
+        "--preset",
+        default=None,
+        help=f"vllm pod model: engine preset ({', '.join(PRESETS)}; default {DEFAULT_PRESET})",
+    )
+    ap.add_argument(
+        "--engine-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"vllm pod model: override a preset parameter ({', '.join(ENGINE_PARAMS)})",
+    )
     ap.add_argument(
         "--policy",
         action="append",
@@ -67,12 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--block-size", type=int, default=None, help="tokens per block (openai; default 16)"
     )
-    ap.add_argument("--prefill-rate", type=float, default=8000.0, help="prompt tokens/s per pod")
-    ap.add_argument("--decode-rate", type=float, default=40.0, help="tokens/s, one sequence")
-    ap.add_argument("--decode-batch-slope", type=float, default=0.01)
-    ap.add_argument("--decode-interference", type=float, default=0.005)
-    ap.add_argument("--cpu-capacity-tokens", type=int, default=0, help="CPU offload tier per pod")
-    ap.add_argument("--cpu-load-rate", type=float, default=50_000.0, help="CPU->GPU tokens/s")
+    simple = "simple pod model: "
+    ap.add_argument("--prefill-rate", type=float, help=simple + "prompt tokens/s per pod (8000)")
+    ap.add_argument("--decode-rate", type=float, help=simple + "tokens/s, one sequence (40)")
+    ap.add_argument("--decode-batch-slope", type=float, help=simple + "(0.01)")
+    ap.add_argument("--decode-interference", type=float, help=simple + "(0.005)")
+    ap.add_argument("--cpu-capacity-tokens", type=int, help=simple + "CPU offload tier per pod (0)")
+    ap.add_argument("--cpu-load-rate", type=float, help=simple + "CPU->GPU tokens/s (50000)")
     ap.add_argument("--tokenizer", help="model dir or 'builtin' (openai); else a char estimate")
     ap.add_argument("--default-output-tokens", type=int, default=128)
     ap.add_argument(
@@ -100,21 +138,32 @@ def parse_params(items: Sequence[str], policies: Sequence[str]) -> dict[str, dic
     return out
 
 
-def fleet_defaults(name: str, cfg: FleetConfig) -> dict[str, Any]:
+def fleet_defaults(name: str, cfg: FleetConfig | VllmFleetConfig) -> dict[str, Any]:
     """Parameters a policy takes from the fleet it routes to (an operator sets these to
     the pods' measured rates); ``--param`` overrides them.
 
     The peers get what their own docs tell an operator to set: llm-d's affinity filter
     says to retune ``peakPrefillThroughput`` to the deployment's prefill rate; Dynamo's
-    router asks only for the block size, which every request carries."""
-    if name == "cost":
+    router asks only for the block size, which every request carries.  vLLM pods'
+    rates come from their preset (:meth:`EngineSpec.prefill_rate_tokens_per_s`,
+    :meth:`EngineSpec.decode_slowdown_per_running`); they have no CPU tier."""
+    if isinstance(cfg, VllmFleetConfig):
+        prefill_rate = cfg.engine.prefill_rate_tokens_per_s()
+    else:
+        prefill_rate = cfg.prefill_rate
+    if name == "cost" and isinstance(cfg, VllmFleetConfig):
         return {
-            "prefill_rate_tokens_per_s": cfg.prefill_rate,
+            "prefill_rate_tokens_per_s": prefill_rate,
+            "decode_slowdown_per_running": cfg.engine.decode_slowdown_per_running(),
+        }
+    if name == "cost" and isinstance(cfg, FleetConfig):
+        return {
+            "prefill_rate_tokens_per_s": prefill_rate,
             "tier_load_rates_tokens_per_s": {"CPU": cfg.cpu_load_rate},
             "decode_slowdown_per_running": cfg.decode_interference,
         }
     if name == "llmd":
-        return {"peak_prefill_throughput_tokens_per_s": cfg.prefill_rate}
+        return {"peak_prefill_throughput_tokens_per_s": prefill_rate}
     return {}
 
 
@@ -160,6 +209,60 @@ def _load(args: argparse.Namespace) -> Trace:
     )
 
 
+def parse_engine_params(items: Sequence[str]) -> dict[str, Any]:
+    """``["max_num_seqs=64"]`` -> ``{"max_num_seqs": 64}`` (YAML values)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ReplayConfigError(f"--engine-param {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise ReplayConfigError(f"--engine-param {item!r}: bad value: {exc}") from None
+    return out
+
+
+def fleet_config(args: argparse.Namespace, block_size: int) -> FleetConfig | VllmFleetConfig:
+    """The validated fleet settings the arguments describe."""
+    given = [k for k in SIMPLE_DEFAULTS if getattr(args, k, None) is not None]
+    if args.pod_model == "vllm":
+        if given:
+            flag = given[0].replace("_", "-")
+            raise ReplayConfigError(
+                f"--{flag} applies to --pod-model simple; the vllm model takes its rates "
+                "from --preset and --engine-param"
+            )
+        try:
+            overrides = parse_engine_params(args.engine_param)
+            spec = resolve_preset(args.preset or DEFAULT_PRESET, overrides)
+        except PresetError as exc:
+            raise ReplayConfigError(str(exc)) from None
+        if not spec.calibrated:
+            print(
+                f"kvroute replay: preset {spec.name!r} is a placeholder: its step costs "
+                "are not measured",
+                file=sys.stderr,
+            )
+        capacity = args.capacity_tokens
+        return VllmFleetConfig(
+            pods=args.pods,
+            capacity_tokens=capacity if capacity is not None else spec.kv_capacity_tokens,
+            block_size=block_size,
+            engine=spec,
+        ).validate()
+    if args.preset is not None or args.engine_param:
+        raise ReplayConfigError("--preset and --engine-param apply to --pod-model vllm")
+    if args.capacity_tokens is None:
+        raise ReplayConfigError("capacity-tokens is required with --pod-model simple")
+    settings: dict[str, Any] = {
+        k: d if (v := getattr(args, k)) is None else v for k, d in SIMPLE_DEFAULTS.items()
+    }
+    return FleetConfig(
+        pods=args.pods, capacity_tokens=args.capacity_tokens, block_size=block_size, **settings
+    ).validate()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The replay's result (what ``--json`` prints)."""
     return replay(args)[0]
@@ -187,17 +290,7 @@ def replay(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[flo
         trace.requests = trace.requests[: args.limit]
     if not trace.requests:
         raise TraceFormatError(f"{args.trace}: no valid requests ({trace.malformed} malformed)")
-    cfg = FleetConfig(
-        pods=args.pods,
-        capacity_tokens=args.capacity_tokens,
-        block_size=trace.block_size,
-        prefill_rate=args.prefill_rate,
-        decode_rate=args.decode_rate,
-        decode_batch_slope=args.decode_batch_slope,
-        decode_interference=args.decode_interference,
-        cpu_capacity_tokens=args.cpu_capacity_tokens,
-        cpu_load_rate=args.cpu_load_rate,
-    ).validate()
+    cfg = fleet_config(args, trace.block_size)
     names = args.policy or available_policies()
     overrides = parse_params(args.param, names)
     policies = {

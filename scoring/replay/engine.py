@@ -1,26 +1,44 @@
 """The event loop: one policy, one trace, N simulated pods, in virtual time.
 
-Events live in a heap ``(time, seq, kind, pod, request)``; arrivals are merged in from
-the time-sorted trace.  At equal times, completions are handled before arrivals (a pod
-that finishes at ``t`` is seen free by a request arriving at ``t``).  For each arrival the
-router's part is played exactly as the live router plays it::
+Two pod models (``cfg`` says which): the simple one (:class:`~scoring.replay.simpod.SimPod`,
+a :class:`~scoring.replay.simpod.FleetConfig`) and the vLLM-like engine
+(:class:`~scoring.replay.vllm_pod.VllmPod`, a
+:class:`~scoring.replay.vllm_pod.VllmFleetConfig`).  The router's part is the same for
+both (below); only the pods' events differ.
+
+**Simple pods.**  Events live in a heap ``(time, seq, kind, pod, request)``; arrivals
+are merged in from the time-sorted trace.  At equal times, completions are handled
+before arrivals (a pod that finishes at ``t`` is seen free by a request arriving at
+``t``).  For each arrival the router's part is played exactly as the live router
+plays it::
 
     views    = [pod.view(request.block_keys) for pod in pods]   # index hits + load
     decision = policy.pick(request, views)
     policy.on_routed(request, decision.pod)    # inflight += 1, outstanding += P
     ...                                        # first token: outstanding -= P
     policy.on_complete(request, decision.pod)  # last token:  inflight -= 1
+
+**vLLM pods.**  The heap holds each busy pod's next step end.  When a step ends its
+first tokens and completions are reported, then the pod plans its next step at once
+(vLLM's engine loop), allowed to step over a decode run only up to the next arrival,
+so every pod's state at an arrival is the state of a real engine at that moment.  A
+request arriving at a pod mid-step waits for the next step; at an idle pod it starts
+one at its arrival.  A request vLLM would reject (prompt >= ``max_model_len``) is
+counted in ``rejected``, has no TTFT, and is completed at once.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+import math
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from scoring.policies.base import Policy
+from scoring.policies.base import PodView, Policy
 from scoring.replay.simpod import FleetConfig, SimPod
-from scoring.replay.trace import Trace
+from scoring.replay.trace import Trace, TraceRequest
+from scoring.replay.vllm_pod import VllmFleetConfig, VllmPod
 
 _PREFILL_DONE = 0
 _DECODE_DONE = 1
@@ -41,35 +59,66 @@ class PolicyRun:
     gpu_hit_tokens: list[int] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
     pod_of: list[int] = field(default_factory=list)
-    busy_s: list[float] = field(default_factory=list)  # per pod: prefill seconds
+    #: per pod: busy seconds (simple: prefilling; vllm: running engine steps)
+    busy_s: list[float] = field(default_factory=list)
     first_arrival_s: float = 0.0
     last_finish_s: float = 0.0
     wall_s: float = 0.0
+    rejected: int = 0  # requests the pods refused (TTFT nan)
+    preemptions: int = 0  # vllm: running requests preempted for lack of KV blocks
+    engine_steps: int = 0  # vllm: engine steps run, all pods
 
 
 def replay_policy(
     trace: Trace,
     policy: Policy,
-    cfg: FleetConfig,
+    cfg: FleetConfig | VllmFleetConfig,
     *,
     on_progress: Callable[[int], None] | None = None,
 ) -> PolicyRun:
     """Replay ``trace`` through ``policy`` on a fresh fleet described by ``cfg``."""
-    import time
-
     wall0 = time.perf_counter()
     cfg.validate()
-    reqs = trace.requests
+    if isinstance(cfg, VllmFleetConfig):
+        run = _replay_vllm(trace, policy, cfg, on_progress)
+    else:
+        run = _replay_simple(trace, policy, cfg, on_progress)
+    run.wall_s = time.perf_counter() - wall0
+    return run
+
+
+def _new_run(policy: Policy, pods: Sequence[str], reqs: Sequence[TraceRequest]) -> PolicyRun:
     n = len(reqs)
-    pods = [SimPod(f"pod-{i}", cfg) for i in range(cfg.pods)]
-    index_of = {p.name: i for i, p in enumerate(pods)}
-    run = PolicyRun(policy=policy.name, pods=[p.name for p in pods])
+    run = PolicyRun(policy=policy.name, pods=list(pods))
     run.ttft_s = [0.0] * n
     run.hit_tokens = [0] * n
     run.gpu_hit_tokens = [0] * n
     run.prompt_tokens = [r.prompt_tokens for r in reqs]
     run.pod_of = [-1] * n
     run.first_arrival_s = reqs[0].arrival_s if reqs else 0.0
+    return run
+
+
+def _pick(policy: Policy, r: TraceRequest, views: list[PodView], index_of: dict[str, int]) -> int:
+    """The policy's choice for ``r`` (told it was routed there), as a pod index."""
+    decision = policy.pick(r.route, views)
+    pod_i = index_of.get(decision.pod, -1)
+    if pod_i < 0:
+        raise PolicyError(f"policy {policy.name!r} chose unknown pod {decision.pod!r}")
+    policy.on_routed(r.route, decision.pod)
+    return pod_i
+
+
+def _replay_simple(
+    trace: Trace,
+    policy: Policy,
+    cfg: FleetConfig,
+    on_progress: Callable[[int], None] | None,
+) -> PolicyRun:
+    reqs = trace.requests
+    pods = [SimPod(f"pod-{i}", cfg) for i in range(cfg.pods)]
+    index_of = {p.name: i for i, p in enumerate(pods)}
+    run = _new_run(policy, [p.name for p in pods], reqs)
 
     heap: list[tuple[float, int, int, int, int]] = []
     seq = 0
@@ -116,13 +165,8 @@ def replay_policy(
         while heap and heap[0][0] <= t:
             handle(pop(heap))
         keys = list(r.route.block_keys)
-        views = [p.view(keys) for p in pods]
-        decision = policy.pick(r.route, views)
-        pod_i = index_of.get(decision.pod, -1)
-        if pod_i < 0:
-            raise PolicyError(f"policy {policy.name!r} chose unknown pod {decision.pod!r}")
+        pod_i = _pick(policy, r, [p.view(keys) for p in pods], index_of)
         pod = pods[pod_i]
-        policy.on_routed(r.route, pod.name)
         pod.inflight += 1
         pod.outstanding += r.prompt_tokens
         pod.active_blocks += _blocks(r.prompt_tokens + r.output_tokens, bs)
@@ -135,7 +179,75 @@ def replay_policy(
         handle(pop(heap))
     run.busy_s = [p.busy_s for p in pods]
     run.last_finish_s = last_finish
-    run.wall_s = time.perf_counter() - wall0
+    return run
+
+
+def _replay_vllm(
+    trace: Trace,
+    policy: Policy,
+    cfg: VllmFleetConfig,
+    on_progress: Callable[[int], None] | None,
+) -> PolicyRun:
+    reqs = trace.requests
+    n = len(reqs)
+    pods = [VllmPod(f"pod-{i}", cfg) for i in range(cfg.pods)]
+    index_of = {p.name: i for i, p in enumerate(pods)}
+    run = _new_run(policy, [p.name for p in pods], reqs)
+    heap: list[tuple[float, int, int]] = []  # (step end, seq, pod)
+    seq = 0
+    push, pop = heapq.heappush, heapq.heappop
+    last_finish = run.first_arrival_s
+
+    def start_step(pod_i: int, now: float, horizon: float) -> None:
+        nonlocal seq
+        plan = pods[pod_i].plan_step(horizon - now)
+        if plan is not None:
+            seq += 1
+            push(heap, (now + plan.duration_s, seq, pod_i))
+
+    def end_step(now: float, pod_i: int, horizon: float) -> None:
+        nonlocal last_finish
+        pod = pods[pod_i]
+        result = pod.finish_step()
+        for s in result.first_tokens:
+            r = reqs[s.rid]
+            run.ttft_s[s.rid] = now - r.arrival_s
+            pod.outstanding -= r.prompt_tokens
+        for s in result.finished:
+            r = reqs[s.rid]
+            run.hit_tokens[s.rid] = run.gpu_hit_tokens[s.rid] = s.hit_tokens
+            pod.inflight -= 1
+            last_finish = max(last_finish, now)
+            policy.on_complete(r.route, pod.name)
+        start_step(pod_i, now, horizon)
+
+    for ri, r in enumerate(reqs):
+        t = r.arrival_s
+        while heap and heap[0][0] <= t:
+            end, _, pod_i = pop(heap)
+            end_step(end, pod_i, t)
+        keys = list(r.route.block_keys)
+        pod_i = _pick(policy, r, [p.view(keys) for p in pods], index_of)
+        pod = pods[pod_i]
+        run.pod_of[ri] = pod_i
+        if pod.admit(ri, r) is None:
+            run.rejected += 1
+            run.ttft_s[ri] = math.nan
+            policy.on_complete(r.route, pod.name)
+        else:
+            pod.inflight += 1
+            pod.outstanding += r.prompt_tokens
+            if not pod.stepping:
+                start_step(pod_i, t, reqs[ri + 1].arrival_s if ri + 1 < n else math.inf)
+        if on_progress is not None:
+            on_progress(ri)
+    while heap:
+        end, _, pod_i = pop(heap)
+        end_step(end, pod_i, math.inf)
+    run.busy_s = [p.busy_s for p in pods]
+    run.last_finish_s = last_finish
+    run.preemptions = sum(p.sched.preemptions for p in pods)
+    run.engine_steps = sum(p.sched.steps for p in pods)
     return run
 
 

@@ -4,13 +4,17 @@
 * ``ttft_p50_s`` / ``p90`` / ``p99`` — nearest-rank percentiles of TTFT (arrival to first
   token, queueing included).
 * ``throughput_rps`` — requests / (last completion - first arrival).
-* ``imbalance`` — max / mean of per-pod busy time (seconds spent prefilling); 1.0 is
-  perfectly even.  ``max_utilisation`` / ``mean_utilisation`` are busy time over the
-  replay's span.
+* ``imbalance`` — max / mean of per-pod busy time (simple pods: seconds spent
+  prefilling; vLLM pods: seconds running engine steps); 1.0 is perfectly even.
+  ``max_utilisation`` / ``mean_utilisation`` are busy time over the replay's span.
+* ``rejected`` — requests a pod refused (vLLM pods: prompt >= ``max_model_len``); they
+  have no TTFT and are left out of the percentiles.  ``preemptions`` — running requests
+  a vLLM pod preempted for lack of KV blocks; ``engine_steps`` — steps the vLLM pods ran.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from scoring.replay.engine import PolicyRun
@@ -20,6 +24,7 @@ from scoring.replay.workload import percentile
 def summarize(run: PolicyRun) -> dict[str, Any]:
     prompt = sum(run.prompt_tokens)
     n = len(run.ttft_s)
+    ttft = [x for x in run.ttft_s if not math.isnan(x)] if run.rejected else run.ttft_s
     span = max(run.last_finish_s - run.first_arrival_s, 1e-9)
     busy = run.busy_s
     mean_busy = sum(busy) / len(busy) if busy else 0.0
@@ -29,17 +34,33 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
     return {
         "hit_rate": sum(run.hit_tokens) / prompt if prompt else 0.0,
         "gpu_hit_rate": sum(run.gpu_hit_tokens) / prompt if prompt else 0.0,
-        "ttft_p50_s": percentile(run.ttft_s, 50),
-        "ttft_p90_s": percentile(run.ttft_s, 90),
-        "ttft_p99_s": percentile(run.ttft_s, 99),
-        "ttft_mean_s": sum(run.ttft_s) / n if n else 0.0,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p99_s": percentile(ttft, 99),
+        "ttft_mean_s": sum(ttft) / len(ttft) if ttft else 0.0,
         "throughput_rps": n / span,
         "imbalance": max(busy) / mean_busy if mean_busy > 0 else 1.0,
         "max_utilisation": max(busy) / span if busy else 0.0,
         "mean_utilisation": mean_busy / span,
         "requests_per_pod": per_pod,
         "replay_wall_s": run.wall_s,
+        "rejected": run.rejected,
+        "preemptions": run.preemptions,
+        "engine_steps": run.engine_steps,
     }
+
+
+def _fleet_line(fleet: dict[str, Any]) -> str:
+    head = f"fleet: {fleet['pods']} pods x {fleet['capacity_tokens']:,} tokens, "
+    if fleet.get("pod_model") == "vllm":
+        e = fleet["engine"]
+        return head + (
+            f"pod model vllm, preset {e['name']}, max_num_batched_tokens "
+            f"{e['max_num_batched_tokens']:,}, max_num_seqs {e['max_num_seqs']:,}"
+        )
+    return head + (
+        f"prefill {fleet['prefill_rate']:,.0f} tok/s, decode {fleet['decode_rate']:,.0f} tok/s"
+    )
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -51,9 +72,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"trace: {result['trace']['path']} ({result['trace']['format']}"
         + (", CHARACTER ESTIMATE of tokens" if result["trace"]["approximate"] else "")
         + f"), {w['requests']} requests, {result['trace']['malformed']} malformed lines skipped",
-        f"fleet: {result['fleet']['pods']} pods x {result['fleet']['capacity_tokens']:,} tokens, "
-        f"prefill {result['fleet']['prefill_rate']:,.0f} tok/s, "
-        f"decode {result['fleet']['decode_rate']:,.0f} tok/s",
+        _fleet_line(result["fleet"]),
         f"prompt tokens: mean {pt['mean']:,.0f}  p50 {pt['p50']:,.0f}  p90 {pt['p90']:,.0f}  "
         f"p99 {pt['p99']:,.0f}  max {pt['max']:,}",
         f"prefix share rate {w['prefix_share_rate']:.1%}   prefix breakers "
@@ -76,6 +95,15 @@ def format_table(result: dict[str, Any]) -> str:
             f"{m['ttft_p50_s']:>8.2f} {m['ttft_p90_s']:>8.2f} {m['ttft_p99_s']:>8.2f} "
             f"{(f'{rel:.2f}' if rel is not None else '-'):>7} "
             f"{m['throughput_rps']:>7.2f} {m['imbalance']:>6.2f} {m['replay_wall_s']:>7.1f}"
+        )
+    if result["fleet"].get("pod_model") == "vllm":
+        lines.append("")
+        lines.append(
+            "vllm pods: preemptions / rejected / engine steps: "
+            + ", ".join(
+                f"{name} {m['preemptions']:,} / {m['rejected']:,} / {m['engine_steps']:,}"
+                for name, m in result["policies"].items()
+            )
         )
     return "\n".join(lines)
 
