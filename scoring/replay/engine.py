@@ -61,7 +61,7 @@ def replay_policy(
     cfg.validate()
     reqs = trace.requests
     n = len(reqs)
-    pods = [SimPod(f"pod-{i}", cfg) for i in range(cfg.pods)]
+    pods = [SimPod(f"pod-{i}", cfg, cfg.pod_capacity(i)) for i in range(cfg.pods)]
     index_of = {p.name: i for i, p in enumerate(pods)}
     run = PolicyRun(policy=policy.name, pods=[p.name for p in pods])
     run.ttft_s = [0.0] * n
