@@ -8,19 +8,20 @@ so nearly all of a prompt was already in the previous one.  When the context wou
 a summary of the whole context, and the session continues from the system prompt plus
 that summary (a new, shorter prefix: the old chain is never reused).  Steps are
 separated by think time (tool execution + the agent's own overhead), and by a longer
-human gap before a human message.
+human gap before a human message.  The trace is the steady window of the sessions
+(:func:`~scoring.replay.families.build.steady_window`).
 
 Defaults and where they come from (never fitted to a policy's result):
 
 * ~84 model calls per session, ~96% of input tokens cache reads, ~520 output tokens a
   call: TraceLab (arXiv:2606.30560; 4,265 Claude Code / Codex sessions, 357,161 steps,
   54.9 B input, 52.6 B cached-read and 186.9 M output tokens).  Its steps per session
-  are heavy-tailed (median 16, mean 82, p99 > 1,000); ``turns_median = 40`` with
+  are heavy-tailed (median ~16, mean 82, p99 > 1,000); ``turns_median = 40`` with
   ``turns_sigma = 0.6`` (mean ~48, p90 ~87) sits between its median and mean, giving
   "tens of turns" without the tail that would let two or three sessions make up a
   trace of a few thousand requests.
 * 11% of steps start from a human message (TraceLab: 8.9 user- vs 73.6 tool-initiated
-  steps per session).
+  steps per session), after a human gap of median 60 s (an assumption).
 * ~8.5 s between calls: LMCache's Claude Code trace of one SWE-bench task (92 calls in
   13 minutes, ~2 M input tokens, 92% prefix reuse;
   huggingface.co/blog/kobe0938/context-engineering-reuse-pattern-claude-code):
@@ -53,7 +54,7 @@ from scoring.replay.trace import Trace
 class AgenticParams:
     sessions: int = 120
     #: session starts (the offered-load scaling rescales all times); with the default
-    #: durations ~30 sessions are in flight at once
+    #: durations ~25 sessions are in flight at once
     arrivals: Arrivals = field(default_factory=lambda: Poisson(rate_per_s=1 / 30))
     turns_median: float = 40.0
     turns_sigma: float = 0.6

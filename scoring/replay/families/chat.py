@@ -3,7 +3,8 @@
 A conversation picks one of ``system_prompts`` shared system prompts; each turn's
 prompt is the whole conversation so far (system prompt, every earlier user message and
 reply) plus the new user message, so turn ``k`` reuses turn ``k-1``'s prompt and reply.
-Turns are separated by the user's think time.
+Turns are separated by the user's think time.  The trace is the steady window of the
+conversations (:func:`~scoring.replay.families.build.steady_window`).
 
 Defaults and where they come from (never fitted to a policy's result):
 
