@@ -13,7 +13,7 @@ summary columns for the two groups before believing a constant.  The Mooncake tr
 seed.  Policies are whatever the registry holds (``--policy`` to pick some).
 
 Cost: ``--quick`` (14 cells, 8 policies) takes about 2 minutes on the 2 shared cores;
-the full matrix (378 cells) about 40 minutes with ``--jobs 2`` (see docs/replay.md).
+the full matrix (378 cells) an estimated 40 minutes with ``--jobs 2`` (docs/replay.md).
 """
 
 from __future__ import annotations
