@@ -116,7 +116,7 @@ def _replay_simple(
     on_progress: Callable[[int], None] | None,
 ) -> PolicyRun:
     reqs = trace.requests
-    pods = [SimPod(f"pod-{i}", cfg) for i in range(cfg.pods)]
+    pods = [SimPod(f"pod-{i}", cfg, cfg.pod_capacity(i)) for i in range(cfg.pods)]
     index_of = {p.name: i for i, p in enumerate(pods)}
     run = _new_run(policy, [p.name for p in pods], reqs)
 

@@ -5,7 +5,8 @@ Pod model (one per pod, all times in seconds):
 * **Cache** — a :class:`scoring.simcache.PrefixCache` of ``capacity_tokens // block_size``
   blocks (LRU with prefix closure).  Optionally a CPU offload tier of
   ``cpu_capacity_tokens``: blocks evicted from GPU drop into a CPU LRU and are loaded
-  back at ``cpu_load_rate`` tokens/s when a prompt needs them.
+  back at ``cpu_load_rate`` tokens/s when a prompt needs them.  ``pod_capacity_tokens``
+  gives each pod its own cache size.
 * **Prefill** — one FCFS queue served one request at a time.  When a request starts
   prefill, its cached prefix is looked up (``g`` GPU tokens, ``c`` more CPU tokens) and
   its blocks are inserted (touched) in the cache::
@@ -54,6 +55,9 @@ class FleetConfig:
     decode_interference: float = 0.005  # prefill slows 0.5% per decoding request
     cpu_capacity_tokens: int = 0  # 0 = no CPU offload tier
     cpu_load_rate: float = 50_000.0  # tokens / s loaded from CPU into GPU
+    #: KV cache of each pod when the pods differ (one entry per pod); None = every pod
+    #: holds ``capacity_tokens``
+    pod_capacity_tokens: tuple[int, ...] | None = None
 
     def validate(self) -> FleetConfig:
         checks = [
@@ -71,6 +75,18 @@ class FleetConfig:
             ("cpu_capacity_tokens", self.cpu_capacity_tokens >= 0, "must be >= 0"),
             ("cpu_load_rate", self.cpu_load_rate > 0, "must be > 0"),
         ]
+        if self.pod_capacity_tokens is not None:
+            caps = self.pod_capacity_tokens
+            checks.append(
+                ("pod_capacity_tokens", len(caps) == self.pods, f"must list {self.pods} pods")
+            )
+            checks.append(
+                (
+                    "pod_capacity_tokens",
+                    all(c >= self.block_size for c in caps),
+                    f"must hold at least one block ({self.block_size} tokens) on every pod",
+                )
+            )
         for name, ok, why in checks:
             if not ok or (
                 isinstance(getattr(self, name), float) and not math.isfinite(getattr(self, name))
@@ -84,6 +100,16 @@ class FleetConfig:
     def capacity_blocks(self) -> int:
         return self.capacity_tokens // self.block_size
 
+    def pod_capacity(self, i: int) -> int:
+        """KV cache of pod ``i``, tokens."""
+        caps = self.pod_capacity_tokens
+        return caps[i] if caps is not None else self.capacity_tokens
+
+    @property
+    def total_capacity_tokens(self) -> int:
+        """The fleet's KV cache, tokens (what the pooled ceiling pools)."""
+        return sum(self.pod_capacity(i) for i in range(self.pods))
+
 
 class SimPod:
     """One simulated pod: cache, prefill queue, decode batch, and the router's view of it."""
@@ -92,6 +118,7 @@ class SimPod:
         "active_blocks",
         "busy_s",
         "cache",
+        "capacity_blocks",
         "cfg",
         "cpu",
         "decoding",
@@ -102,10 +129,12 @@ class SimPod:
         "queue",
     )
 
-    def __init__(self, name: str, cfg: FleetConfig) -> None:
+    def __init__(self, name: str, cfg: FleetConfig, capacity_tokens: int | None = None) -> None:
         self.name = name
         self.cfg = cfg
-        self.cache = PrefixCache(cfg.capacity_blocks)
+        tokens = cfg.capacity_tokens if capacity_tokens is None else capacity_tokens
+        self.capacity_blocks = tokens // cfg.block_size
+        self.cache = PrefixCache(self.capacity_blocks)
         self.cpu = (
             PrefixCache(cfg.cpu_capacity_tokens // cfg.block_size)
             if cfg.cpu_capacity_tokens >= cfg.block_size
@@ -146,9 +175,9 @@ class SimPod:
             outstanding_prefill_tokens=self.outstanding,
             waiting=len(self.queue),
             running=self.decoding + (1 if self.prefilling else 0),
-            kv_usage=min(1.0, self.active_blocks / max(1, self.cfg.capacity_blocks)),
+            kv_usage=min(1.0, self.active_blocks / max(1, self.capacity_blocks)),
             resident_blocks=len(self.cache),
-            capacity_blocks=self.cfg.capacity_blocks,
+            capacity_blocks=self.capacity_blocks,
         )
 
     def start_prefill(self, keys: list[int], prompt_tokens: int) -> tuple[float, int, int]:

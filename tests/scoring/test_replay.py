@@ -170,6 +170,18 @@ def test_blocks_evicted_to_the_cpu_tier_still_hit_and_cost_a_transfer(tmp_path: 
     assert run.ttft_s[2] == pytest.approx(1 / 1024.0 + 1024 / 10_240.0)
 
 
+def test_each_pod_holds_its_own_cache_size_when_the_fleet_lists_them(tmp_path: Path) -> None:
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    rows = [mooncake_row(0, a), mooncake_row(10, b), mooncake_row(20, a), mooncake_row(30, b)]
+    trace = load_trace(write_jsonl(tmp_path / "t.jsonl", rows))
+    cfg = fleet(pods=2, pod_capacity_tokens=(512 * 8, 512 * 2))
+    assert cfg.total_capacity_tokens == 512 * 10
+    run = replay_policy(trace, build_policy("round_robin"), cfg)
+    # pod-1 keeps only the first two blocks of b (a chain's tail is evicted first)
+    assert run.pod_of == [0, 1, 0, 1]
+    assert run.hit_tokens == [0, 0, 2048, 1024]
+
+
 def test_invalid_fleet_settings_are_rejected_naming_them() -> None:
     with pytest.raises(ReplayConfigError, match="pods"):
         fleet(pods=0).validate()
@@ -177,6 +189,10 @@ def test_invalid_fleet_settings_are_rejected_naming_them() -> None:
         fleet(capacity_tokens=100).validate()
     with pytest.raises(ReplayConfigError, match="prefill-rate"):
         fleet(prefill_rate=float("nan")).validate()
+    with pytest.raises(ReplayConfigError, match="pod-capacity-tokens must list 4 pods"):
+        fleet(pod_capacity_tokens=(512, 512)).validate()
+    with pytest.raises(ReplayConfigError, match="pod-capacity-tokens must hold"):
+        fleet(pod_capacity_tokens=(512, 512, 512, 100)).validate()
 
 
 class RecordingPolicy(RoundRobinPolicy):

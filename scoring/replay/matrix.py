@@ -1,0 +1,328 @@
+"""The benchmark matrix: every policy on workloads x fleets x cache sizes x offered loads.
+
+A :class:`Cell` is one workload on one fleet at one cache size and one offered load; a
+cell is replayed once per seed, every policy on the same scaled trace.  Dimensions:
+
+* **workload** — the synthetic families (:mod:`scoring.replay.families`: ``agentic``,
+  ``rag``, ``rag_bursty`` = RAG with on-off bursts, ``chat``, ``mixed``) for the seed,
+  and the two Mooncake traces in ``../shared/traces/`` (the same for every seed).
+* **fleet** — 4, 8 or 16 pods whose caches are ``equal`` or ``unequal``: half the pods
+  hold twice the cache of the other half (80 GB next to 40 GB GPUs), same total.
+* **cache** — the fleet's total cache as a share of the trace's working set (its distinct
+  full blocks, what an infinite cache would hold): ``small`` 10%, ``medium`` 30%,
+  ``large`` 100%.  No pod holds less than the longest prompt (vLLM will not serve a
+  prompt longer than its KV cache).
+* **load** — arrival times rescaled so the offered prefill work is 50%, 80% or 110% of
+  the fleet's prefill capacity at the pooled ceiling (:mod:`scoring.replay.offered_load`).
+
+Per cell and policy: hit rate and hit rate / pooled ceiling, TTFT p50 / p90 / p99 in
+seconds and relative to the best policy *in that cell* (the best is 1.00), imbalance
+(max / mean per-pod busy time).  :func:`summarize` aggregates per policy and seed group:
+geometric mean of TTFT p90 / best across cells, cells within 1.05x of the best, the
+worst ratio and its cell.  The first seed is the *tuning* seed, the others are
+*held out*: a policy's constants may be chosen looking at the first, never at the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from scoring.policies.registry import available_policies, build_policy
+from scoring.replay.ceilings import infinite_ceiling, pooled_ceiling
+from scoring.replay.cli import fleet_defaults
+from scoring.replay.engine import PolicyRun, replay_policy
+from scoring.replay.families import bursty, family_params, rag
+from scoring.replay.families import generate as generate_family
+from scoring.replay.offered_load import scale_to_load, span_s, working_set_tokens
+from scoring.replay.report import summarize as summarize_run
+from scoring.replay.simpod import FleetConfig, ReplayConfigError
+from scoring.replay.trace import Trace, load_trace
+
+TRACES_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
+MOONCAKE = {
+    "mooncake_conversation": "mooncake_conversation.jsonl",
+    "mooncake_synthetic": "mooncake_synthetic.jsonl",
+}
+SYNTHETIC = ("agentic", "rag", "rag_bursty", "chat", "mixed")
+WORKLOADS = (*SYNTHETIC, *MOONCAKE)
+FLEETS: tuple[tuple[int, str], ...] = tuple(
+    (n, c) for n in (4, 8, 16) for c in ("equal", "unequal")
+)
+CACHE_FRACTIONS = {"small": 0.1, "medium": 0.3, "large": 1.0}
+LOADS = (0.5, 0.8, 1.1)
+#: the unequal fleet's per-pod weights, repeated over the pods (mean 1)
+UNEQUAL_WEIGHTS = (4 / 3, 2 / 3)
+#: the replay's own pod model; a replay that gains others (issue #9) is dispatched in _replay
+POD_MODELS = ("simpod",)
+WITHIN = 1.05
+
+
+@dataclass(frozen=True, order=True)
+class Cell:
+    workload: str
+    pods: int
+    caches: str  # "equal" | "unequal"
+    cache: str  # "small" | "medium" | "large"
+    load: float  # offered load, a share of the fleet's prefill capacity
+
+    @property
+    def id(self) -> str:
+        return (
+            f"{self.workload}/p{self.pods}-{self.caches}/{self.cache}/load{round(self.load * 100)}"
+        )
+
+
+def full_matrix() -> list[Cell]:
+    return [
+        Cell(w, n, c, size, load)
+        for w in WORKLOADS
+        for n, c in FLEETS
+        for size in CACHE_FRACTIONS
+        for load in LOADS
+    ]
+
+
+def quick_matrix() -> list[Cell]:
+    """Every workload on a medium 8-pod fleet at 80%, plus a small unequal 4-pod fleet
+    pushed past capacity: the two corners most policies differ on."""
+    return [
+        cell
+        for w in WORKLOADS
+        for cell in (Cell(w, 8, "equal", "medium", 0.8), Cell(w, 4, "unequal", "small", 1.1))
+    ]
+
+
+def select(cells: Iterable[Cell], patterns: Sequence[str]) -> list[Cell]:
+    """The cells whose id matches any of the ``fnmatch`` ``patterns`` (none: all)."""
+    from fnmatch import fnmatchcase
+
+    cells = list(cells)
+    if not patterns:
+        return cells
+    return [c for c in cells if any(fnmatchcase(c.id, p) for p in patterns)]
+
+
+# --- traces and fleets --------------------------------------------------------------
+
+
+def _synthetic(name: str, seed: int, block_size: int) -> Trace:
+    if name == "rag_bursty":
+        return rag.generate(bursty(family_params("rag", block_size=block_size)), seed)
+    return generate_family(name, seed, block_size=block_size)
+
+
+@lru_cache(maxsize=3)
+def load_workload(
+    name: str, seed: int, *, limit: int | None, block_size: int, traces_dir: str
+) -> Trace:
+    """The workload's trace for ``seed`` (its first ``limit`` requests), memoised per
+    process: every cell of a workload replays the same one."""
+    if name in MOONCAKE:
+        trace = load_trace(Path(traces_dir) / MOONCAKE[name], "mooncake")
+        if trace.malformed:
+            raise ReplayConfigError(f"{name}: {trace.malformed} malformed lines")
+    elif name in SYNTHETIC:
+        trace = _synthetic(name, seed, block_size)
+    else:
+        raise ReplayConfigError(f"unknown workload {name!r}; available: {', '.join(WORKLOADS)}")
+    if limit is not None:
+        trace.requests = trace.requests[:limit]
+    return trace
+
+
+def fleet_for(cell: Cell, trace: Trace, *, prefill_rate: float = 8000.0) -> FleetConfig:
+    """The cell's fleet for ``trace``: total cache = the cache share of the working set,
+    split equally or 2:1, no pod below the longest prompt; other settings are
+    ``kvroute replay``'s defaults."""
+    bs = trace.block_size
+    total = CACHE_FRACTIONS[cell.cache] * working_set_tokens(trace)
+    floor = -(-max(r.prompt_tokens for r in trace.requests) // bs) * bs
+    weights = [1.0] * cell.pods
+    if cell.caches == "unequal":
+        weights = [UNEQUAL_WEIGHTS[i % len(UNEQUAL_WEIGHTS)] for i in range(cell.pods)]
+    elif cell.caches != "equal":
+        raise ReplayConfigError(f"caches must be 'equal' or 'unequal', got {cell.caches!r}")
+    caps = tuple(max(floor, int(total * w / cell.pods) // bs * bs) for w in weights)
+    return FleetConfig(
+        pods=cell.pods,
+        capacity_tokens=sum(caps) // cell.pods // bs * bs,
+        block_size=bs,
+        prefill_rate=prefill_rate,
+        decode_rate=40.0,
+        pod_capacity_tokens=caps if cell.caches == "unequal" else None,
+    ).validate()
+
+
+# --- one cell -----------------------------------------------------------------------
+
+
+def _replay(trace: Trace, name: str, cfg: FleetConfig, pod_model: str) -> PolicyRun:
+    """Hook for other pod models: ``simpod`` is the replay's own; when the replay grows
+    another (e.g. a vLLM-scheduler pod), dispatch on ``pod_model`` here."""
+    if pod_model not in POD_MODELS:
+        raise ReplayConfigError(
+            f"pod-model {pod_model!r} is not available; available: {', '.join(POD_MODELS)}"
+        )
+    return replay_policy(trace, build_policy(name, fleet_defaults(name, cfg)), cfg)
+
+
+def run_cell(
+    cell: Cell,
+    seed: int,
+    *,
+    policies: Sequence[str] | None = None,
+    limit: int | None = None,
+    block_size: int = 64,
+    traces_dir: str | Path = TRACES_DIR,
+    pod_model: str = "simpod",
+) -> dict[str, Any]:
+    """Replay every policy (default: every registered one) on ``cell`` for ``seed``."""
+    import time
+
+    wall0 = time.perf_counter()
+    trace = load_workload(
+        cell.workload, seed, limit=limit, block_size=block_size, traces_dir=str(traces_dir)
+    )
+    cfg = fleet_for(cell, trace)
+    scaled, factor = scale_to_load(trace, cfg, cell.load)
+    pooled = pooled_ceiling(scaled, cfg.total_capacity_tokens)
+    out: dict[str, Any] = {
+        "cell": cell.id,
+        "dims": asdict(cell),
+        "seed": seed,
+        "requests": len(scaled.requests),
+        "block_size": scaled.block_size,
+        "working_set_tokens": working_set_tokens(scaled),
+        "fleet": {
+            "pods": cfg.pods,
+            "pod_capacity_tokens": [cfg.pod_capacity(i) for i in range(cfg.pods)],
+            "prefill_rate": cfg.prefill_rate,
+            "pod_model": pod_model,
+        },
+        "offered_load": cell.load,
+        "time_scale": factor,
+        "ceilings": {"infinite": infinite_ceiling(scaled), "pooled": pooled},
+        "policies": {},
+    }
+    capacity_s = cfg.pods * max(span_s(scaled), 1e-9)
+    for name in policies or available_policies():
+        run = _replay(scaled, name, cfg, pod_model)
+        m = summarize_run(run)
+        out["policies"][name] = {
+            "hit_rate": m["hit_rate"],
+            "of_pooled": m["hit_rate"] / pooled if pooled > 0 else None,
+            "ttft_p50_s": m["ttft_p50_s"],
+            "ttft_p90_s": m["ttft_p90_s"],
+            "ttft_p99_s": m["ttft_p99_s"],
+            "imbalance": m["imbalance"],
+            # prefill busy time / capacity over the arrival span: the load this policy
+            # actually put on the fleet, comparable to offered_load
+            "busy_vs_capacity": sum(run.busy_s) / capacity_s,
+            "mean_utilisation": m["mean_utilisation"],
+            "replay_wall_s": m["replay_wall_s"],
+        }
+    add_ratios(out)
+    out["wall_s"] = time.perf_counter() - wall0
+    return out
+
+
+def add_ratios(cell_result: dict[str, Any]) -> None:
+    """Each policy's TTFT percentiles over the cell's best (lowest) for that percentile."""
+    pols = cell_result["policies"]
+    for q in ("p50", "p90", "p99"):
+        key = f"ttft_{q}_s"
+        best = min(m[key] for m in pols.values())
+        for m in pols.values():
+            m[f"{q}_vs_best"] = m[key] / best if best > 0 else 1.0
+
+
+# --- the whole matrix ---------------------------------------------------------------
+
+
+def run_matrix(
+    cells: Sequence[Cell],
+    seeds: Sequence[int],
+    *,
+    jobs: int = 1,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
+    **kw: Any,
+) -> list[dict[str, Any]]:
+    """Every cell for every seed, ``jobs`` processes; results in (cell, seed) order.
+
+    A Mooncake cell is the same for every seed: it is replayed for the first seed and
+    its result repeated for the others (marked ``"same_as_seed"``)."""
+    every = [(cell, seed) for cell in sorted(cells) for seed in seeds]
+    tasks = [(c, s) for c, s in every if c.workload not in MOONCAKE or s == seeds[0]]
+    results: list[dict[str, Any]] = []
+    if jobs <= 1:
+        for cell, seed in tasks:
+            results.append(run_cell(cell, seed, **kw))
+            if on_result is not None:
+                on_result(results[-1])
+    else:
+        import multiprocessing as mp
+        from functools import partial
+
+        with mp.get_context("fork").Pool(jobs) as pool:
+            for r in pool.imap_unordered(partial(_run_task, kw=kw), tasks):
+                results.append(r)
+                if on_result is not None:
+                    on_result(r)
+    done = {(r["cell"], r["seed"]): r for r in results}
+    out: list[dict[str, Any]] = []
+    for cell, seed in every:
+        got = done.get((cell.id, seed))
+        if got is None:
+            got = {**done[(cell.id, seeds[0])], "seed": seed, "same_as_seed": seeds[0]}
+        out.append(got)
+    return out
+
+
+def _run_task(task: tuple[Cell, int], kw: dict[str, Any]) -> dict[str, Any]:
+    return run_cell(task[0], task[1], **kw)
+
+
+def geomean(xs: Sequence[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def summarize(results: Sequence[dict[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
+    """Per policy, for the tuning seed (``seeds[0]``), the held-out seeds (the rest) and
+    all: cells, geometric mean of TTFT p90 / best, cells within 1.05x of the best, the
+    worst ratio and its cell, mean hit rate / pooled ceiling.  A result repeated from
+    the tuning seed (``same_as_seed``: a Mooncake cell) counts once, for the tuning
+    seed: held-out groups hold only traces the tuning seed did not see."""
+    groups = {"tuning": list(seeds[:1]), "held_out": list(seeds[1:]), "all": list(seeds)}
+    policies = list(dict.fromkeys(p for r in results for p in r["policies"]))
+    out: dict[str, Any] = {
+        "seeds": {"tuning": seeds[0] if seeds else None, "held_out": list(seeds[1:])},
+        "policies": {},
+    }
+    for pol in policies:
+        row: dict[str, Any] = {}
+        for group, members in groups.items():
+            rows = [
+                (r["cell"], r["seed"], r["policies"][pol])
+                for r in results
+                if r["seed"] in members and pol in r["policies"] and "same_as_seed" not in r
+            ]
+            if not rows:
+                continue
+            ratios = [m["p90_vs_best"] for _, _, m in rows]
+            worst = max(rows, key=lambda x: x[2]["p90_vs_best"])
+            pooled = [m["of_pooled"] for _, _, m in rows if m["of_pooled"] is not None]
+            row[group] = {
+                "cells": len(rows),
+                "p90_vs_best_geomean": geomean(ratios),
+                "within_1_05": sum(1 for x in ratios if x <= WITHIN + 1e-9),
+                "worst_p90_vs_best": worst[2]["p90_vs_best"],
+                "worst_cell": f"{worst[0]} (seed {worst[1]})",
+                "of_pooled_mean": sum(pooled) / len(pooled) if pooled else None,
+            }
+        out["policies"][pol] = row
+    return out

@@ -1,0 +1,145 @@
+"""Routing quality matrix: every registered policy on workloads x fleets x caches x loads.
+
+    python tests/bench/bench_quality_matrix.py --quick --out /tmp/matrix
+    python tests/bench/bench_quality_matrix.py --jobs 2 --seed 0 --seed 1 --seed 2 --out /tmp/full
+    python tests/bench/bench_quality_matrix.py --cells 'agentic/*' --cells '*/p16-*/*/load110'
+
+Runs :func:`scoring.replay.matrix.run_matrix` (see that module for the dimensions and
+metrics) and writes ``OUT.md`` (the summary, then one row per cell, seed and policy) and
+``OUT.json`` (everything, with the seeds and the command); the summary is also printed.
+The first ``--seed`` is the tuning seed, the others are held out: compare a policy's
+summary columns for the two groups before believing a constant.  The Mooncake traces
+(``--traces``, default ``../shared/traces/`` next to the repo) are the same for every
+seed.  Policies are whatever the registry holds (``--policy`` to pick some).
+
+Cost: ``--quick`` (14 cells, 8 policies) takes about 2 minutes on the 2 shared cores;
+the full matrix (378 cells) an estimated 40 minutes with ``--jobs 2`` (docs/replay.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from scoring.policies.registry import available_policies
+from scoring.replay.matrix import (
+    MOONCAKE,
+    POD_MODELS,
+    TRACES_DIR,
+    full_matrix,
+    quick_matrix,
+    run_matrix,
+    select,
+    summarize,
+)
+from scoring.replay.matrix_report import markdown, summary_table
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the small matrix (14 cells)")
+    ap.add_argument(
+        "--cells",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="keep cells whose id matches (repeatable), e.g. 'rag*/p8-*/*/load80'",
+    )
+    ap.add_argument(
+        "--seed",
+        action="append",
+        type=int,
+        default=None,
+        help="repeatable; the first is the tuning seed, the rest are held out (default 0)",
+    )
+    ap.add_argument("--jobs", type=int, default=1, help="processes over cells (default 1)")
+    ap.add_argument("--limit", type=int, default=None, help="first N requests of each trace")
+    ap.add_argument("--policy", action="append", choices=available_policies(), default=None)
+    ap.add_argument("--block-size", type=int, default=16, help="synthetic families (default 16)")
+    ap.add_argument("--traces", type=Path, default=TRACES_DIR, help="dir of the Mooncake traces")
+    ap.add_argument("--pod-model", choices=POD_MODELS, default=POD_MODELS[0])
+    ap.add_argument("--out", type=Path, help="write OUT.md and OUT.json")
+    ap.add_argument("--list", action="store_true", help="print the selected cell ids and exit")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv)
+    seeds: list[int] = a.seed or [0]
+    if len(set(seeds)) != len(seeds):
+        print("bench_quality_matrix: --seed values must differ", file=sys.stderr)
+        return 2
+    if a.jobs < 1 or (a.limit is not None and a.limit < 2) or a.block_size < 1:
+        print("bench_quality_matrix: --jobs >= 1, --limit >= 2, --block-size >= 1", file=sys.stderr)
+        return 2
+    cells = select(quick_matrix() if a.quick else full_matrix(), a.cells)
+    if a.list:
+        print("\n".join(c.id for c in cells))
+        return 0
+    if not cells:
+        print(f"bench_quality_matrix: no cell matches {a.cells}", file=sys.stderr)
+        return 2
+    policies = a.policy or available_policies()
+    # a Mooncake cell is replayed once, for the first seed (run_matrix)
+    total = sum(1 for c in cells for s in seeds if c.workload not in MOONCAKE or s == seeds[0])
+    done = 0
+    wall0 = time.perf_counter()
+
+    def progress(r: dict[str, Any]) -> None:
+        nonlocal done
+        done += 1
+        print(
+            f"[{done}/{total}] {r['cell']} seed {r['seed']}: {r['requests']:,} requests, "
+            f"{r['wall_s']:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    results = run_matrix(
+        cells,
+        seeds,
+        jobs=a.jobs,
+        on_result=progress,
+        policies=policies,
+        limit=a.limit,
+        block_size=a.block_size,
+        traces_dir=a.traces,
+        pod_model=a.pod_model,
+    )
+    summary = summarize(results, seeds)
+    wall_s = time.perf_counter() - wall0
+    doc: dict[str, Any] = {
+        "run": {
+            "command": "python tests/bench/bench_quality_matrix.py " + shlex.join(argv),
+            "seeds": seeds,
+            "tuning_seed": seeds[0],
+            "held_out_seeds": seeds[1:],
+            "policies": policies,
+            "block_size": a.block_size,
+            "limit": a.limit,
+            "pod_model": a.pod_model,
+            "jobs": a.jobs,
+            "wall_s": wall_s,
+        },
+        "summary": summary,
+        "cells": results,
+    }
+    print(summary_table(summary))
+    print(f"\n{total} cell runs in {wall_s:.0f} s", file=sys.stderr)
+    if a.out is not None:
+        base = a.out.with_suffix("") if a.out.suffix in (".md", ".json") else a.out
+        base.parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{base}.json").write_text(json.dumps(doc, indent=1) + "\n")
+        Path(f"{base}.md").write_text(markdown(doc))
+        print(f"wrote {base}.md and {base}.json", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
