@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Coroutine
 from types import TracebackType
+from typing import Any
 
 
 class HalfOpenRelay:
@@ -49,8 +51,8 @@ class HalfOpenRelay:
                 await task
         await self._server.wait_closed()
 
-    def _spawn(self, coro: object) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -86,3 +88,16 @@ async def _drain_forever(reader: asyncio.StreamReader) -> None:
     with contextlib.suppress(OSError):
         while await reader.read(65536):
             pass
+
+
+async def _serve(upstream_port: int) -> None:
+    async with HalfOpenRelay(upstream_port) as relay:
+        print(relay.port, flush=True)
+        await asyncio.Event().wait()
+
+
+if __name__ == "__main__":  # a relay in a process of its own: prints its port
+    import sys
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(int(sys.argv[1])))
