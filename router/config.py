@@ -250,6 +250,27 @@ class Settings(BaseSettings):
     redis_namespace: str = Field(
         default="kvroute", min_length=1, description="key prefix in Redis (one per router fleet)"
     )
+    redis_request_deadline_s: float = Field(
+        default=0.1,
+        gt=0.0,
+        description="deadline of each Redis call a request waits on (lookup, load, owner); "
+        "past it the request is routed on what this replica has",
+    )
+    redis_background_deadline_s: float = Field(
+        default=5.0,
+        gt=0.0,
+        description="deadline of Redis calls off the request path (event batches, sweeps, "
+        "lease, heartbeats)",
+    )
+    redis_breaker_failures: int = Field(
+        default=5,
+        ge=1,
+        description="consecutive Redis failures that open the circuit breaker (calls then "
+        "fail at once; one probe after a jittered backoff)",
+    )
+    redis_breaker_backoff_cap_s: float = Field(
+        default=5.0, gt=0.0, description="longest wait of the breaker before its probe"
+    )
     index_writer: bool = Field(
         default=False,
         description="with redis_url: also apply KV events to Redis from this process "

@@ -38,8 +38,10 @@ from router.fleet.transport import PodTransport
 from router.indexer.lease import WriterLease
 from router.metrics import RouterMetrics, register_build_info
 from router.metrics_share import SharedMetrics
+from router.shared_state import count_errors, make_guard
 from router.tokenize import PromptTokenizer, load_tokenizer
 from scoring.index.base import BlockIndex
+from scoring.index.redis_guard import RedisGuard
 from scoring.policies import build_policy
 from scoring.policies.base import Policy
 
@@ -60,8 +62,12 @@ class RouterCore:
         self.pod_tls = PodTLS.from_settings(settings.proxy)
         self.transport = PodTransport(settings.proxy.max_keepalive, self.pod_tls)
         self.client: httpx.AsyncClient = make_client(settings.proxy, self.transport)
-        self.index: BlockIndex = _make_index(settings)
-        self.load: LoadStore = _make_load_store(settings)
+        #: the one guarded Redis client (``redis_url``) the stores share
+        self.redis = make_guard(settings) if settings.redis_url else None
+        if self.redis is not None:
+            count_errors(self.redis, self.metrics.registry)
+        self.index: BlockIndex = _make_index(settings, self.redis)
+        self.load: LoadStore = _make_load_store(settings, self.redis)
         self.scraper = MetricsScraper(
             self.registry,
             self.client,
@@ -110,7 +116,7 @@ class RouterCore:
             self.router.on_routed = self.sink.learn_later
             self.sink.lora_path_of = self.scraper.adapter_paths.get
         #: response id -> the pod that stored it (``/v1/responses``)
-        self.owners: OwnerStore = _make_owner_store(settings)
+        self.owners: OwnerStore = _make_owner_store(settings, self.redis)
         self.router.owners = self.owners
         self._tasks: list[asyncio.Task[Any]] = []
         #: `kvroute serve --workers N`: every worker's metrics in one /metrics
@@ -221,6 +227,9 @@ class RouterCore:
             await self.index.close()
         with contextlib.suppress(Exception):
             await self.owners.close()
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                await self.redis.aclose()
 
     async def _index_gauge_loop(self) -> None:
         while True:
@@ -234,28 +243,28 @@ class RouterCore:
             await asyncio.sleep(max(self.settings.scrape.interval_s, 1.0))
 
 
-def _make_index(settings: Settings) -> BlockIndex:
-    if settings.redis_url:
+def _make_index(settings: Settings, redis: RedisGuard | None) -> BlockIndex:
+    if redis is not None:
         from scoring.index.redis import RedisIndex
 
-        return RedisIndex.from_url(settings.redis_url, namespace=settings.redis_namespace)
+        return RedisIndex(redis, namespace=settings.redis_namespace)
     from scoring.index.memory import InMemoryIndex
 
     return InMemoryIndex(max_entries=settings.index_capacity)
 
 
-def _make_load_store(settings: Settings) -> LoadStore:
-    if settings.redis_url:
+def _make_load_store(settings: Settings, redis: RedisGuard | None) -> LoadStore:
+    if redis is not None:
         from scoring.index.redis import RedisLoadStore
 
-        return RedisLoadStore.from_url(settings.redis_url, namespace=settings.redis_namespace)
+        return RedisLoadStore(redis, namespace=settings.redis_namespace)
     return MemoryLoadStore()
 
 
-def _make_owner_store(settings: Settings) -> OwnerStore:
+def _make_owner_store(settings: Settings, redis: RedisGuard | None) -> OwnerStore:
     r = settings.responses
-    if settings.redis_url:
-        return RedisOwnerStore.from_url(settings.redis_url, settings.redis_namespace, r.owner_ttl_s)
+    if redis is not None:
+        return RedisOwnerStore(redis, settings.redis_namespace, r.owner_ttl_s, owns_client=False)
     return MemoryOwnerStore(r.max_owners, r.owner_ttl_s)
 
 

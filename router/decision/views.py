@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from router.fleet.load import LoadStore, MemoryLoadStore, PendingLoad
 from router.fleet.scrape import MetricsScraper
 from scoring.index.base import BlockIndex
+from scoring.index.breaker import SharedStateUnavailable
 from scoring.index.memory import InMemoryIndex
 from scoring.policies.base import PodView
 
@@ -51,9 +52,23 @@ class ViewBuilder:
         self._resident_at = float("-inf")
 
     async def views(self, keys: Sequence[int], names: list[str]) -> dict[str, PodView]:
-        hits = await self.index.lookup(keys, names) if keys else {}
-        load = await self.load.snapshot(names)
-        return self._merge_views(hits, load, names)
+        """The views from a shared (Redis) index and load store.  While Redis is
+        unavailable (:class:`SharedStateUnavailable`: its deadline passed, or the
+        breaker is open) the request is routed on what this replica has: no shared
+        index hits, and its own load counts (which already hold its in-flight requests,
+        so no pending overlay)."""
+        try:
+            hits = await self.index.lookup(keys, names) if keys else {}
+        except SharedStateUnavailable:
+            hits = {}
+        overlay = True
+        try:
+            load = await self.load.snapshot(names)
+        except SharedStateUnavailable:
+            local = getattr(self.load, "local_snapshot", None)
+            load = local(names) if local is not None else {}
+            overlay = False
+        return self._merge_views(hits, load, names, overlay)
 
     def views_now(
         self, hits: Mapping[str, Mapping[str, int]], names: list[str]
@@ -70,10 +85,11 @@ class ViewBuilder:
         hits: Mapping[str, Mapping[str, int]],
         load: Mapping[str, tuple[int, int]],
         names: list[str],
+        overlay: bool = True,
     ) -> dict[str, PodView]:
         # the pending overlay (read after the awaits) only ever holds anything with a
         # shared store: the proxy updates a local one synchronously
-        pending = self.pending.get if self._local_load is None else None
+        pending = self.pending.get if overlay and self._local_load is None else None
         return self._build_views(
             hits,
             names,

@@ -59,6 +59,7 @@ from router.fleet.pods import PodRegistry
 from router.indexer.lease import LEASE_S, WriterLease
 from router.metrics import register_build_info
 from router.preflight import StartupError, load_settings
+from router.shared_state import count_errors, make_guard
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,10 @@ class Indexer:
         self.metrics = CollectorRegistry()
         register_build_info(self.metrics, "index")
         self.registry = PodRegistry()
-        self.index = RedisIndex.from_url(redis_url, namespace=settings.redis_namespace)
+        #: the guarded client (deadlines, breaker); its errors are exported here
+        self.redis = make_guard(settings.model_copy(update={"redis_url": redis_url}))
+        count_errors(self.redis, self.metrics)
+        self.index = RedisIndex(self.redis, namespace=settings.redis_namespace, owns_client=True)
         self.sink = make_sink(self.index, settings)
         self.lease = WriterLease(self.index, self.metrics, lease_s=lease_s, standby=True)
         self.subscriber = KVEventSubscriber(
