@@ -6,6 +6,8 @@
   not (``--no-kv-events``: it gets traffic while the index holds nothing for it);
 * ``kvroute serve`` with ``--discovery.static`` naming those three plus ``dead-0``, a pod
   whose URL nobody listens on (it fails scrapes and health checks and is ejected);
+  ``running_stack(routers=2)`` starts two such routers, replicas that share nothing but
+  the pods (each its own index, health checks and scrapes);
 
 then sends chat completions through the router.  Every process is stopped by PID at the
 end, whatever happens.  The repository root is put first on ``PYTHONPATH`` so the
@@ -36,19 +38,30 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = "sim-model"
 DASHBOARDS = ROOT / "helm" / "kvroute" / "dashboards"
 RULES = ROOT / "helm" / "kvroute" / "rules" / "kvroute-rules.yaml"
+#: the namespaces the live test's Prometheus puts on the vLLM pods and on the routers (a
+#: router often runs in a namespace of its own)
+NAMESPACE = "kvroute-test"
+ROUTER_NAMESPACE = "kvroute-router"
 #: the values the tests give the dashboards' template variables: every variable is
-#: multi-valued with "All" = ".*", and the test Prometheus scrapes with namespace
-#: "kvroute-test"; $__rate_interval is 4 x the 1 s scrape interval of the live test,
-#: widened to ride out a busy 2-core machine
+#: multi-valued with "All" = ".*"; $__rate_interval is 4 x the 1 s scrape interval of
+#: the live test, widened to ride out a busy 2-core machine
 TEMPLATE_VALUES = {
     "__rate_interval": "20s",
     "__interval": "5s",
     "__range": "5m",
-    "namespace": "kvroute-test",
+    "namespace": NAMESPACE,
+    "router_namespace": ROUTER_NAMESPACE,
     "job": ".*",
     "pod": ".*",
     "model": ".*",
 }
+#: the overview is the router's dashboard: its $namespace is the router's
+DASHBOARD_VALUES = {"kvroute-overview.json": {"namespace": ROUTER_NAMESPACE}}
+
+
+def template_values(dashboard: str) -> dict[str, str]:
+    """:data:`TEMPLATE_VALUES` as ``dashboard`` (a file name) is filled in the live test."""
+    return {**TEMPLATE_VALUES, **DASHBOARD_VALUES.get(dashboard, {})}
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,11 @@ class Query:
     expr: str  # as written (template variables unsubstituted)
     panel: dict[str, Any] | None = None  # the panel, for dashboard queries
     rule: dict[str, Any] | None = None  # the rule, for rule queries
+
+    @property
+    def dashboard(self) -> str | None:
+        """The dashboard's file name, for dashboard queries."""
+        return self.source.split(":")[0] if self.panel is not None else None
 
 
 def load_dashboards() -> dict[str, dict[str, Any]]:
@@ -162,14 +180,20 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
 
 @dataclass
 class Stack:
-    router_url: str
+    #: base URL of each router replica (all route to the same pods)
+    router_urls: list[str]
     #: pod name -> base URL of each simulated pod we started
     sims: dict[str, str]
     dead_pod: str
     quiet_pod: str
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def chat(self, i: int) -> int:
+    @property
+    def router_url(self) -> str:
+        """The first router replica."""
+        return self.router_urls[0]
+
+    def chat(self, i: int, router: str | None = None) -> int:
         """One completion: even ``i`` chat with one of three long system prompts (prefix
         hits), odd ``i`` are text completions starting with text of their own (a miss on
         every pod, which the policy spreads by its tie-break: every live pod gets some)."""
@@ -188,11 +212,11 @@ class Stack:
                 "prompt": f"{i * 7919} {i} is a prompt of its own",
                 "max_tokens": 4,
             }
-        r = httpx.post(f"{self.router_url}{path}", json=body, timeout=30.0)
+        r = httpx.post(f"{router or self.router_url}{path}", json=body, timeout=30.0)
         return r.status_code
 
-    def traffic(self, n: int) -> list[int]:
-        return [self.chat(i) for i in range(n)]
+    def traffic(self, n: int, router: str | None = None) -> list[int]:
+        return [self.chat(i, router) for i in range(n)]
 
 
 def start_sim(name: str, *extra: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
@@ -212,7 +236,7 @@ def start_sim(name: str, *extra: str) -> tuple[subprocess.Popen[bytes], dict[str
 
 
 @contextlib.contextmanager
-def running_stack() -> Iterator[Stack]:
+def running_stack(routers: int = 1) -> Iterator[Stack]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         static = []
@@ -229,31 +253,47 @@ def running_stack() -> Iterator[Stack]:
         static.append(
             {"name": "dead-0", "url": f"http://127.0.0.1:{free_port()}", "models": [MODEL]}
         )
-        port = free_port()
-        cmd = [
-            sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1",
-            "--port", str(port), "--discovery.static", json.dumps(static),
-            "--health.interval-s", "0.5", "--health.failure-threshold", "2",
-            "--log-level", "warning",
-        ]  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(), cwd=ROOT
+        urls = []
+        for _ in range(routers):
+            port = free_port()
+            cmd = [
+                sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1",
+                "--port", str(port), "--discovery.static", json.dumps(static),
+                "--health.interval-s", "0.5", "--health.failure-threshold", "2",
+                "--log-level", "warning",
+            ]  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    env=child_env(),
+                    cwd=ROOT,
+                )
             )
-        )
-        router = f"http://127.0.0.1:{port}"
-        wait_http(f"{router}/metrics", timeout=60)
-        yield Stack(router, sims, dead_pod="dead-0", quiet_pod="quiet-0", procs=procs)
+            urls.append(f"http://127.0.0.1:{port}")
+        for url in urls:
+            wait_http(f"{url}/metrics", timeout=60)
+        yield Stack(urls, sims, dead_pod="dead-0", quiet_pod="quiet-0", procs=procs)
     finally:
         for proc in reversed(procs):
             stop(proc)
 
 
-@pytest.fixture(scope="module")
-def kvroute_stack() -> Iterator[Stack]:
-    with running_stack() as stack:
+@contextlib.contextmanager
+def warm_stack(routers: int = 1) -> Iterator[Stack]:
+    """:func:`running_stack`, the dead pod ejected and 24 completions sent through each
+    router replica."""
+    with running_stack(routers) as stack:
         # let the dead pod be ejected first, so traffic reaches live pods only
         time.sleep(2.0)
-        statuses = stack.traffic(24)
-        assert statuses.count(200) == len(statuses), statuses
+        for url in stack.router_urls:
+            statuses = stack.traffic(24, router=url)
+            assert statuses.count(200) == len(statuses), (url, statuses)
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def kvroute_stack() -> Iterator[Stack]:
+    with warm_stack() as stack:
         yield stack

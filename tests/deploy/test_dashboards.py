@@ -31,8 +31,8 @@ from tests.deploy.conftest import (
     load_rules,
     panels,
     rule_queries,
-    substitute,
 )
+from tests.deploy.promql import is_ratio_or_quantile, nodes, parse, selectors, zero_fallback
 
 #: labels Prometheus attaches to every scraped series (kubernetes_sd / static_configs)
 TARGET_LABELS = frozenset({"namespace", "job", "instance"})
@@ -107,24 +107,19 @@ def exposed(kvroute_stack: Stack) -> dict[str, set[str]]:
     return {**router, **pod}
 
 
+@pytest.fixture(scope="module")
+def uncounted(kvroute_stack: Stack) -> set[str]:
+    """Counter series the live router declares but has no sample of yet (nothing was
+    retried, resynced, estimated... in its traffic): Prometheus stores nothing for them."""
+    text = httpx.get(f"{kvroute_stack.router_url}/metrics").text
+    out = set()
+    for fam in text_string_to_metric_families(text):
+        if fam.type == "counter" and not fam.samples:
+            out.add(fam.name + "_total")
+    return out
+
+
 # -- PromQL walking ------------------------------------------------------------------------------
-
-
-def parse(q: Query) -> Any:
-    try:
-        return promql_parser.parse(substitute(q.expr))
-    except Exception as exc:
-        raise AssertionError(f"{q.source}: {q.expr!r} does not parse: {exc}") from exc
-
-
-def nodes(ast: Any) -> list[Any]:
-    found: list[Any] = []
-    promql_parser.walk(ast, lambda n: found.append(n))
-    return found
-
-
-def selectors(ast: Any) -> list[Any]:
-    return [n for n in nodes(ast) if isinstance(n, promql_parser.VectorSelector)]
 
 
 def matchers(sel: Any) -> Iterator[Any]:
@@ -255,6 +250,21 @@ def test_the_label_check_catches_a_wrong_label(exposed: dict[str, set[str]]) -> 
         "sum by (status) (vllm:num_requests_waiting)",
     ):
         assert label_problems(promql_parser.parse(expr), exposed), expr
+
+
+def test_a_counter_the_router_has_not_moved_yet_reads_zero_not_no_data(
+    uncounted: set[str],
+) -> None:
+    """A fresh, healthy router has counted no retry, resync or approximate tokenization:
+    the panels reading those counters fall back to 0 (tests/deploy/promql.py)."""
+    assert {"kvroute_retries_total", "kvroute_event_resyncs_total"} <= uncounted, uncounted
+    read = 0
+    for q in dashboard_queries():
+        ast = parse(q)
+        if {s.name for s in selectors(ast)} & uncounted and not is_ratio_or_quantile(ast):
+            read += 1
+            assert zero_fallback(ast) is not None, f"{q.source}: 'No data' until it counts"
+    assert read >= 5
 
 
 def test_real_vllm_only_metrics_are_absent_from_the_sim_and_flagged_on_their_panels(

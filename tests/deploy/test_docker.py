@@ -3,10 +3,12 @@
 This machine has a docker client but no daemon and no registry access, so the image is
 never built here.  What can be checked is: what the build copies exists and is not
 dropped by ``.dockerignore``, the copied tree is everything the wheel is built from, the
-final stage is a slim Python 3.11 that runs as non-root, the ENTRYPOINT is kvroute's
-console script and the CMD parses with kvroute's own settings loader, the port agrees
-with EXPOSE and with the Helm chart, and the HEALTHCHECK command (stdlib only) tells a
-healthy router from a sick or absent one.
+base is a slim Python 3.11 pinned by digest, pip installs only pinned wheels
+(docker/constraints.txt, checked in test_constraints.py) through a cache mount, the OCI
+labels agree with pyproject.toml, the final stage runs as non-root, the ENTRYPOINT is
+kvroute's console script and the CMD parses with kvroute's own settings loader, the port
+agrees with EXPOSE and with the Helm chart, and the HEALTHCHECK command (stdlib only)
+tells a healthy router from a sick or absent one.
 """
 
 from __future__ import annotations
@@ -94,21 +96,34 @@ def instructions(text: str) -> Iterator[Instruction]:
         logical = ""
 
 
-def stages() -> list[Stage]:
+def global_args() -> dict[str, str]:
+    """The ARGs before the first FROM, with their defaults (they parameterise FROM, and
+    a stage that redeclares one gets its default)."""
     args: dict[str, str] = {}
-    out: list[Stage] = []
     for ins in instructions(DOCKERFILE.read_text()):
-        if ins.keyword == "ARG" and not out:  # global ARGs parameterise FROM
+        if ins.keyword == "FROM":
+            break
+        if ins.keyword == "ARG":
             name, _, default = ins.args.partition("=")
             args[name] = default
-        elif ins.keyword == "FROM":
+    return args
+
+
+def expand(text: str, args: dict[str, str]) -> str:
+    for name, value in args.items():
+        text = text.replace("${" + name + "}", value).replace("$" + name, value)
+    return text
+
+
+def stages() -> list[Stage]:
+    args = global_args()
+    out: list[Stage] = []
+    for ins in instructions(DOCKERFILE.read_text()):
+        if ins.keyword == "FROM":
             words = ins.args.split()
-            base = words[0]
-            for name, value in args.items():
-                base = base.replace("${" + name + "}", value).replace("$" + name, value)
             alias = words[2] if len(words) == 3 and words[1].upper() == "AS" else None
-            out.append(Stage(base, alias))
-        else:
+            out.append(Stage(expand(words[0], args), alias))
+        elif out:
             out[-1].instructions.append(ins)
     return out
 
@@ -175,6 +190,77 @@ def test_the_build_is_multi_stage_and_ends_in_slim_python_311() -> None:
     assert all(s.base.startswith("python:3.11") for s in all_stages)
 
 
+def test_the_dockerfile_asks_for_the_dockerfile_1_frontend() -> None:
+    # BuildKit's syntax line: RUN --mount (the cache and the wheels' bind mount) is part
+    # of the stable Dockerfile 1 syntax
+    assert DOCKERFILE.read_text().splitlines()[0] == "# syntax=docker/dockerfile:1"
+
+
+def test_every_stage_starts_from_one_python_image_pinned_by_digest() -> None:
+    bases = {s.base for s in stages()}
+    assert len(bases) == 1, bases
+    (base,) = bases
+    assert re.fullmatch(r"python:3\.11-slim-[a-z]+@sha256:[0-9a-f]{64}", base), base
+
+
+def labels(stage: Stage) -> dict[str, str]:
+    """The stage's LABELs, its ARGs expanded with their global defaults."""
+    args = global_args()
+    out = {}
+    for ins in stage.all("LABEL"):
+        for word in shlex.split(ins.args):
+            key, _, value = word.partition("=")
+            out[key] = expand(value, args)
+    return out
+
+
+def test_the_image_carries_oci_labels_that_agree_with_pyproject_and_the_base() -> None:
+    oci = {
+        k.removeprefix("org.opencontainers.image."): v
+        for k, v in labels(FINAL).items()
+        if k.startswith("org.opencontainers.image.")
+    }
+    project = PYPROJECT["project"]
+    assert oci["title"] == project["name"]
+    assert oci["description"] == project["description"]
+    assert oci["version"] == project["version"]  # bump both, or the label lies
+    assert oci["licenses"] == project["license"]["text"]
+    assert f"{oci['base.name']}@{oci['base.digest']}" == FINAL.base
+    assert oci["revision"]  # the commit, set by the release build (--build-arg REVISION)
+
+
+def pip_runs(stage: Stage) -> list[Instruction]:
+    return [i for i in stage.all("RUN") if re.search(r"\bpip (install|wheel)\b", i.args)]
+
+
+def test_the_build_downloads_through_a_pip_cache_mount() -> None:
+    build = stages()[0]
+    assert pip_runs(build)
+    for run in pip_runs(build):
+        assert run.flags.get("mount") == "type=cache,target=/root/.cache/pip", run.args
+    # PIP_NO_CACHE_DIR would leave the mounted cache unused
+    assert not any("PIP_NO_CACHE_DIR" in e.args for e in build.all("ENV"))
+
+
+def test_the_build_installs_only_pinned_wheels() -> None:
+    build = stages()[0]
+    copied = [dest for srcs, dest in copies(build) if "docker/constraints.txt" in srcs]
+    assert copied == ["docker/constraints.txt"]
+    first_run = next(i for i, ins in enumerate(build.instructions) if ins.keyword == "RUN")
+    first_copy = next(
+        i
+        for i, ins in enumerate(build.instructions)
+        if ins.keyword == "COPY" and "docker/constraints.txt" in ins.args
+    )
+    assert first_copy < first_run
+    for run in pip_runs(build):
+        assert "-c docker/constraints.txt" in run.args, run.args
+        assert "--only-binary=:all:" in run.args, run.args  # no compiler in the image
+    # the build backend comes from the pins too, not from an unpinned isolated build env
+    assert any("setuptools wheel" in r.args for r in pip_runs(build))
+    assert any("--no-build-isolation" in r.args for r in pip_runs(build))
+
+
 def test_every_copy_source_exists_and_reaches_the_build_context() -> None:
     sources = [s for stage in stages() for srcs, _ in copies(stage) for s in srcs]
     assert sources
@@ -205,6 +291,8 @@ def test_the_build_context_leaves_tests_and_git_out() -> None:
 def test_the_final_stage_installs_wheels_only_and_carries_no_build_tools() -> None:
     runs = " ".join(i.args for i in FINAL.all("RUN"))
     assert "--no-index" in runs  # only the wheels built in the first stage
+    # kvroute alone: the plot extra (matplotlib) is an offline analysis tool
+    assert re.search(r"--find-links=/wheels kvroute(\s|$)", runs), runs
     for tool in ("gcc", "build-essential", "make ", "g++", "apt-get install"):
         assert tool not in runs, tool
     assert copies(FINAL) == []  # no sources in the runtime image

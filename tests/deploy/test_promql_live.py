@@ -2,12 +2,17 @@
 
 Opt-in (``python3 -m pytest -m prometheus tests/deploy``); skipped when no ``prometheus``
 binary is on PATH (Debian: ``apt-get install prometheus``).  The stack of conftest.py
-(``kvroute serve`` in front of ``sim-0``, ``sim-1``, ``quiet-0`` without KV events, and
-``dead-0`` that nobody serves) is scraped every second by a Prometheus started here on
-127.0.0.1 with the rules file loaded, while a background thread keeps chat completions
-flowing.  The scrape config mirrors Kubernetes: ``namespace`` on every target, the vLLM
-pods' ``pod`` as a target label, the router scraped with ``honor_labels`` (its series
-carry ``pod`` = the vLLM pod a request went to).
+with two router replicas that share nothing but the pods (two ``kvroute serve`` in
+front of ``sim-0``, ``sim-1``, ``quiet-0`` without KV events, and ``dead-0`` that nobody
+serves) is scraped every second by a Prometheus started here on 127.0.0.1 with the
+rules file loaded.  The scrape config mirrors Kubernetes: ``namespace`` on every target
+(the routers in a namespace of their own), the vLLM pods' ``pod`` as a target label,
+the routers scraped with ``honor_labels`` (their series carry ``pod`` = the vLLM pod a
+request went to) as two instances of one job.
+
+Prometheus first records an idle stretch (no request in a whole rate window: every
+ratio is 0/0, every quantile has no observation), then a background thread keeps
+completions flowing through both replicas.  Panel queries are evaluated at both times.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import yaml
 
 from tests.deploy.conftest import (
     MODEL,
+    NAMESPACE,
+    ROUTER_NAMESPACE,
     RULES,
     TEMPLATE_VALUES,
     Query,
@@ -38,57 +45,34 @@ from tests.deploy.conftest import (
     rule_queries,
     stop,
     substitute,
+    template_values,
     wait_http,
+    warm_stack,
 )
+from tests.deploy.promql import filters_zeros_then_falls_back, is_ratio_or_quantile, parse
 
 pytestmark = [
     pytest.mark.prometheus,
     pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus binary on PATH"),
 ]
 
-NAMESPACE = TEMPLATE_VALUES["namespace"]
-#: panels that must show data once traffic flows through the stack
-PANELS_WITH_DATA = {
-    "kvroute-overview.json": {
-        "Requests / s by status",
-        "Requests / s by model and policy",
-        "Errors / s by reason",  # the traffic includes requests for an unknown model
-        "5xx ratio",
-        "Routing decision latency (router-added work)",
-        "Tokenization latency by tokenizer",
-        "TTFT measured at the router",
-        "Routed hit rate",
-        "Routed hit rate by pod",
-        "Request share by pod",
-        "In-flight requests by pod",
-        "Prompt tokens / s by pod",
-        "Index entries by pod",
-        "KV events ingested / s",
-        "Gaps, missed batches, replays",
-        "KV event errors",
-        "Event lag and queue depth",
-        "Healthy pods",
-        "Pod health",
-        "Scrape errors / s by pod",  # dead-0
-        "Health checks",  # dead-0
-        "Responses: follow-ups by owner lookup",
-        "Responses: routed without a cache score",
-    },
-    "kvroute-fleet.json": {
-        "Fleet prefix-cache hit rate",
-        "Prefix-cache hit rate by pod",
-        "Measured vs routed hit rate",
-        "KV cache usage by pod",
-        "Requests waiting / running by pod",
-        "Prompt / generation tokens / s by pod",
-        "Finished requests / s by reason",
-        "TTFT",
-        "TTFT p90 by pod",
-        "Queue time p90 by pod",
-        "End-to-end latency",
-        "Cache configuration",
-    },
-}
+ROUTERS = 2
+#: the window a panel's rate() reads
+WINDOW = TEMPLATE_VALUES["__rate_interval"]
+REAL_VLLM_ONLY = "Real vLLM only"
+
+
+def filled(q: Query) -> str:
+    """``q``'s expression with its dashboard's template values."""
+    assert q.dashboard is not None
+    return substitute(q.expr, template_values(q.dashboard))
+
+
+def real_vllm_only(q: Query) -> bool:
+    assert q.panel is not None
+    return str(q.panel["description"]).startswith(REAL_VLLM_ONLY)
+
+
 #: alert expressions that the stack makes true, and the pod each names (None: the alert
 #: is about the router, not a pod)
 ALERTS_FIRING = {
@@ -110,10 +94,11 @@ ALERTS_QUIET = {
 
 
 class Traffic:
-    """Chat completions through the router from a thread, until stopped; every 10th asks
-    for a model nobody serves (a 404 counted in kvroute_bad_requests_total); every 10th
-    is a Responses API round: a response (with a function-call item: unscored), a
-    follow-up naming it (its owner is known) and one naming a response nobody stored."""
+    """Chat completions through the routers from a thread, until stopped, ten to one
+    replica then ten to the next; of each ten, one asks for a model nobody serves (a 404
+    counted in kvroute_bad_requests_total) and one is a Responses API round: a response
+    (with a function-call item: unscored), a follow-up naming it (its owner is known)
+    and one naming a response nobody stored."""
 
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
@@ -126,21 +111,22 @@ class Traffic:
         with httpx.Client(timeout=30.0) as client:
             while not self._stop.is_set():
                 i = self.sent
+                router = self.stack.router_urls[i // 10 % len(self.stack.router_urls)]
                 if i % 10 == 9:
                     messages = [{"role": "user", "content": "x"}]
                     body = {"model": "no-such-model", "messages": messages}
-                    r = client.post(f"{self.stack.router_url}/v1/chat/completions", json=body)
+                    r = client.post(f"{router}/v1/chat/completions", json=body)
                     status = r.status_code
                 elif i % 10 == 4:
-                    status = self._responses(client, i)
+                    status = self._responses(client, router, i)
                 else:
-                    status = self.stack.chat(1000 + i)
+                    status = self.stack.chat(1000 + i, router)
                 self.statuses[status] = self.statuses.get(status, 0) + 1
                 self.sent += 1
                 self._stop.wait(0.1)
 
-    def _responses(self, client: httpx.Client, i: int) -> int:
-        url = f"{self.stack.router_url}/v1/responses"
+    def _responses(self, client: httpx.Client, router: str, i: int) -> int:
+        url = f"{router}/v1/responses"
         call = {"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"}
         first = client.post(url, json={"model": MODEL, "input": [call], "max_output_tokens": 4})
         if first.status_code != 200:
@@ -162,6 +148,8 @@ class Traffic:
 class Prometheus:
     def __init__(self, url: str) -> None:
         self.url = url
+        #: a time (Unix seconds) when no request had been sent for a whole rate window
+        self.idle_at = 0.0
 
     def get(self, path: str, **params: Any) -> Any:
         r = httpx.get(f"{self.url}{path}", params=params, timeout=30.0)
@@ -169,8 +157,9 @@ class Prometheus:
         assert body["status"] == "success", f"{path} {params}: {body}"
         return body["data"]
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        data = self.get("/api/v1/query", query=expr)
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        params = {"query": expr} if at is None else {"query": expr, "time": at}
+        data = self.get("/api/v1/query", **params)
         assert data["resultType"] in ("vector", "scalar"), data
         if data["resultType"] == "scalar":
             return [{"metric": {}, "value": data["result"]}]
@@ -189,7 +178,10 @@ def prometheus_config(stack: Stack) -> dict[str, Any]:
                 "job_name": "kvroute",
                 "honor_labels": True,
                 "static_configs": [
-                    {"targets": [target(stack.router_url)], "labels": {"namespace": NAMESPACE}}
+                    {
+                        "targets": [target(url) for url in stack.router_urls],
+                        "labels": {"namespace": ROUTER_NAMESPACE},
+                    }
                 ],
             },
             {
@@ -201,6 +193,13 @@ def prometheus_config(stack: Stack) -> dict[str, Any]:
             },
         ],
     }
+
+
+@pytest.fixture(scope="module")
+def kvroute_stack() -> Iterator[Stack]:
+    """conftest.py's stack with two router replicas (overrides its one-router fixture)."""
+    with warm_stack(routers=ROUTERS) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +228,7 @@ def prometheus(
     try:
         prom = Prometheus(f"http://127.0.0.1:{port}")
         wait_http(f"{prom.url}/-/ready", timeout=60)
+        prom.idle_at = wait_for_idle_window(prom, kvroute_stack)
         with Traffic(kvroute_stack) as traffic:
             wait_for_data(prom, kvroute_stack)
             yield prom
@@ -238,11 +238,28 @@ def prometheus(
         log.close()
 
 
+def targets(stack: Stack) -> int:
+    return len(stack.router_urls) + len(stack.sims)
+
+
+def wait_for_idle_window(prom: Prometheus, stack: Stack, timeout: float = 90.0) -> float:
+    """A time at which every target has been scraped for a whole rate window with no
+    request sent (the stack's warm-up traffic ended before Prometheus started)."""
+    samples = int(WINDOW.removesuffix("s")) // 2  # of the ~20 at a 1 s scrape interval
+    expr = f"count(count_over_time(up[{WINDOW}]) >= {samples}) == {targets(stack)}"
+    deadline = time.monotonic() + timeout
+    while not prom.query(expr):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no idle window after {timeout} s: {expr}")
+        time.sleep(1.0)
+    return time.time()
+
+
 def wait_for_data(prom: Prometheus, stack: Stack, timeout: float = 90.0) -> None:
     """Until every target is up and the rates the panels use have two samples each."""
-    window = TEMPLATE_VALUES["__rate_interval"]
+    window = WINDOW
     needed = (
-        "sum(up) == 4",
+        f"sum(up) == {targets(stack)}",
         f"sum(rate(kvroute_requests_total[{window}])) > 0",
         f'rate(kvroute_requests_total{{pod="{stack.quiet_pod}"}}[1m]) > 0',
         f"rate(vllm:prefix_cache_hits_total[{window}]) > 0",
@@ -282,27 +299,80 @@ def test_prometheus_loads_every_rule_and_evaluates_it_healthily(prometheus: Prom
 
 
 @pytest.mark.parametrize("q", dashboard_queries(), ids=lambda q: q.source)
-def test_every_panel_query_runs_and_the_essential_ones_have_data(
+def test_every_panel_query_has_data_under_traffic_and_never_nan(
     q: Query, prometheus: Prometheus
 ) -> None:
-    assert q.panel is not None
-    result = prometheus.query(substitute(q.expr))
-    dashboard = q.source.split(":")[0]
-    description = str(q.panel["description"])
-    if description.startswith("Real vLLM only"):
+    """Every query of every panel, but those of the "Real vLLM only" panels (empty in
+    front of simulated pods)."""
+    result = prometheus.query(filled(q))
+    if real_vllm_only(q):
         assert result == [], "the sim exports it now: drop the 'Real vLLM only' note"
-    elif q.panel["title"] in PANELS_WITH_DATA[dashboard] and q.source.endswith(" A"):
-        # a panel's first query (refId A) carries its main signal
-        assert result, f"{q.source}: no data for {substitute(q.expr)}"
+        return
+    assert result, f"{q.source}: no data for {filled(q)}"
+    assert all(s["value"][1] != "NaN" for s in result), (q.source, result)
 
 
-def test_every_panel_named_to_have_data_exists() -> None:
-    titles = {
-        name: {p["title"] for p in d["panels"] if p["type"] != "row"}
-        for name, d in load_dashboards().items()
-    }
-    for name, want in PANELS_WITH_DATA.items():
-        assert want <= titles[name], want - titles[name]
+@pytest.mark.parametrize("q", dashboard_queries(), ids=lambda q: q.source)
+def test_idle_a_ratio_or_quantile_has_no_value_and_everything_else_has_data(
+    q: Query, prometheus: Prometheus
+) -> None:
+    """In a window without requests a ratio is 0/0 and a quantile has no observation:
+    no value (a stat says "no traffic"), never NaN.  Counters and gauges still show,
+    those that never moved as 0 ("No data" only where nothing is exported)."""
+    result = prometheus.query(filled(q), at=prometheus.idle_at)
+    if real_vllm_only(q):
+        assert result == []
+    elif is_ratio_or_quantile(parse(q)):
+        assert result == [], f"{q.source}: {result}"
+    else:
+        assert result, f"{q.source}: 'No data' on an idle stack for {filled(q)}"
+        assert all(s["value"][1] != "NaN" for s in result), (q.source, result)
+
+
+@pytest.mark.parametrize("when", ["idle", "busy"])
+def test_failure_panels_draw_one_zero_line_per_query_not_one_per_pod(
+    when: str, prometheus: Prometheus
+) -> None:
+    at = prometheus.idle_at if when == "idle" else None
+    checked = 0
+    for q in dashboard_queries():
+        if not filters_zeros_then_falls_back(parse(q)):
+            continue
+        checked += 1
+        values = [float(s["value"][1]) for s in prometheus.query(filled(q), at=at)]
+        assert values, q.source
+        assert values == [0.0] or 0.0 not in values, (q.source, values)
+    assert checked >= 15
+
+
+def test_healthy_pods_counts_each_pod_once_with_two_router_replicas(
+    prometheus: Prometheus,
+) -> None:
+    # the rig: both replicas report all four pods (a plain sum would read 6 / 8)
+    per_replica = f'count by (instance) (kvroute_pod_healthy{{namespace="{ROUTER_NAMESPACE}"}})'
+    assert [s["value"][1] for s in prometheus.query(per_replica)] == ["4"] * ROUTERS
+    panel = next(
+        p
+        for p in load_dashboards()["kvroute-overview.json"]["panels"]
+        if p["title"] == "Healthy pods"
+    )
+    read = {}
+    for t in panel["targets"]:
+        expr = substitute(t["expr"], template_values("kvroute-overview.json"))
+        [series] = prometheus.query(expr)
+        read[t["legendFormat"]] = series["value"][1]
+    # dead-0 is ejected by both replicas
+    assert read == {"healthy": "3", "known": "4"}
+
+
+@pytest.mark.parametrize("q", dashboard_queries(), ids=lambda q: q.source)
+def test_a_dashboard_pointed_where_no_router_or_pod_is_shows_no_data_not_zeros(
+    q: Query, prometheus: Prometheus
+) -> None:
+    nowhere = {"namespace": "nowhere", "router_namespace": "nowhere"}
+    assert q.dashboard is not None
+    expr = substitute(q.expr, {**template_values(q.dashboard), **nowhere})
+    assert prometheus.query(expr) == [], q.source
 
 
 def short_windows(expr: str) -> str:
@@ -319,8 +389,9 @@ def test_every_rule_expression_runs_and_recording_rules_have_data(
     result = prometheus.query(q.expr)
     if "record" in q.rule:
         assert result, f"{q.source}: no data"
+        namespace = NAMESPACE if "vllm:" in q.expr else ROUTER_NAMESPACE
         for series in result:
-            assert series["metric"].get("namespace") == NAMESPACE, series
+            assert series["metric"].get("namespace") == namespace, series
         return
     result = prometheus.query(short_windows(q.expr))
     if q.rule["alert"] in ALERTS_FIRING:
@@ -343,11 +414,10 @@ def test_every_template_variable_lists_values(name: str, prometheus: Prometheus)
             continue
         m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", var["query"]["query"])
         assert m, var["name"]
-        values = prometheus.get(
-            f"/api/v1/label/{m.group(2)}/values", **{"match[]": substitute(m.group(1))}
-        )
+        match = substitute(m.group(1), template_values(name))
+        values = prometheus.get(f"/api/v1/label/{m.group(2)}/values", **{"match[]": match})
         assert values, f"{name}: variable {var['name']} has no values"
-        if var["name"] == "namespace":
-            assert values == [NAMESPACE]
+        if var["name"] in ("namespace", "router_namespace"):
+            assert values == [template_values(name)[var["name"]]], var["name"]
         if var["name"] == "model":
             assert values == [MODEL]
