@@ -45,7 +45,8 @@ For one request with ``P`` prompt tokens, block size ``B``:
    for as long (chunked prefill shares the engine steps), weighed by ``itl_weight``.
    ``remote`` is the prefill pod's queue and prefill plus the pull of the
    ``pull_blocks = ceil(P / B) - hits(D)`` blocks D does not hold.  With no prefill pod
-   left (or an empty pool) the request goes direct.
+   left (or an empty pool) the request goes direct.  ``always_split`` skips both tests
+   (every request is split, as vLLM's toy proxy does).
 
 Defaults and where they come from (scoring/policies/README.md has the table):
 ``min_uncached_tokens = 256`` (the value the issue cites for vLLM's router; llm-d's
@@ -101,6 +102,10 @@ class PDParams(PolicyParams):
     )
     default_output_tokens: int = Field(
         default=256, ge=1, description="output length assumed when max_tokens is unset"
+    )
+    always_split: bool = Field(
+        default=False,
+        description="split every request a prefill pod can take (vLLM's toy proxy)",
     )
     tie_epsilon: float = Field(default=1e-9, ge=0.0, description="decode scores this close tie")
     seed: int = 0
@@ -179,7 +184,7 @@ class PDRouter:
         n, bs = request.prompt_tokens, request.block_size
         uncached_d = n - _cached_tokens(d, n, bs)
         predicted: dict[str, float] = {"uncached_decode_tokens": float(uncached_d)}
-        if uncached_d < p.min_uncached_tokens:
+        if uncached_d < p.min_uncached_tokens and not p.always_split:
             return PDDecision(d.pod, None, "short", scores, predicted=predicted)
         pool = [v for v in prefill_pods if v.pod != d.pod]
         if not pool:
@@ -199,7 +204,7 @@ class PDRouter:
             local_cost_s=local,
             remote_cost_s=remote,
         )
-        if local <= remote:
+        if local <= remote and not p.always_split:
             return PDDecision(d.pod, None, "local_faster", scores, prefill, predicted)
         return PDDecision(d.pod, pp.pod, "split", scores, prefill, predicted)
 
