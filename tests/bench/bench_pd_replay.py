@@ -57,11 +57,13 @@ def main() -> None:
         )
         base = {"prefill_rate_tokens_per_s": rate}
         variants = {
-            "cost": PDRouter(build_policy("cost", base), PDParams(**base)),
-            "round_robin": PDRouter(build_policy("round_robin"), PDParams(**base)),
+            "cost": PDRouter(build_policy("cost", base), PDParams(prefill_rate_tokens_per_s=rate)),
+            "round_robin": PDRouter(
+                build_policy("round_robin"), PDParams(prefill_rate_tokens_per_s=rate)
+            ),
             "toy_proxy": PDRouter(
                 build_policy("round_robin"),
-                PDParams(always_split=True, **base),
+                PDParams(always_split=True, prefill_rate_tokens_per_s=rate),
             ),
         }
         out[family] = {}
