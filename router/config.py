@@ -176,7 +176,15 @@ class FleetSettings(_Section):
     """The embedded simulated fleet started when no pods are configured."""
 
     enabled: bool = Field(default=True, description="start it when no pods are configured")
-    pods: int = Field(default=4, ge=1, le=64, description="number of simulated pods")
+    pods: int = Field(
+        default=4, ge=0, le=64, description="number of simulated pods of role both"
+    )
+    prefill_pods: int = Field(
+        default=0, ge=0, le=64, description="simulated pods of role prefill (P/D, docs/pd.md)"
+    )
+    decode_pods: int = Field(
+        default=0, ge=0, le=64, description="simulated pods of role decode (P/D, docs/pd.md)"
+    )
     model: str = Field(default="sim-model", description="model name the simulated pods serve")
     block_size: int = Field(default=16, ge=1, description="simulated KV block size (tokens)")
     capacity_tokens: int = Field(
@@ -184,6 +192,20 @@ class FleetSettings(_Section):
     )
     prefill_tokens_per_s: float = Field(default=20000.0, gt=0, description="simulated prefill rate")
     decode_tokens_per_s: float = Field(default=200.0, gt=0, description="simulated decode rate")
+
+    @model_validator(mode="after")
+    def _some_pod(self) -> FleetSettings:
+        if self.pods + self.prefill_pods + self.decode_pods < 1:
+            raise ValueError("fleet: pods + prefill_pods + decode_pods must be at least 1")
+        return self
+
+    def roles(self) -> list[tuple[str, str]]:
+        """(pod name, role) of every pod: ``sim-<i>`` (both), ``sim-p<i>``, ``sim-d<i>``."""
+        return (
+            [(f"sim-{i}", "both") for i in range(self.pods)]
+            + [(f"sim-p{i}", "prefill") for i in range(self.prefill_pods)]
+            + [(f"sim-d{i}", "decode") for i in range(self.decode_pods)]
+        )
 
 
 class Settings(BaseSettings):

@@ -19,13 +19,16 @@ from collections.abc import Sequence
 class PrefixCache:
     """Holds at most ``capacity_blocks`` block keys."""
 
-    __slots__ = ("_lru", "capacity_blocks")
+    __slots__ = ("_lru", "_pins", "capacity_blocks")
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks < 0:
             raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
         self._lru: OrderedDict[int, None] = OrderedDict()
+        #: key -> pin count; pinned keys are never evicted (a prefill pod's blocks held
+        #: for a decode pod to pull, router.sim.disagg)
+        self._pins: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -61,13 +64,43 @@ class PrefixCache:
         stored.reverse()
         evicted: list[int] = []
         over = len(lru) - self.capacity_blocks
-        while over > 0:
-            evicted.append(lru.popitem(last=False)[0])
+        pins = self._pins
+        kept: list[int] = []
+        while over > 0 and lru:
+            k = lru.popitem(last=False)[0]
+            if k in pins:
+                kept.append(k)
+                continue
+            evicted.append(k)
             over -= 1
+        for k in reversed(kept):  # pinned keys go back where they were, oldest first
+            lru[k] = None
+            lru.move_to_end(k, last=False)
         return stored, evicted
+
+    def pin(self, keys: Sequence[int]) -> list[int]:
+        """Pin the cached ones of ``keys`` (counted); returns those pinned."""
+        pinned = [k for k in keys if k in self._lru]
+        for k in pinned:
+            self._pins[k] = self._pins.get(k, 0) + 1
+        return pinned
+
+    def unpin(self, keys: Sequence[int]) -> None:
+        """Undo one :meth:`pin` of each of ``keys``: they become evictable again."""
+        for k in keys:
+            n = self._pins.get(k, 0) - 1
+            if n > 0:
+                self._pins[k] = n
+            else:
+                self._pins.pop(k, None)
+
+    @property
+    def pinned_blocks(self) -> int:
+        return len(self._pins)
 
     def clear(self) -> list[int]:
         """Drop everything; returns the keys dropped."""
         keys = list(self._lru)
         self._lru.clear()
+        self._pins.clear()
         return keys

@@ -13,6 +13,12 @@ subscriber, scraper) which pods came and went.
   the annotations ``kvroute.io/port``, ``kvroute.io/events-port``,
   ``kvroute.io/replay-port`` (and models from ``kvroute.io/models``, comma separated),
   else from these settings.
+
+Every source also gives each pod its prefill/decode role (:mod:`router.fleet.roles`):
+``role`` / ``roles`` on a static pod or the DNS source; on Kubernetes the first of
+``role_keys`` (labels ``kvroute.io/role``, llm-d's ``llm-d.ai/role``; then the same
+annotations) and the ``kvroute.io/roles`` annotation.  A bad role value skips the pod
+(Kubernetes) or fails the settings (static, DNS), naming the value.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.fleet.pods import PodRegistry, PodSpec
+from router.fleet.roles import Role, parse_role, parse_role_map, role_overrides
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +47,17 @@ SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 class DiscoveryError(RuntimeError):
     """Discovery cannot run as configured (the message says what is missing)."""
+
+
+def _role_value(v: object) -> object:
+    """A configured role, llm-d's spellings accepted (router.fleet.roles)."""
+    return parse_role(v) if isinstance(v, str) else v
+
+
+def _roles_value(v: object) -> object:
+    if isinstance(v, dict):
+        return {k: parse_role(r, f"roles[{k}]") if isinstance(r, str) else r for k, r in v.items()}
+    return v
 
 
 class StaticPod(BaseModel):
@@ -54,6 +72,20 @@ class StaticPod(BaseModel):
     models: list[str] = Field(
         default_factory=list, description="models served (else learned from /v1/models)"
     )
+    role: Role = Field(default="both", description="P/D role: prefill, decode or both")
+    roles: dict[str, Role] = Field(
+        default_factory=dict, description="per-model P/D roles, {model: role}"
+    )
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _role(cls, v: object) -> object:
+        return _role_value(v)
+
+    @field_validator("roles", mode="before")
+    @classmethod
+    def _roles(cls, v: object) -> object:
+        return _roles_value(v)
 
     @field_validator("url")
     @classmethod
@@ -73,6 +105,8 @@ class StaticPod(BaseModel):
             events_endpoint=self.events_endpoint,
             replay_endpoint=self.replay_endpoint,
             models=tuple(self.models),
+            role=self.role,
+            roles=role_overrides(self.roles),
         )
 
 
@@ -88,6 +122,20 @@ class DnsDiscoverySettings(BaseModel):
     replay_port: int | None = Field(default=None, ge=1, le=65535, description="pods' replay port")
     models: list[str] = Field(default_factory=list, description="models every pod serves")
     interval_s: float = Field(default=10.0, gt=0, description="seconds between resolutions")
+    role: Role = Field(default="both", description="P/D role of every address")
+    roles: dict[str, Role] = Field(
+        default_factory=dict, description="per-model P/D roles of every address"
+    )
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _role(cls, v: object) -> object:
+        return _role_value(v)
+
+    @field_validator("roles", mode="before")
+    @classmethod
+    def _roles(cls, v: object) -> object:
+        return _roles_value(v)
 
 
 class K8sDiscoverySettings(BaseModel):
@@ -111,6 +159,14 @@ class K8sDiscoverySettings(BaseModel):
     )
     models_annotation: str = Field(
         default="kvroute.io/models", description="annotation: comma-separated served models"
+    )
+    role: Role = Field(default="both", description="P/D role of a pod that names none")
+    role_keys: list[str] = Field(
+        default_factory=lambda: ["kvroute.io/role", "llm-d.ai/role"],
+        description="labels, then annotations, naming a pod's P/D role (first found wins)",
+    )
+    roles_annotation: str = Field(
+        default="kvroute.io/roles", description="annotation: per-model roles, m1=prefill,..."
     )
     api_server: str | None = Field(
         default=None,
@@ -201,6 +257,8 @@ class DnsDiscovery:
                 events_endpoint=_endpoint(ip, s.events_port),
                 replay_endpoint=_endpoint(ip, s.replay_port),
                 models=tuple(s.models),
+                role=s.role,
+                roles=role_overrides(s.roles),
             )
             for ip in ips
         ]
@@ -327,13 +385,32 @@ class K8sDiscovery:
         replay = self._port(ann, s.replay_port_annotation, s.replay_port, name)
         models = ann.get(s.models_annotation)
         model_list = [m.strip() for m in models.split(",") if m.strip()] if models else s.models
+        role, roles = self._roles_of(meta)
         return PodSpec(
             name=name,
             url=f"{s.scheme}://{_host(ip)}:{port}",
             events_endpoint=_endpoint(ip, events),
             replay_endpoint=_endpoint(ip, replay),
             models=tuple(model_list),
+            role=role,
+            roles=role_overrides(roles),
         )
+
+    def _roles_of(self, meta: Mapping[str, Any]) -> tuple[Role, dict[str, Role]]:
+        """The pod's role (first of ``role_keys`` among labels, then annotations) and
+        per-model roles; :class:`RoleError` (a ValueError: the pod is skipped) on a bad
+        value."""
+        s = self.settings
+        labels = meta.get("labels") or {}
+        ann = meta.get("annotations") or {}
+        role = s.role
+        for source in (labels, ann):
+            found = next((k for k in s.role_keys if k in source), None)
+            if found is not None:
+                role = parse_role(str(source[found]), found)
+                break
+        raw = ann.get(s.roles_annotation)
+        return role, parse_role_map(str(raw), s.roles_annotation) if raw else {}
 
     def current_specs(self) -> list[PodSpec]:
         specs: list[PodSpec] = []

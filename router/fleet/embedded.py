@@ -23,10 +23,13 @@ from router.sim.settings import SimSettings
 
 
 def sim_settings(fleet: FleetSettings, i: int, **overrides: object) -> SimSettings:
-    """Settings of the fleet's pod ``i`` (named ``sim-<i>``)."""
+    """Settings of the fleet's pod ``i`` (:meth:`FleetSettings.roles` order: ``sim-<i>``
+    of role both, then ``sim-p<i>`` prefill, ``sim-d<i>`` decode)."""
+    name, role = fleet.roles()[i]
     base: dict[str, object] = {
         "model": fleet.model,
-        "pod_name": f"sim-{i}",
+        "pod_name": name,
+        "role": role,
         "block_size": fleet.block_size,
         "capacity_tokens": fleet.capacity_tokens,
         "prefill_rate": fleet.prefill_tokens_per_s,
@@ -65,6 +68,7 @@ def static_pods(pods: Sequence[SimPod]) -> list[StaticPod]:
             events_endpoint=p.events_endpoint,
             replay_endpoint=p.replay_endpoint_url,
             models=[p.settings.model, *p.settings.lora_adapters],
+            role=p.settings.role,
         )
         for p in pods
     ]
@@ -110,7 +114,7 @@ class EmbeddedFleet:
         logging.getLogger("uvicorn.error").addFilter(_QUIET)
         self._thread = threading.Thread(target=loop.run_forever, name=_THREAD, daemon=True)
         self._thread.start()
-        configs = [sim_settings(self.settings, i) for i in range(self.settings.pods)]
+        configs = [sim_settings(self.settings, i) for i in range(len(self.settings.roles()))]
         fut = asyncio.run_coroutine_threadsafe(start_pods(configs), loop)
         self.pods = fut.result(timeout_s)
 

@@ -13,6 +13,8 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from router.fleet.roles import Role
+
 log = logging.getLogger(__name__)
 
 
@@ -30,6 +32,17 @@ class PodSpec:
     replay_endpoint: str | None = None
     #: models the pod serves, if known up front (else learned from GET /v1/models)
     models: tuple[str, ...] = ()
+    #: prefill/decode role for every model not in ``roles`` (router.fleet.roles)
+    role: Role = "both"
+    #: per-model roles, ``((model, role), ...)`` sorted by model
+    roles: tuple[tuple[str, Role], ...] = ()
+
+    def role_for(self, model: str) -> Role:
+        """This pod's role for ``model`` (a base model or LoRA adapter name)."""
+        for name, role in self.roles:
+            if name == model:
+                return role
+        return self.role
 
 
 @dataclass(slots=True)
@@ -45,6 +58,9 @@ class PodState:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def role_for(self, model: str) -> Role:
+        return self.spec.role_for(model)
 
 
 PodListener = Callable[[str, PodSpec | None], None]
@@ -100,6 +116,10 @@ class PodRegistry:
     def candidates(self, model: str) -> list[PodState]:
         """Healthy pods serving ``model`` (a base model or a LoRA adapter name)."""
         return [p for p in self._pods.values() if p.healthy and model in p.models]
+
+    def candidates_for_role(self, model: str, *roles: Role) -> list[PodState]:
+        """Healthy pods serving ``model`` in one of ``roles`` (P/D pools)."""
+        return [p for p in self.candidates(model) if p.role_for(model) in roles]
 
     def served_models(self) -> set[str]:
         out: set[str] = set()

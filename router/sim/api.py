@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from router.sim.disagg import READ_PATH, KVLoadError, PDRequest, SimDisagg
 from router.sim.engine import SimEngine, SimRequest, output_text
 from router.sim.hashing import lora_path
 from router.sim.settings import SimSettings
@@ -101,11 +102,16 @@ class SimAPI:
     """Request parsing and response building for one pod."""
 
     def __init__(
-        self, settings: SimSettings, engine: SimEngine, tokenizer: PromptTokenizer
+        self,
+        settings: SimSettings,
+        engine: SimEngine,
+        tokenizer: PromptTokenizer,
+        pd: SimDisagg | None = None,
     ) -> None:
         self.settings = settings
         self.engine = engine
         self.tokenizer = tokenizer
+        self.pd = pd or SimDisagg(settings, engine)
         self.created = int(time.time())
         #: the Responses API store (vLLM's response_store + msg_store): id -> response
         self.responses: dict[str, StoredResponse] = {}
@@ -301,6 +307,28 @@ class SimAPI:
             raise ClientDisconnected()
         work.result()  # re-raises an engine error
 
+    async def _disagg(
+        self, body: Mapping[str, Any], request: Request, req: SimRequest
+    ) -> PDRequest:
+        """Parse ``kv_transfer_params`` and pull remote blocks (decode side) first."""
+        pd = self.pd.parse(body, request.headers)
+        try:
+            await self.pd.receive(pd, req)
+        except KVLoadError as exc:
+            raise APIError(
+                f"KV transfer failed (kv_load_failure_policy=fail): {exc}",
+                status=500,
+                type_="InternalServerError",
+                param="kv_transfer_params",
+            ) from None
+        return pd
+
+    def _with_params(self, out: dict[str, Any], pd: PDRequest, req: SimRequest) -> JSONResponse:
+        params = self.pd.hold(pd, req)
+        if params is not None:
+            out["kv_transfer_params"] = params
+        return JSONResponse(out)
+
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
         self._lora(body)
@@ -308,13 +336,14 @@ class SimAPI:
             raise APIError("prompt is required", param="prompt")
         req = self._generation(body, self._prompt_ids(body["prompt"]))
         stream, usage = self._stream_flags(body)
+        pd = await self._disagg(body, request, req)
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
         model = body.get("model") or self.settings.model
         created = int(time.time())
         if stream:
             return self._stream(req, rid, model, created, usage, chat=False)
         await self._run(req, request)
-        return JSONResponse(
+        return self._with_params(
             {
                 "id": rid,
                 "object": "text_completion",
@@ -332,7 +361,9 @@ class SimAPI:
                 ],
                 "system_fingerprint": f"vllm-{VLLM_VERSION}-sim",
                 "usage": self._usage(req),
-            }
+            },
+            pd,
+            req,
         )
 
     async def chat_completions(self, request: Request) -> Response:
@@ -340,13 +371,14 @@ class SimAPI:
         self._lora(body)
         req = self._generation(body, self._chat_ids(body))
         stream, usage = self._stream_flags(body)
+        pd = await self._disagg(body, request, req)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         model = body.get("model") or self.settings.model
         created = int(time.time())
         if stream:
             return self._stream(req, rid, model, created, usage, chat=True)
         await self._run(req, request)
-        return JSONResponse(
+        return self._with_params(
             {
                 "id": rid,
                 "object": "chat.completion",
@@ -369,7 +401,9 @@ class SimAPI:
                 ],
                 "system_fingerprint": f"vllm-{VLLM_VERSION}-sim",
                 "usage": self._usage(req),
-            }
+            },
+            pd,
+            req,
         )
 
     def _stream(
@@ -750,8 +784,13 @@ class SimAPI:
         }
 
 
-def build_app(settings: SimSettings, engine: SimEngine, tokenizer: PromptTokenizer) -> FastAPI:
-    api = SimAPI(settings, engine, tokenizer)
+def build_app(
+    settings: SimSettings,
+    engine: SimEngine,
+    tokenizer: PromptTokenizer,
+    pd: SimDisagg | None = None,
+) -> FastAPI:
+    api = SimAPI(settings, engine, tokenizer, pd)
     app = FastAPI(
         title=f"kvroute sim {settings.pod_name}", docs_url=None, redoc_url=None, openapi_url=None
     )
@@ -770,6 +809,7 @@ def build_app(settings: SimSettings, engine: SimEngine, tokenizer: PromptTokeniz
     app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/v1/responses", api.create_response, methods=["POST"])
+    app.add_api_route(READ_PATH, api.pd.read_endpoint, methods=["POST"])
 
     @app.get("/v1/responses/{response_id}")
     async def _get_response(response_id: str) -> JSONResponse:
@@ -801,5 +841,6 @@ def build_app(settings: SimSettings, engine: SimEngine, tokenizer: PromptTokeniz
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     app.state.api = api
+    app.state.pd = api.pd
     app.state.engine = engine
     return app

@@ -18,8 +18,9 @@ re-publishes, its last block); blocks evicted to make room emit one ``BlockRemov
 each; when the request ends, the full blocks of ``prompt + output[:-1]`` (the last
 sampled token is never fed back, so it has no KV) are stored.  Prefix-cache counters count tokens:
 ``queries += prompt tokens``, ``hits += cached tokens``.
-``kv_cache_usage_perc`` = blocks held by running requests / cache blocks (cached but
-idle blocks count as free, as in vLLM).
+``kv_cache_usage_perc`` = blocks held by running requests, and blocks a prefill pod
+holds for a decode pod to pull (router.sim.disagg), / cache blocks (cached but idle
+blocks count as free, as in vLLM).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class SimRequest:
     max_tokens: int
     lora: str | None = None
     cache_salt: str | None = None
+    #: P/D decode side: prompt tokens the local cache held before remote blocks were
+    #: pulled in (None: no pull); only these count as prefix-cache hits, as in vLLM
+    local_hit_tokens: int | None = None
     # filled in by the engine
     block_hashes: list[int] = field(default_factory=list)
     cached_tokens: int = 0
@@ -105,7 +109,7 @@ class SimEngine:
 
     def kv_usage(self) -> float:
         bs = self.block_size
-        used = sum(-(-t // bs) for t in self._active.values())
+        used = sum(-(-t // bs) for t in self._active.values()) + self.cache.pinned_blocks
         return min(1.0, used / max(1, self.settings.capacity_blocks))
 
     def prepare(self, req: SimRequest) -> SimRequest:
@@ -186,9 +190,12 @@ class SimEngine:
 
     # -- time ----------------------------------------------------------------------
 
-    async def _sleep(self, seconds: float) -> None:
+    async def sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` of simulated time (x ``time_scale``) with the engine's sleeper."""
         scale = self.settings.time_scale
         await self._sleeper(seconds * scale if scale > 0 else 0.0)
+
+    _sleep = sleep
 
     async def generate(self, req: SimRequest) -> AsyncGenerator[int, None]:
         """Yield ``req``'s output tokens at their simulated times.
@@ -214,7 +221,10 @@ class SimEngine:
                 n = len(req.prompt_ids)
                 req.cached_tokens = self.cached_tokens(req)
                 m.prefix_cache_queries.inc(n)
-                m.prefix_cache_hits.inc(req.cached_tokens)
+                hits = req.cached_tokens
+                if req.local_hit_tokens is not None:
+                    hits = min(hits, req.local_hit_tokens)
+                m.prefix_cache_hits.inc(hits)
                 m.prompt_tokens.inc(n)
                 self._active[rid] = n
                 await self._sleep((n - req.cached_tokens) / self.settings.prefill_rate)

@@ -48,6 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--hash-seed", default=d.hash_seed, help="seed of the engine's NONE_HASH")
     a("--hash-algo", choices=["sim", "sha256"], default=d.hash_algo,
       help="'sim' (engine-private) or 'sha256' (exactly vLLM's)")  # fmt: skip
+    a("--role", choices=["prefill", "decode", "both"], default=d.role,
+      help="P/D role: prefill holds blocks for a decode pod to pull (default both)")  # fmt: skip
+    a("--engine-id", default=d.engine_id, help="engine id in kv_transfer_params")
+    a("--kv-lease-s", type=float, default=d.kv_lease_s, help="seconds unpulled blocks are held")
+    a("--kv-transfer-s-per-block", type=float, default=d.kv_transfer_s_per_block,
+      help="simulated seconds to pull one block")  # fmt: skip
+    a("--kv-load-failure-policy", choices=["fail", "recompute"], default=d.kv_load_failure_policy,
+      help="a failed pull fails the request (vLLM's default) or recomputes")  # fmt: skip
     return p
 
 
@@ -76,6 +84,11 @@ def settings_from_args(ns: argparse.Namespace) -> SimSettings:
         int_hashes=not ns.bytes_hashes,
         hash_seed=ns.hash_seed,
         hash_algo=ns.hash_algo,
+        role=ns.role,
+        engine_id=ns.engine_id,
+        kv_lease_s=ns.kv_lease_s,
+        kv_transfer_s_per_block=ns.kv_transfer_s_per_block,
+        kv_load_failure_policy=ns.kv_load_failure_policy,
     )
 
 

@@ -16,6 +16,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from router.sim.api import build_app
+from router.sim.disagg import SimDisagg
 from router.sim.engine import SimEngine
 from router.sim.events import KVEventPublisher
 from router.sim.settings import SimSettings
@@ -38,7 +39,8 @@ class SimPod:
         self.settings = settings
         self.tokenizer = load_tokenizer(settings.tokenizer)
         self.engine = SimEngine(settings)
-        self.app: FastAPI = build_app(settings, self.engine, self.tokenizer)
+        self.disagg = SimDisagg(settings, self.engine)
+        self.app: FastAPI = build_app(settings, self.engine, self.tokenizer, self.disagg)
         self.publisher: KVEventPublisher | None = None
         if settings.kv_events:
             self.publisher = KVEventPublisher(
@@ -92,6 +94,7 @@ class SimPod:
         port = sock.getsockname()[1]
         host = "127.0.0.1" if s.host in ("0.0.0.0", "") else s.host
         self.url = f"http://{host}:{port}"
+        self.disagg.side_channel = (host, port)
         config = uvicorn.Config(
             self.app,
             log_level="warning",
@@ -117,6 +120,7 @@ class SimPod:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        await self.disagg.close()
         await self._stop_publisher()
 
     async def _stop_publisher(self) -> None:

@@ -69,6 +69,23 @@ class SimSettings(BaseModel):
     #: length of the deterministic vectors /v1/embeddings returns
     embedding_dim: int = Field(default=64, gt=0)
 
+    #: P/D role (router.sim.disagg): "prefill" honours ``do_remote_decode`` (computes the
+    #: prompt, holds its blocks under a lease, returns ``kv_transfer_params``), "decode"
+    #: honours ``do_remote_prefill`` (pulls the blocks from the prefill pod), "both" both
+    role: Literal["prefill", "decode", "both"] = "both"
+    #: the engine id named in ``kv_transfer_params`` ("" -> ``sim-engine-<pod_name>``)
+    engine_id: str = ""
+    #: wall seconds a prefill pod holds blocks nobody pulled (vLLM NixlConnector
+    #: ``kv_lease_duration``, default 30 s; not scaled by ``time_scale``)
+    kv_lease_s: float = Field(default=30.0, gt=0)
+    #: simulated seconds to pull one block (x ``time_scale``)
+    kv_transfer_s_per_block: float = Field(default=1e-4, ge=0)
+    #: a failed pull: "fail" the request (vLLM's default ``kv_load_failure_policy``) or
+    #: "recompute" the prompt locally
+    kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
+    #: hosts a decode pod may pull blocks from (the sim dials only these)
+    kv_peer_hosts: list[str] = Field(default_factory=lambda: ["127.0.0.1", "localhost", "::1"])
+
     @model_validator(mode="after")
     def _check(self) -> SimSettings:
         if self.capacity_tokens < self.block_size:
@@ -89,6 +106,10 @@ class SimSettings(BaseModel):
     @property
     def capacity_blocks(self) -> int:
         return self.capacity_tokens // self.block_size
+
+    @property
+    def kv_engine_id(self) -> str:
+        return self.engine_id or f"sim-engine-{self.pod_name}"
 
     @property
     def event_topic(self) -> str:

@@ -117,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--arrival-rate", type=float, default=1.0, help="req/s for lines without a timestamp"
     )
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    ap.add_argument(
+        "--prefill-pods",
+        type=int,
+        default=0,
+        help="P/D mode (simple pod model): prefill pool size; each policy picks the prefill "
+        "pod (scoring/pd.py), TTFT, ITL and the disaggregation rate are reported",
+    )
+    ap.add_argument("--decode-pods", type=int, default=0, help="P/D mode: decode pool size")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -291,6 +299,8 @@ def replay(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[flo
     if not trace.requests:
         raise TraceFormatError(f"{args.trace}: no valid requests ({trace.malformed} malformed)")
     cfg = fleet_config(args, trace.block_size)
+    if args.prefill_pods or args.decode_pods:
+        return _replay_pd(args, trace, cfg), {}
     names = args.policy or available_policies()
     overrides = parse_params(args.param, names)
     policies = {
@@ -327,6 +337,31 @@ def replay(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[flo
         result["policies"][name] = summarize(outcome)
         ttfts[name] = outcome.ttft_s
     return result, ttfts
+
+
+def _replay_pd(args: argparse.Namespace, trace: Trace, cfg: Any) -> dict[str, Any]:
+    """P/D mode: ``{"pd": {policy: summary}, "fleet": ...}`` (simple pods only)."""
+    from scoring.replay.pd_engine import replay_pd_policies
+
+    if not isinstance(cfg, FleetConfig):
+        raise ReplayConfigError("--prefill-pods / --decode-pods need --pod-model simple")
+    if args.decode_pods < 1 or args.prefill_pods < 0:
+        raise ReplayConfigError("P/D mode needs --decode-pods >= 1 and --prefill-pods >= 0")
+    if args.plot or args.report:
+        raise ReplayConfigError("--plot and --report do not apply to P/D mode")
+    names = args.policy or ["cost", "round_robin"]
+    overrides = parse_params(args.param, names)
+    policies = {
+        n: build_policy(n, {**fleet_defaults(n, cfg), **overrides.get(n, {})}) for n in names
+    }
+    return {
+        "pd": replay_pd_policies(trace, policies, cfg, args.prefill_pods, args.decode_pods),
+        "fleet": {
+            **dataclasses.asdict(cfg),
+            "prefill_pods": args.prefill_pods,
+            "decode_pods": args.decode_pods,
+        },
+    }
 
 
 def check_outputs(args: argparse.Namespace) -> None:
@@ -386,6 +421,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         json.dump(result, sys.stdout)
         sys.stdout.write("\n")
+    elif "pd" in result:
+        from scoring.replay.pd_engine import format_pd_table
+
+        print(format_pd_table(result["pd"]))
     else:
         print(format_table(result))
     sys.stdout.flush()
