@@ -99,6 +99,7 @@ class RouterCore:
                 self.registry,
                 self.sink,
                 metrics_registry=self.metrics.registry,
+                pod_facts=self.scraper.cache_config,
             )
         self.router = RequestRouter(
             settings,
@@ -231,13 +232,19 @@ class RouterCore:
             with contextlib.suppress(Exception):
                 await self.redis.aclose()
 
+    async def update_index_gauge(self) -> None:
+        """``kvroute_index_entries`` per registered pod, 0 for one the index holds
+        nothing for (cleared, resynced): a pod missing from ``pod_entries`` must not keep
+        its old value.  Pods no longer registered get no series (``forget_pod``)."""
+        entries = await self.index.pod_entries()
+        self.router.views.resident = entries
+        for state in self.registry.all():
+            self.metrics.index_entries.labels(state.name).set(entries.get(state.name, 0))
+
     async def _index_gauge_loop(self) -> None:
         while True:
             try:
-                entries = await self.index.pod_entries()
-                self.router.views.resident = entries
-                for pod, n in entries.items():
-                    self.metrics.index_entries.labels(pod).set(n)
+                await self.update_index_gauge()
             except Exception as exc:
                 log.debug("index entries gauge: %s", exc)
             await asyncio.sleep(max(self.settings.scrape.interval_s, 1.0))

@@ -1,13 +1,15 @@
 """KV-event subscription: vLLM publishers -> (seq tracking, replay, resync) -> index.
 
-See :mod:`router.events.subscriber` for the semantics.
+See :mod:`router.events.subscriber` (sockets, who may speak for a pod) and
+:mod:`router.events.writer` (sequence semantics, replays, resyncs).
 """
 
+from router.events.protocol import DecodedBatch, EventSink
 from router.events.replay import ReplayError, fetch_replay
 from router.events.settings import EventsSettings
 from router.events.sink import IndexSink
 from router.events.stats import EventStats, EventStatsCollector, PodEventStats
-from router.events.subscriber import DecodedBatch, EventSink, KVEventSubscriber
+from router.events.subscriber import KVEventSubscriber
 from router.events.topic import TopicError, make_topic, parse_topic
 
 __all__ = [

@@ -15,7 +15,11 @@ class EventsSettings(BaseModel):
         (the engine binds: ``"endpoint": "tcp://*:5557"``).
       * ``bind`` — one SUB socket bound to ``bind_endpoint``; every engine's PUB connects
         to it (``"endpoint": "tcp://router:5557"``) and names itself by its topic
-        ``kv@<pod>@<model>``.
+        ``kv@<pod>@<model>``.  The default listens on 127.0.0.1 only: set the address
+        the pods can reach (``tcp://0.0.0.0:5557``) explicitly.  ``bind_allow:
+        discovered`` (the default) admits connections only from the addresses of
+        discovered pods and checks that each message's topic names a pod at the
+        sender's address (:mod:`router.events.zap`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -27,18 +31,28 @@ class EventsSettings(BaseModel):
         "bound to bind_endpoint that the pods' PUBs connect to (topic kv@<pod>@<model>)",
     )
     bind_endpoint: str = Field(
-        default="tcp://*:5557",
-        description="bind mode: where the SUB binds (tcp://127.0.0.1:* = any port)",
+        default="tcp://127.0.0.1:5557",
+        description="bind mode: where the SUB binds; the default accepts local publishers "
+        "only: set tcp://0.0.0.0:5557 (or the pod network's address) for remote pods "
+        "(tcp://127.0.0.1:* = any port)",
+    )
+    bind_allow: Literal["discovered", "any"] = Field(
+        default="discovered",
+        description="bind mode: discovered = admit publishers only from the IP addresses "
+        "of discovered pods (a ZAP handler; others wait until discovery names them) and drop "
+        "messages whose topic names a pod at another address; any = no address check "
+        "(behind NAT or a service mesh that hides the pods' addresses)",
     )
     topic_filter: str = Field(
         default="",
         description="ZMQ subscription prefix ('' = every topic; vLLM's default topic is '')",
     )
     queue_size: int = Field(
-        default=10_000,
+        default=2_000,
         ge=1,
-        description="batches buffered between socket readers and index writer; beyond, a "
-        "batch is dropped and its pod resynced",
+        description="batches buffered per pod between its socket reader and the index "
+        "writer (also while a replay of the pod runs); beyond, the pod's batch is dropped "
+        "and that pod alone resynced",
     )
     replay_on_gap: bool = Field(
         default=True,
@@ -50,6 +64,22 @@ class EventsSettings(BaseModel):
     )
     replay_timeout_s: float = Field(
         default=2.0, gt=0, description="max wait for each replay frame (then resync)"
+    )
+    replay_deadline_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="max duration of one replay (then resync); the pod's live batches "
+        "wait meanwhile, other pods' are applied",
+    )
+    fault_budget: int = Field(
+        default=50,
+        ge=1,
+        description="a pod's undecodable, rejected or partly skipped batches tolerated per "
+        "fault_window_s (each resyncs the pod); beyond, its events are dropped until the "
+        "window ends, then it is resynced",
+    )
+    fault_window_s: float = Field(
+        default=10.0, gt=0, description="the window of fault_budget, and the quarantine's length"
     )
     time_slice_s: float = Field(
         default=0.002,

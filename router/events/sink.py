@@ -9,6 +9,8 @@ subclass adds what else the subscriber uses when present (see
 
 * :meth:`lost_events` — the applier had to skip some of the pod's events, so the
   subscriber resyncs it.
+* :meth:`apply_checked` — ``apply``, refusing a batch after which the pod would hold
+  more GPU blocks than its cache has (:mod:`router.events.guard`).
 * :meth:`extra_stats` / :meth:`gauges` — engine-hash mode counters, exported next to
   the applier's.
 
@@ -27,6 +29,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from router.events.guard import PodFacts, check_held
+from scoring.events import EventBatch
 from scoring.events import IndexSink as _ScoringIndexSink
 from scoring.events.apply import IndexOps
 from scoring.events.engine_hash import DEFAULT_SEED, EngineHasher
@@ -92,6 +96,21 @@ class IndexSink(_ScoringIndexSink):
             return
         async with self._write_order:
             await super()._run(ops)
+
+    async def apply_checked(
+        self, pod: str, model: str, batch: EventBatch, facts: PodFacts | None
+    ) -> int:
+        """:meth:`apply`, unless the pod would then hold more distinct GPU blocks than
+        ``facts.capacity_blocks``: raises :class:`~router.events.guard.BatchRejected`
+        before any index write (the applier has counted the batch: the caller clears
+        the pod)."""
+        st = self.applier.pod(pod)
+        if st is None or st.model != model:
+            st = self.applier.set_pod(pod, model)
+        ops = self.applier.apply_batch(pod, batch)
+        check_held(st.gpu_blocks, facts)
+        await self._run(ops)
+        return len(batch.events)
 
     def lost_events(self, pod: str) -> bool:
         st = self.applier.pod(pod)

@@ -25,6 +25,23 @@ RESYNC_REASONS = (
     "restart",
     "reconnect",
     "removed",
+    "join_gap",
+    "rejected",
+    "quarantine",
+)
+
+#: reasons a message or batch is refused (``kvroute_event_rejected_total{pod,reason}``)
+REJECT_REASONS = (
+    # the pod's GPU blocks would exceed its KV cache (vllm:cache_config_info num_gpu_blocks)
+    "capacity",
+    # a BlockStored whose block_size is not the pod's (vllm:cache_config_info block_size)
+    "block_size",
+    # dial mode: the topic kv@<pod>@... names another pod than the socket's
+    "wrong_pod",
+    # bind mode: the topic names a pod whose addresses do not include the sender's
+    "wrong_source",
+    # the pod is quarantined (too many faults): its messages are dropped unread
+    "quarantined",
 )
 
 
@@ -45,6 +62,11 @@ class PodEventStats:
     decode_errors: int = 0
     apply_errors: int = 0
     dropped: int = 0
+    rejected: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: faults (undecodable, rejected, partly skipped batches) that quarantined the pod
+    quarantines: int = 0
+    #: batches waiting for the writer (live ones, and a replay's while it is applied)
+    queued: int = 0
     #: seconds between the batch's engine timestamp and its application (last batch)
     lag_s: float = 0.0
     last_seq: int = -1
@@ -62,6 +84,9 @@ class EventStats:
     #: bind mode: batches whose topic named no registered pod, or was not kv@<pod>@<model>
     unknown_pod_batches: int = 0
     bad_topics: int = 0
+    #: bind mode, bind_allow=discovered: connections admitted / held back (ZAP)
+    zap_admitted: int = 0
+    zap_held: int = 0
     queue_depth: Callable[[], int] = lambda: 0
     #: the sink's own counters (``scoring.events.ApplierStats``: orphans, bad events...)
     sink_stats: Callable[[], dict[str, Any]] = dict
@@ -113,6 +138,33 @@ class EventStatsCollector(Collector):
             for reason, n in st.resyncs.items():
                 resync.add_metric([pod, reason], n)
         yield resync
+        rejected = CounterMetricFamily(
+            "kvroute_event_rejected",
+            "KV-event messages or batches refused, by pod and reason (capacity, block_size, "
+            "wrong_pod, wrong_source, quarantined)",
+            labels=["pod", "reason"],
+        )
+        for pod, st in pods:
+            for reason, n in st.rejected.items():
+                rejected.add_metric([pod, reason], n)
+        yield rejected
+        quarantines = CounterMetricFamily(
+            "kvroute_event_quarantines",
+            "times a pod exceeded events.fault_budget and its events were dropped for "
+            "events.fault_window_s",
+            labels=["pod"],
+        )
+        for pod, st in pods:
+            quarantines.add_metric([pod], st.quarantines)
+        yield quarantines
+        queued = GaugeMetricFamily(
+            "kvroute_event_pod_queue_depth",
+            "batches of the pod waiting for the index writer",
+            labels=["pod"],
+        )
+        for pod, st in pods:
+            queued.add_metric([pod], st.queued)
+        yield queued
         lag = GaugeMetricFamily(
             "kvroute_event_lag_seconds",
             "now minus the engine timestamp of the pod's last applied batch",
@@ -130,6 +182,17 @@ class EventStatsCollector(Collector):
             "kvroute_event_bad_topics",
             "bind mode: batches whose topic is not kv@<pod>@<model>",
             value=self._stats.bad_topics,
+        )
+        yield CounterMetricFamily(
+            "kvroute_event_zap_admitted",
+            "bind mode (bind_allow=discovered): publisher connections admitted",
+            value=self._stats.zap_admitted,
+        )
+        yield CounterMetricFamily(
+            "kvroute_event_zap_held",
+            "bind mode (bind_allow=discovered): connection attempts from an address no "
+            "discovered pod has (held until discovery names it, else timed out)",
+            value=self._stats.zap_held,
         )
         for key, value in self._stats.sink_stats().items():
             if isinstance(value, int) and not isinstance(value, bool):
@@ -149,6 +212,28 @@ class EventStatsCollector(Collector):
             "batches waiting between the socket readers and the index writer",
             value=self._stats.queue_depth(),
         )
+
+
+def sink_stats(sink: Any) -> dict[str, Any]:
+    """A sink's counters: its ``stats`` (``as_dict()`` or a callable) and ``extra_stats()``."""
+    raw = getattr(sink, "stats", None)
+    out: dict[str, Any] = {}
+    if raw is None:
+        pass
+    elif hasattr(raw, "as_dict"):
+        out = dict(raw.as_dict())
+    elif callable(raw):
+        out = dict(raw())
+    extra = getattr(sink, "extra_stats", None)
+    if callable(extra):
+        out.update(extra())
+    return out
+
+
+def sink_gauges(sink: Any) -> dict[str, float]:
+    """A sink's ``gauges()``, if it has them."""
+    fn = getattr(sink, "gauges", None)
+    return dict(fn()) if callable(fn) else {}
 
 
 def register_event_stats(stats: EventStats, registry: CollectorRegistry) -> EventStatsCollector:

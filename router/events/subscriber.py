@@ -1,40 +1,30 @@
-"""The KV-event subscriber: ZMQ sockets -> bounded queue -> index writer.
+"""The KV-event subscriber: ZMQ sockets -> per-pod bounded queues -> index writer.
 
-Two tasks kinds share one asyncio loop with the request path:
+Tasks sharing one asyncio loop with the request path:
 
 * **readers** (one per pod SUB socket in dial mode, one bound SUB socket in bind mode)
-  only receive ``[topic, seq, payload]`` messages, check their framing, and put them on
-  a bounded queue — a full queue drops the batch (counted) and marks the pod for
-  resync, so a slow index never stalls the sockets or the loop;
-* **one writer** takes batches in order, tracks ``seq`` per pod, decodes the payload and
-  applies it to the index through an :class:`EventSink`.
+  only receive ``[topic, seq, payload]`` messages, check their framing and sender, and
+  append them to their pod's own bounded queue (:class:`~router.events.feed.PodFeed`):
+  a full queue drops the batch (counted) and marks *that* pod for resync, so neither a
+  slow index nor one pod's flood stalls the sockets or costs another pod its batches;
+* **one writer** (:class:`~router.events.writer.EventWriter`, where the sequence
+  semantics are) takes one batch per turn from each pod with work, tracks ``seq`` per
+  pod, decodes the payload, checks it against the pod (:mod:`router.events.guard`) and
+  applies it to the index through an :class:`EventSink`;
+* **replay tasks**, one per pod that needs one (a gap, a join), with a per-frame and an
+  overall deadline: the writer goes on with the other pods meanwhile.
 
-Sequence semantics per pod (``expected`` = last applied seq + 1):
+Who may speak for a pod:
 
-* ``seq == expected``: apply.
-* ``seq > expected``: a **gap** (the publisher's high-water mark dropped batches, or
-  a network hiccup).  With ``replay_on_gap`` and a pod ``replay_endpoint``, the missed
-  batches ``[expected, seq)`` are fetched from the pod's replay socket and applied
-  first.  If its buffer no longer reaches back to ``expected``, the pod is **resynced**
-  and re-learned from the batches the buffer still holds (as if we had joined at the
-  oldest one); if the replay fails (or there is no replay endpoint), it is resynced.
-* ``seq < expected``: the engine restarted (vLLM numbers batches from 0 per engine
-  process): the pod is cleared, then the batch applied.
-* A pod removed from the registry is cleared.
-* Dial mode: when the connection to a pod's publisher drops (engine restart, network),
-  the pod is resynced at that point of the stream; the next batch re-learns it from the
-  replay buffer (join replay below).  Without this, a restarted engine whose first
-  batches we missed would look like a gap, not a restart, and stale blocks would stay.
-* The first batch of a pod with ``seq > 0`` (the router joined late, or restarted):
-  with ``replay_on_join`` the pod's replay buffer is applied first, so the blocks its
-  engine stored recently are known at once.
-* The sink had to skip some events of a batch (``lost_events``): resync.
+* dial mode: the socket says who it is; a ``kv@<pod>@...`` topic naming another pod is
+  rejected ("wrong_pod"); other topics (vLLM's default ``""``) are fine.
+* bind mode: the topic names the pod.  With ``bind_allow: discovered`` (the default)
+  only discovered pods' addresses may connect, and a message whose topic names a pod
+  that does not have the sender's address is rejected ("wrong_source"), see
+  :mod:`router.events.zap`.  The default ``bind_endpoint`` listens on 127.0.0.1 only.
 
-**Resync** = forget everything the index holds for the pod (``sink.clear_pod``) and
-re-learn it from the next batches.  Blocks the engine stored before the resync and
-still holds are unknown until it stores them again; BlockStored events whose parent
-was lost this way show up in the applier's orphan counters
-(``scoring.events`` stats), and BlockRemoved events for them are ignored.
+A pod removed from the registry is cleared; per-event log lines are rate-limited
+(:mod:`router.events.ratelimit`), the counters (:mod:`router.events.stats`) count all.
 """
 
 from __future__ import annotations
@@ -43,104 +33,26 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
 from prometheus_client.registry import CollectorRegistry
 from zmq.utils.monitor import parse_monitor_message
 
-from router.events.replay import ReplayError, fetch_replay
+from router.events.feed import Batch, FaultWindow, PodFeed, Reconnect
+from router.events.guard import PodFacts
+from router.events.protocol import EventSink
+from router.events.ratelimit import limited
 from router.events.settings import EventsSettings
-from router.events.stats import EventStats, register_event_stats
+from router.events.stats import EventStats, register_event_stats, sink_gauges, sink_stats
 from router.events.topic import TopicError, parse_topic
+from router.events.writer import EventWriter
+from router.events.zap import SourceCheck
 from router.fleet.pods import PodRegistry, PodSpec
 
 log = logging.getLogger(__name__)
-
-#: repeated warnings of one kind about one pod are logged at most this often
-WARN_EVERY_S = 10.0
-
-
-class DecodedBatch(Protocol):
-    """What the sink's decoder returns: the engine timestamp and the events."""
-
-    @property
-    def ts(self) -> float: ...
-
-    @property
-    def events(self) -> Any: ...
-
-
-class EventSink(Protocol):
-    """Decodes vLLM batches and applies them to an index (``scoring.events.IndexSink``).
-
-    Optional extensions, used when the sink has them (:class:`router.events.IndexSink`
-    does): ``async remove_pod(pod)`` (the pod left: forget it entirely; else
-    ``clear_pod``), ``lost_events(pod) -> bool`` (some events had to be skipped:
-    resync), ``stats`` (an object with ``as_dict()``, or a callable returning a
-    dict: exported as ``kvroute_event_applier_*``), ``extra_stats() -> dict`` (more
-    such counters) and ``gauges() -> dict`` (exported as ``kvroute_event_*`` gauges).
-    """
-
-    def decode(self, payload: bytes) -> DecodedBatch:
-        """Raise ``ValueError`` on a payload that is not a vLLM event batch."""
-        ...
-
-    async def apply(self, pod: str, model: str, batch: Any) -> int:
-        """Apply ``batch`` as published by ``pod`` serving ``model``; return #events."""
-        ...
-
-    async def clear_pod(self, pod: str) -> None:
-        """Forget the pod's entries (index and per-pod engine-hash map)."""
-        ...
-
-
-@dataclass(slots=True)
-class _Batch:
-    pod: str
-    gen: int
-    model: str
-    seq: int
-    payload: bytes
-
-
-@dataclass(slots=True)
-class _Clear:
-    pod: str
-    reason: str
-
-
-@dataclass(slots=True)
-class _Reconnect:
-    """Dial mode: the pod's PUB connection dropped (queued in order with its batches)."""
-
-    pod: str
-    gen: int
-
-
-@dataclass
-class _Feed:
-    """Per-pod subscription state."""
-
-    name: str
-    spec: PodSpec
-    gen: int
-    model: str
-    #: next seq we expect (None: accept any, e.g. first batch or after a resync)
-    expected: int | None = None
-    #: seq of the first batch dropped on overflow, not yet handled by the writer
-    drop_seq: int | None = None
-    #: the index may hold stale entries (a clear failed): clear before the next apply
-    dirty: bool = False
-    #: the first batch was seen (join replay done)
-    joined: bool = False
-    socket: zmq.asyncio.Socket | None = None
-    reader: asyncio.Task[None] | None = None
-    monitor: zmq.asyncio.Socket | None = None
-    watcher: asyncio.Task[None] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _spec_model(spec: PodSpec, fallback: str) -> str:
@@ -152,6 +64,9 @@ class KVEventSubscriber:
 
     Use ``await start()`` / ``await stop()`` from the loop that owns it.  In bind mode
     :attr:`bound_endpoint` is the actual endpoint (resolving a ``*`` port).
+    ``pod_facts(pod)`` (e.g. the scraper's ``cache_config``) gives a pod's cache size
+    and block size for :mod:`router.events.guard`; settable after construction
+    (:attr:`pod_facts`).
     """
 
     def __init__(
@@ -162,57 +77,54 @@ class KVEventSubscriber:
         *,
         metrics_registry: CollectorRegistry | None = None,
         context: zmq.asyncio.Context | None = None,
+        pod_facts: Callable[[str], PodFacts | None] | None = None,
     ) -> None:
         self.settings = settings
         self.registry = registry
-        self.sink = sink
         self.stats = EventStats()
         self._ctx = context or zmq.asyncio.Context()
         self._own_ctx = context is None
-        self._queue: asyncio.Queue[_Batch | _Clear | _Reconnect] = asyncio.Queue()
-        self.stats.queue_depth = self._queue.qsize
-        self.stats.sink_stats = self._sink_stats
-        self.stats.sink_gauges = self._sink_gauges
-        self._feeds: dict[str, _Feed] = {}
-        self._gen = 0
+        self._feeds: dict[str, PodFeed] = {}
+        self._writer = EventWriter(
+            settings, sink, self.stats, self._ctx, lambda end: self._pause(end), pod_facts
+        )
+        self.stats.queue_depth = lambda: sum(len(f.pending) for f in self._feeds.values())
+        self.stats.sink_stats = lambda: sink_stats(self.sink)
+        self.stats.sink_gauges = lambda: sink_gauges(self.sink)
         self._tasks: list[asyncio.Task[None]] = []
         self._bind_socket: zmq.asyncio.Socket | None = None
         self.bound_endpoint: str | None = None
+        #: bind mode with bind_allow=discovered: the pods' addresses and the ZAP handler
+        self.sources: SourceCheck | None = None
         self._running = False
-        self._busy = False
-        self._warned: dict[str, float] = {}
         if metrics_registry is not None:
             register_event_stats(self.stats, metrics_registry)
 
-    def _warn(self, key: str, msg: str, *args: Any) -> None:
-        """``log.warning`` at most once per ``WARN_EVERY_S`` per ``key`` (a pod sending
-        garbage at a high rate must not flood the log); the counters count every one."""
-        now = time.monotonic()
-        if now - self._warned.get(key, -1e9) >= WARN_EVERY_S:
-            self._warned[key] = now
-            log.warning(msg, *args)
+    @property
+    def sink(self) -> Any:
+        return self._writer.sink
 
-    def _sink_stats(self) -> dict[str, Any]:
-        raw = getattr(self.sink, "stats", None)
-        out: dict[str, Any] = {}
-        if raw is None:
-            pass
-        elif hasattr(raw, "as_dict"):
-            out = dict(raw.as_dict())
-        elif callable(raw):
-            out = dict(raw())
-        extra = getattr(self.sink, "extra_stats", None)
-        if callable(extra):
-            out.update(extra())
-        return out
+    @sink.setter
+    def sink(self, sink: Any) -> None:
+        self._writer.sink = sink
 
-    def _sink_gauges(self) -> dict[str, float]:
-        fn = getattr(self.sink, "gauges", None)
-        return dict(fn()) if callable(fn) else {}
+    @property
+    def pod_facts(self) -> Callable[[str], PodFacts | None] | None:
+        return self._writer.facts_of
 
-    def _lost_events(self, pod: str) -> bool:
-        fn = getattr(self.sink, "lost_events", None)
-        return bool(fn(pod)) if fn is not None else False
+    @pod_facts.setter
+    def pod_facts(self, fn: Callable[[str], PodFacts | None] | None) -> None:
+        self._writer.facts_of = fn
+
+    @property
+    def _checks_sources(self) -> bool:
+        """Bind mode over TCP with ``bind_allow: discovered``."""
+        s = self.settings
+        return (
+            s.mode == "bind"
+            and s.bind_allow == "discovered"
+            and s.bind_endpoint.startswith("tcp://")
+        )
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -220,17 +132,31 @@ class KVEventSubscriber:
         if self._running:
             return
         self._running = True
-        self._tasks.append(asyncio.create_task(self._writer(), name="kv-events-writer"))
+        self._tasks.append(asyncio.create_task(self._writer.run(), name="kv-events-writer"))
         if self.settings.mode == "bind":
             sock = self._new_sub()
+            if self._checks_sources:
+                self.sources = SourceCheck(
+                    self._ctx,
+                    on_admit=lambda _: self._count("zap_admitted"),
+                    on_hold=lambda _: self._count("zap_held"),
+                )
+                self.sources.start(sock)
             sock.bind(self.settings.bind_endpoint)
             self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._bind_socket = sock
             self._tasks.append(
                 asyncio.create_task(self._bind_reader(sock), name="kv-events-bind-reader")
             )
-            log.info("KV events: SUB bound on %s", self.bound_endpoint)
+            log.info(
+                "KV events: SUB bound on %s (publishers allowed: %s)",
+                self.bound_endpoint,
+                self.settings.bind_allow,
+            )
         self.registry.subscribe(self._on_pod)
+
+    def _count(self, attr: str) -> None:
+        setattr(self.stats, attr, getattr(self.stats, attr) + 1)
 
     async def stop(self) -> None:
         self._running = False
@@ -242,15 +168,20 @@ class KVEventSubscriber:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        await self._writer.stop()
         if self._bind_socket is not None:
             self._bind_socket.close(linger=0)
             self._bind_socket = None
+        if self.sources is not None:
+            await self.sources.stop()
+            self.sources = None
         if self._own_ctx:
             self._ctx.term()
 
     async def drain(self) -> None:
-        """Wait until every queued batch has been handled (for tests and shutdown)."""
-        while self._queue.qsize() or self._busy:
+        """Wait until every queued batch and running replay has been handled (for tests
+        and shutdown)."""
+        while not self._writer.idle() or any(f.pending or f.replay for f in self._feeds.values()):
             await asyncio.sleep(0.005)
 
     # -- pods --------------------------------------------------------------------------
@@ -263,8 +194,12 @@ class KVEventSubscriber:
             if feed is not None:
                 self._close_feed(feed)
                 del self._feeds[name]
-            self._queue.put_nowait(_Clear(name, "removed"))
+            if self.sources is not None:
+                self.sources.pod_removed(name)
+            self._writer.clear_departed(name, "removed")
             return
+        if self.sources is not None:
+            self.sources.pod_changed(name, spec)
         model = _spec_model(spec, self.settings.model_fallback)
         if feed is not None:
             endpoint_changed = (
@@ -272,18 +207,20 @@ class KVEventSubscriber:
                 or feed.spec.replay_endpoint != spec.replay_endpoint
             )
             feed.spec = spec
-            if not feed.extra.get("topic_model"):
+            if not feed.topic_model:
                 feed.model = model
             if not endpoint_changed:
                 return
             # a new publisher: start from scratch
             self._close_feed(feed)
             del self._feeds[name]
-            self._queue.put_nowait(_Clear(name, "removed"))
-        self._gen += 1
-        feed = _Feed(name=name, spec=spec, gen=self._gen, model=model)
+            self._writer.clear_departed(name, "removed")
+        s = self.settings
+        feed = PodFeed(
+            name=name, spec=spec, model=model, faults=FaultWindow(s.fault_budget, s.fault_window_s)
+        )
         self._feeds[name] = feed
-        if self.settings.mode == "dial" and spec.events_endpoint:
+        if s.mode == "dial" and spec.events_endpoint:
             sock = self._new_sub()
             sock.connect(spec.events_endpoint)
             feed.socket = sock
@@ -296,7 +233,7 @@ class KVEventSubscriber:
             )
             log.info("KV events: %s: SUB connected to %s", name, spec.events_endpoint)
 
-    async def _watch_connection(self, feed: _Feed, monitor: zmq.asyncio.Socket) -> None:
+    async def _watch_connection(self, feed: PodFeed, monitor: zmq.asyncio.Socket) -> None:
         """A dropped connection may hide an engine restart whose first batches we miss
         (seq would then look like a gap, not a restart): resync at the reconnection."""
         while True:
@@ -306,12 +243,15 @@ class KVEventSubscriber:
             except Exception:
                 continue
             if event.get("event") == zmq.EVENT_DISCONNECTED:
-                self._warn(
-                    f"conn:{feed.name}", "KV events: %s: publisher connection lost", feed.name
+                limited(
+                    log, f"conn:{feed.name}", "KV events: %s: publisher connection lost", feed.name
                 )
-                self._queue.put_nowait(_Reconnect(feed.name, feed.gen))
+                if not (feed.pending and isinstance(feed.pending[-1], Reconnect)):
+                    feed.pending.append(Reconnect())
+                self._writer.schedule(feed)
 
-    def _close_feed(self, feed: _Feed) -> None:
+    def _close_feed(self, feed: PodFeed) -> None:
+        self._writer.close_feed(feed)
         if feed.reader is not None:
             feed.reader.cancel()
             feed.reader = None
@@ -344,17 +284,34 @@ class KVEventSubscriber:
                 if len(frames) != 3
                 else f"seq frame of {len(frames[1])} bytes, expected 8"
             )
-            self._warn(f"frame:{who}", "KV events: %s: malformed message skipped: %s", who, detail)
+            limited(
+                log, f"frame:{who}", "KV events: %s: malformed message skipped: %s", who, detail
+            )
             return None
         return frames[0], int.from_bytes(frames[1], "big"), frames[2]
 
-    def _enqueue(self, feed: _Feed, model: str, seq: int, payload: bytes) -> None:
-        if self._queue.qsize() >= self.settings.queue_size:
-            st = self.stats.pod(feed.name)
+    def _reject(self, pod: str, reason: str, detail: str) -> None:
+        self.stats.pod(pod).rejected[reason] += 1
+        limited(
+            log,
+            f"reject:{pod}:{reason}",
+            "KV events: %s: message rejected (%s): %s",
+            pod,
+            reason,
+            detail,
+        )
+
+    def _enqueue(self, feed: PodFeed, model: str, seq: int, payload: bytes) -> None:
+        st = self.stats.pod(feed.name)
+        if feed.faults.quarantined(time.monotonic()):
+            st.rejected["quarantined"] += 1
+            feed.note_drop(seq, "quarantine")
+            return
+        if not feed.offer(Batch(seq, payload, model), self.settings.queue_size):
             st.dropped += 1
-            if feed.drop_seq is None:
-                feed.drop_seq = seq
-                self._warn(
+            if feed.note_drop(seq, "overflow"):
+                limited(
+                    log,
                     f"queue:{feed.name}",
                     "KV events: %s: queue full (%d), batch %d dropped, pod marked for resync",
                     feed.name,
@@ -362,7 +319,8 @@ class KVEventSubscriber:
                     seq,
                 )
             return
-        self._queue.put_nowait(_Batch(feed.name, feed.gen, model, seq, payload))
+        st.queued = len(feed.pending)
+        self._writer.schedule(feed)
 
     async def _pause(self, slice_end: float) -> float:
         """Yield to the loop when this task's time slice is over; the new slice's end.
@@ -375,18 +333,20 @@ class KVEventSubscriber:
         await asyncio.sleep(0)
         return time.perf_counter() + self.settings.time_slice_s
 
-    async def _recv(self, sock: zmq.asyncio.Socket, who: str) -> list[bytes] | None:
+    async def _recv(
+        self, sock: zmq.asyncio.Socket, who: str, copy: bool = True
+    ) -> list[Any] | None:
         """One message; None after a socket error (logged; the reader goes on)."""
         try:
-            return await sock.recv_multipart()
+            return await sock.recv_multipart(copy=copy)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.ETERM:
                 raise asyncio.CancelledError() from exc
-            self._warn(f"recv:{who}", "KV events: %s: receive failed: %s", who, exc)
+            limited(log, f"recv:{who}", "KV events: %s: receive failed: %s", who, exc)
             await asyncio.sleep(0.1)
             return None
 
-    async def _dial_reader(self, feed: _Feed, sock: zmq.asyncio.Socket) -> None:
+    async def _dial_reader(self, feed: PodFeed, sock: zmq.asyncio.Socket) -> None:
         slice_end = 0.0
         while True:
             slice_end = await self._pause(slice_end)
@@ -402,32 +362,53 @@ class KVEventSubscriber:
             if topic:
                 with contextlib.suppress(TopicError):
                     t = parse_topic(topic)
+                    if t.pod != feed.name:
+                        self._reject(feed.name, "wrong_pod", f"topic names pod {t.pod[:64]!r}")
+                        continue
                     if t.model:
                         model = feed.model = t.model
-                        feed.extra["topic_model"] = True
+                        feed.topic_model = True
             self._enqueue(feed, model, seq, payload)
 
     async def _bind_reader(self, sock: zmq.asyncio.Socket) -> None:
         slice_end = 0.0
+        sources = self.sources
+        check = sources is not None
         while True:
             slice_end = await self._pause(slice_end)
-            frames = await self._recv(sock, "bind")
-            if frames is None:
+            got = await self._recv(sock, "bind", copy=not check)
+            if got is None:
                 continue
+            peer = ""
+            if check:
+                with contextlib.suppress(zmq.ZMQError):
+                    peer = got[0].get("Peer-Address") if got else ""
+                frames: list[bytes] = [f.bytes for f in got]
+            else:
+                frames = got
             topic_raw = frames[0] if frames else b""
             try:
                 topic = parse_topic(topic_raw)
             except TopicError as exc:
                 self.stats.bad_topics += 1
-                self._warn("topic", "KV events: batch skipped: %s", exc)
+                limited(log, "topic", "KV events: batch skipped: %s", exc)
                 continue
             feed = self._feeds.get(topic.pod)
             if feed is None:
                 self.stats.unknown_pod_batches += 1
-                self._warn(
+                limited(
+                    log,
                     f"unknown:{topic.pod[:64]}",
                     "KV events: batch from unknown pod %r skipped",
                     topic.pod[:64],
+                )
+                continue
+            if sources is not None and not sources.matches(feed.name, peer):
+                known = sources.describe(feed.name)
+                self._reject(
+                    feed.name,
+                    "wrong_source",
+                    f"sent from {peer or '?'}, the pod's addresses: {known}",
                 )
                 continue
             parts = self._split(frames, topic.pod)
@@ -436,198 +417,3 @@ class KVEventSubscriber:
                 continue
             _, seq, payload = parts
             self._enqueue(feed, topic.model or feed.model, seq, payload)
-
-    # -- writer ------------------------------------------------------------------------
-
-    async def _writer(self) -> None:
-        slice_end = 0.0
-        while True:
-            slice_end = await self._pause(slice_end)
-            item = await self._queue.get()
-            self._busy = True
-            try:
-                if isinstance(item, _Clear):
-                    await self._clear(item.pod, item.reason, self._feeds.get(item.pod))
-                elif isinstance(item, _Reconnect):
-                    feed = self._feeds.get(item.pod)
-                    if feed is not None and feed.gen == item.gen:
-                        await self._resync(feed, "reconnect")
-                        feed.joined = False  # the next batch re-learns from the replay buffer
-                else:
-                    await self._handle(item)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # never let one batch kill the writer
-                log.exception("KV events: unexpected error handling %r", item)
-            finally:
-                self._busy = False
-
-    async def _clear(self, pod: str, reason: str, feed: _Feed | None) -> bool:
-        self.stats.pod(pod).resyncs[reason] += 1
-        try:
-            remove_pod = getattr(self.sink, "remove_pod", None)
-            if reason == "removed" and remove_pod is not None:
-                await remove_pod(pod)
-            else:
-                await self.sink.clear_pod(pod)
-        except Exception as exc:
-            self._warn(
-                f"clear:{pod}", "KV events: %s: clearing the pod failed (%s); will retry", pod, exc
-            )
-            if feed is not None:
-                feed.dirty = True
-            return False
-        if feed is not None:
-            feed.dirty = False
-        log.info("KV events: %s: cleared (%s)", pod, reason)
-        return True
-
-    async def _resync(self, feed: _Feed, reason: str) -> None:
-        feed.expected = None
-        await self._clear(feed.name, reason, feed)
-
-    async def _handle(self, b: _Batch) -> None:
-        feed = self._feeds.get(b.pod)
-        if feed is None or feed.gen != b.gen:
-            return  # the pod went away (and was cleared) after this batch was queued
-        st = self.stats.pod(b.pod)
-        if feed.drop_seq is not None and b.seq > feed.drop_seq:
-            feed.drop_seq = None
-            await self._resync(feed, "overflow")
-        elif feed.dirty:
-            await self._resync(feed, "apply_error")
-        exp = feed.expected
-        if exp is None and not feed.joined:
-            feed.joined = True
-            if b.seq > 0 and self.settings.replay_on_join:
-                await self._join_replay(feed, b.seq)
-        if exp is not None and b.seq > exp:
-            st.gaps += 1
-            st.missed_batches += b.seq - exp
-            self._warn(
-                f"gap:{b.pod}", "KV events: %s: gap, expected seq %d, got %d", b.pod, exp, b.seq
-            )
-            if not await self._replay(feed, exp, b.seq):
-                await self._resync(feed, "gap")
-        elif exp is not None and b.seq < exp:
-            st.restarts += 1
-            self._warn(
-                f"restart:{b.pod}",
-                "KV events: %s: seq went back from %d to %d: engine restart",
-                b.pod,
-                exp,
-                b.seq,
-            )
-            await self._resync(feed, "restart")
-        await self._apply(feed, b.model, b.seq, b.payload)
-
-    async def _join_replay(self, feed: _Feed, stop: int) -> None:
-        """First batch of a pod already running: apply what its replay buffer holds
-        before ``stop`` (best effort: blocks stored before the buffer's oldest batch stay
-        unknown and their children show up as orphans)."""
-        st = self.stats.pod(feed.name)
-        endpoint = feed.spec.replay_endpoint
-        if not endpoint:
-            return
-        try:
-            batches = await fetch_replay(
-                self._ctx, endpoint, 0, stop_seq=stop, timeout_s=self.settings.replay_timeout_s
-            )
-        except ReplayError as exc:
-            st.replay_failures += 1
-            self._warn(
-                f"replay:{feed.name}", "KV events: %s: join replay failed: %s", feed.name, exc
-            )
-            return
-        st.replays += 1
-        for rb in batches:
-            await self._apply(feed, feed.model, rb.seq, rb.payload)
-            st.replayed_batches += 1
-        log.info(
-            "KV events: %s: joined at seq %d, replayed %d batches", feed.name, stop, len(batches)
-        )
-
-    async def _replay(self, feed: _Feed, start: int, stop: int) -> bool:
-        st = self.stats.pod(feed.name)
-        endpoint = feed.spec.replay_endpoint
-        if not (self.settings.replay_on_gap and endpoint):
-            return False
-        try:
-            batches = await fetch_replay(
-                self._ctx,
-                endpoint,
-                start,
-                stop_seq=stop,
-                timeout_s=self.settings.replay_timeout_s,
-            )
-        except ReplayError as exc:
-            st.replay_failures += 1
-            self._warn(f"replay:{feed.name}", "KV events: %s: replay failed: %s", feed.name, exc)
-            return False
-        if [rb.seq for rb in batches] != list(range(start, stop)):
-            st.replay_failures += 1
-            first = batches[0].seq if batches else None
-            self._warn(
-                f"replay:{feed.name}",
-                "KV events: %s: replay buffer does not cover seq %d..%d (first held: %s); "
-                "resync from what it holds",
-                feed.name,
-                start,
-                stop - 1,
-                first,
-            )
-            # clear, then re-learn from the buffer: as if we had joined at its oldest batch
-            await self._resync(feed, "gap")
-            held = [rb for rb in batches if rb.seq < stop]
-            if held and [rb.seq for rb in held] == list(range(held[0].seq, stop)):
-                for rb in held:
-                    await self._apply(feed, feed.model, rb.seq, rb.payload)
-                    st.replayed_batches += 1
-            return True
-        st.replays += 1
-        for rb in batches:
-            await self._apply(feed, feed.model, rb.seq, rb.payload)
-            st.replayed_batches += 1
-        return True
-
-    async def _apply(self, feed: _Feed, model: str, seq: int, payload: bytes) -> None:
-        st = self.stats.pod(feed.name)
-        feed.expected = seq + 1
-        st.last_seq = seq
-        try:
-            batch = self.sink.decode(payload)
-        except Exception as exc:
-            st.decode_errors += 1
-            self._warn(
-                f"decode:{feed.name}",
-                "KV events: %s: batch %d does not decode (%s); resync",
-                feed.name,
-                seq,
-                exc,
-            )
-            await self._clear(feed.name, "decode_error", feed)
-            return
-        try:
-            n = await self.sink.apply(feed.name, model, batch)
-        except Exception as exc:
-            st.apply_errors += 1
-            self._warn(
-                f"apply:{feed.name}",
-                "KV events: %s: applying batch %d failed (%s); resync",
-                feed.name,
-                seq,
-                exc,
-            )
-            feed.dirty = True
-            return
-        st.batches += 1
-        st.events += n
-        st.lag_s = max(0.0, time.time() - float(batch.ts))
-        if self._lost_events(feed.name):
-            self._warn(
-                f"lost:{feed.name}",
-                "KV events: %s: events were skipped in batch %d; resync",
-                feed.name,
-                seq,
-            )
-            await self._clear(feed.name, "lost_events", feed)

@@ -154,6 +154,11 @@ class MetricsScraper:
             return None
         return s
 
+    def cache_config(self, pod: str) -> Scraped | None:
+        """The pod's last successful scrape, however old: what the KV-event checks read
+        (its cache size and block size change only when its engine restarts)."""
+        return self._scraped.get(pod)
+
     def fresh(self) -> Callable[[str], Scraped | None]:
         """:meth:`get` at one instant, for reading several pods (one clock read)."""
         scraped = self._scraped

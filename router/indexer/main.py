@@ -28,6 +28,10 @@ replay buffers hold) and writes.  A writer that finds its lease taken by another
 (it stalled for longer than the lease) stops and exits with status 3, to come back as a
 standby.  ``/health`` says ``role``: ``active`` or ``standby``.
 
+Pod facts: the active indexer scrapes each pod's ``/metrics`` (``scrape.*`` settings)
+for ``vllm:cache_config_info`` (``num_gpu_blocks``, ``block_size``): batches that
+contradict them are rejected (:mod:`router.events.guard`).
+
 Sweep: the indexer is the process that writes the index, so it also runs
 :meth:`~scoring.index.redis.RedisIndex.sweep_forever` every ``--sweep-interval``
 seconds (default 300; 0 turns it off): a cleared or vanished pod's retired slot ids
@@ -55,7 +59,10 @@ from router.config import Settings
 from router.events import IndexSink, KVEventSubscriber
 from router.events.sink import make_sink as _make_sink
 from router.fleet.discovery import DiscoveryError, build_discovery
-from router.fleet.pods import PodRegistry
+from router.fleet.pods import PodRegistry, PodSpec
+from router.fleet.scrape import MetricsScraper
+from router.fleet.tls import PodTLS, make_client
+from router.fleet.transport import PodTransport
 from router.indexer.lease import LEASE_S, WriterLease
 from router.metrics import register_build_info
 from router.preflight import StartupError, load_settings
@@ -105,8 +112,23 @@ class Indexer:
         self.index = RedisIndex(self.redis, namespace=settings.redis_namespace, owns_client=True)
         self.sink = make_sink(self.index, settings)
         self.lease = WriterLease(self.index, self.metrics, lease_s=lease_s, standby=True)
+        tls = PodTLS.from_settings(settings.proxy)
+        self.client = make_client(settings.proxy, PodTransport(settings.proxy.max_keepalive, tls))
+        #: each pod's cache size and block size, for the subscriber's checks
+        self.scraper = MetricsScraper(
+            self.registry,
+            self.client,
+            interval_s=settings.scrape.interval_s,
+            timeout_s=settings.scrape.timeout_s,
+            stale_after_s=settings.scrape.stale_after_s,
+        )
+        self.registry.subscribe(self._on_pod)
         self.subscriber = KVEventSubscriber(
-            settings.events, self.registry, self.sink, metrics_registry=self.metrics
+            settings.events,
+            self.registry,
+            self.sink,
+            metrics_registry=self.metrics,
+            pod_facts=self.scraper.cache_config,
         )
         self.discovery = build_discovery(settings.discovery)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -122,6 +144,12 @@ class Indexer:
         self._activate_task: asyncio.Task[None] | None = None
         #: the subscriber runs (this process holds the lease and writes)
         self.active = False
+
+    def _on_pod(self, name: str, spec: PodSpec | None) -> None:
+        if spec is None:
+            self.scraper.forget(name)
+        elif self.active:
+            self.scraper.trigger()
 
     def _app(self) -> FastAPI:
         app = FastAPI(title="kvroute index", docs_url=None, redoc_url=None, openapi_url=None)
@@ -170,6 +198,9 @@ class Indexer:
         await self.lease.acquired.wait()
         if self.lease.lost.is_set():
             return
+        with contextlib.suppress(Exception):  # the pods' facts before their first batch
+            await self.scraper.scrape_all()
+        self.scraper.start()
         await self.subscriber.start()
         self.active = True
         if self.sweep_interval_s > 0:
@@ -198,6 +229,8 @@ class Indexer:
                 await task
         self._tasks.clear()
         await self.subscriber.stop()
+        await self.scraper.stop()
+        await self.client.aclose()
         if self._lease_task is not None:
             self._lease_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

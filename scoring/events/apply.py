@@ -26,6 +26,9 @@ Semantics (the README quotes this):
   per group), so a block stays indexed while any group holds it.  A per-request
   ``kv_cache_report_mode="full"`` (vLLM re-announcing prefix-cache *hits* as
   BlockStored) would inflate counts; the default "incremental" mode does not.
+  :attr:`PodEvents.gpu_blocks` counts the distinct blocks held in the GPU tier (the
+  pod's GPU entries in the index): a consistent stream keeps it at most the engine's
+  ``num_gpu_blocks`` (the router refuses batches that exceed it).
 * **Tiers**: ``medium`` "GPU" (or absent) -> tier "GPU", "CPU" -> "CPU", "STORAGE" /
   "DISK" -> "DISK"; an unknown medium is counted (``bad_events``) and skipped.  An
   offload ``BlockStored`` without tokens (a placeholder naming known hashes) records the
@@ -224,6 +227,8 @@ class PodEvents:
     orphan_removed: dict[EngineHash, int] = field(default_factory=dict)
     #: events were lost for good (orphans dropped, undecodable payload, bad event)
     lost: bool = False
+    #: distinct blocks held in the GPU tier (vLLM's own cache: <= its num_gpu_blocks)
+    gpu_blocks: int = 0
 
     @property
     def needs_resync(self) -> bool:
@@ -334,6 +339,7 @@ class KVEventApplier:
         st.orphan_blocks = 0
         st.orphan_removed.clear()
         st.lost = False
+        st.gpu_blocks = 0
         self._orphan_pods.discard(st.pod)
 
     def _state(self, pod: str) -> PodEvents:
@@ -343,10 +349,12 @@ class KVEventApplier:
         return st
 
     def _bad(self, st: PodEvents, msg: str) -> None:
+        # not a warning per event: a batch of 10,000 bad events would write 10,000 lines;
+        # the caller sees ``lost`` and logs (rate-limited) with ``last_error``
         self.stats.bad_events += 1
         self.stats.last_error = f"pod {st.pod}: {msg}"
         st.lost = True
-        log.warning("skipping KV event from pod %s: %s", st.pod, msg)
+        log.debug("skipping KV event from pod %s: %s", st.pod, msg)
 
     # -- entry points ----------------------------------------------------------------
 
@@ -376,11 +384,14 @@ class KVEventApplier:
         for err in batch.errors:
             self._bad(st, err)
         ops = IndexOps()
+        traced = False
         for i, ev in enumerate(batch.events):
             try:
                 self._apply(st, ev, ops)
             except Exception as exc:  # an input we did not foresee must not stop ingest
-                log.exception("pod %s: event %d of a batch could not be applied", pod, i)
+                if not traced:  # one traceback per batch, not one per event
+                    traced = True
+                    log.exception("pod %s: event %d of a batch could not be applied", pod, i)
                 self._bad(st, f"event {i} ({type(ev).__name__}) could not be applied: {exc!r}")
         return ops
 
@@ -498,6 +509,8 @@ class KVEventApplier:
                 if not c:
                     new.append(v.key)  # type: ignore[union-attr]
         ops.add(st.pod, tier, new)
+        if fast:
+            st.gpu_blocks += len(new)
         if len(blocks) > self.max_blocks_per_pod:
             self._evict(st, ops)
 
@@ -526,8 +539,11 @@ class KVEventApplier:
         for h in victims:
             v = st.blocks.pop(h)
             if type(v) is int:
+                st.gpu_blocks -= 1
                 ops.remove(st.pod, FAST_TIER, (v,))
             else:
+                if FAST_TIER in v.counts:  # type: ignore[union-attr]
+                    st.gpu_blocks -= 1
                 for tier in v.counts:  # type: ignore[union-attr]
                     ops.remove(st.pod, tier, (v.key,))  # type: ignore[union-attr]
         self.stats.evicted_blocks += len(victims)
@@ -648,6 +664,8 @@ class KVEventApplier:
             elif counts == {FAST_TIER: 1}:
                 blocks[h] = v.key  # type: ignore[union-attr]  # back to the compact form
         ops.remove(st.pod, tier, gone)
+        if fast:
+            st.gpu_blocks -= len(gone)
 
     def _unknown_removal(self, st: PodEvents, h: EngineHash) -> None:
         if st.orphans and any(h in ev.block_hashes for evs in st.orphans.values() for ev in evs):

@@ -100,17 +100,17 @@ async def run_once(index: Any, n: int, blocks: int, rate: float) -> dict[str, fl
     sink = IndexSink(index)
     lags: list[float] = []
     first_last: list[float] = []
-    real_apply = sink.apply
+    real_apply = sink.apply_checked  # what the subscriber calls on router.events.IndexSink
 
-    async def timed_apply(pod: str, model: str, batch: Any) -> int:
-        out = await real_apply(pod, model, batch)
+    async def timed_apply(pod: str, model: str, batch: Any, facts: Any) -> int:
+        out = await real_apply(pod, model, batch, facts)
         now = time.time()
         lags.append(now - batch.ts)
         if not first_last:
             first_last.append(time.perf_counter())
         return out
 
-    sink.apply = timed_apply  # type: ignore[method-assign]
+    sink.apply_checked = timed_apply  # type: ignore[method-assign]
     sub = KVEventSubscriber(
         EventsSettings(mode="dial", queue_size=max(n, 1)), PodRegistry(), sink, context=ctx
     )

@@ -287,6 +287,30 @@ def test_copies_are_counted_per_tier_and_per_block() -> None:
     assert st.copies(11) == {} and st.key_of(11) is None
 
 
+def test_gpu_blocks_counts_the_distinct_blocks_the_gpu_tier_holds() -> None:
+    """What the router compares with the engine's num_gpu_blocks: one per block held in
+    the GPU tier, however many copies; offload tiers do not count."""
+    applier, index = setup()
+    st = applier.pod("p")
+    assert st is not None
+    feed(applier, index, stored([11, 12], None, TOKENS[:32]))
+    feed(applier, index, stored([11, 12], None, TOKENS[:32]))  # second copies
+    feed(applier, index, stored([11, 12, 13], None, TOKENS[:48], medium="CPU"))
+    assert st.gpu_blocks == 2
+    feed(applier, index, BlockRemoved([12], "GPU"))  # one of two copies
+    assert st.gpu_blocks == 2
+    feed(applier, index, BlockRemoved([12], "GPU"), BlockRemoved([11], "CPU"))
+    assert st.gpu_blocks == 1
+    feed(applier, index, BlockRemoved([999], "GPU"))  # never seen: no change
+    assert st.gpu_blocks == 1
+    feed(applier, index, AllBlocksCleared())
+    assert st.gpu_blocks == 0
+    small, idx = setup(max_blocks_per_pod=100)
+    feed(small, idx, BlockStored(list(range(1, 151)), None, list(range(16 * 150)), BS, None, "GPU"))
+    held = small.pod("p")
+    assert held is not None and held.gpu_blocks == len(held.blocks) <= 100  # evictions too
+
+
 def test_removing_the_tail_shrinks_the_chain_from_the_end() -> None:
     applier, index = setup()
     feed(applier, index, stored([11, 12, 13, 14], None, TOKENS))
