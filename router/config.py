@@ -94,7 +94,19 @@ class ProxySettings(_Section):
 
     connect_timeout_s: float = Field(default=2.0, gt=0, description="TCP connect timeout to a pod")
     read_timeout_s: float = Field(
-        default=600.0, gt=0, description="max wait for the next byte from a pod (long generations)"
+        default=600.0,
+        gt=0,
+        description="max wait for the next byte from a pod: between the chunks of a stream, "
+        "and for the head of a non-streaming answer (which comes when the whole generation "
+        "is done)",
+    )
+    first_byte_timeout_s: float | None = Field(
+        default=60.0,
+        gt=0,
+        description="a streaming request whose pod sends no first body byte (the first SSE "
+        "event: after queueing and prefill) within this is cancelled there and failed over "
+        "to the next pod once; null: no deadline. Non-streaming requests have none (their "
+        "head is the whole answer); they fail over when their pod is ejected",
     )
     max_keepalive: int = Field(
         default=200, ge=0, description="idle keep-alive connections kept per pod"
@@ -107,7 +119,8 @@ class ProxySettings(_Section):
         ge=0,
         le=3,
         description="retries on the next-best pod when connecting fails or the pod answers "
-        "502/503 before any byte reached the client",
+        "502/503 before any byte reached the client; a failover (first-byte deadline, pod "
+        "ejected or removed) takes one of them, and happens at most once per request",
     )
     passthrough_paths: Names = Field(
         default_factory=lambda: list(PASSTHROUGH_PATHS),

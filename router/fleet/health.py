@@ -3,8 +3,9 @@
 Every ``interval_s`` each pod gets ``GET {url}{path}`` (vLLM: ``/health``) with a
 ``timeout_s`` deadline.  A 2xx answer is a success; anything else (error status,
 refused connection, timeout) a failure.  After ``failure_threshold`` consecutive
-failures the pod is ejected (``PodState.healthy = False``: no request goes there);
-the first success re-admits it.  On success the pod's served models are refreshed
+failures the pod is ejected (``PodRegistry.set_healthy(state, False)``: no request goes
+there, and the proxy fails over the requests still waiting on it); the first success
+re-admits it.  On success the pod's served models are refreshed
 from ``GET {url}/v1/models`` (the ``id`` of every entry: base model and LoRA
 adapters): ``PodState.models = spec.models | ids``.
 """
@@ -117,7 +118,7 @@ class HealthChecker:
             self.last_problem[name] = problem
             state.consecutive_failures += 1
             if state.healthy and state.consecutive_failures >= self.settings.failure_threshold:
-                state.healthy = False
+                self.registry.set_healthy(state, False)
                 self.ejections[name] += 1
                 log.warning(
                     "health: %s ejected after %d failures (%s)",
@@ -128,7 +129,7 @@ class HealthChecker:
             return False
         state.consecutive_failures = 0
         if not state.healthy:
-            state.healthy = True
+            self.registry.set_healthy(state, True)
             self.readmissions[name] += 1
             log.info("health: %s re-admitted", name)
         if self.settings.refresh_models:

@@ -48,11 +48,15 @@ class PodState:
 PodListener = Callable[[str, PodSpec | None], None]
 """Called with (pod name, spec) when a pod is added or changed, (name, None) when removed."""
 
+HealthListener = Callable[[str, bool], None]
+"""Called with (pod name, healthy) when health checks eject or re-admit a pod."""
+
 
 class PodRegistry:
     def __init__(self) -> None:
         self._pods: dict[str, PodState] = {}
         self._listeners: list[PodListener] = []
+        self._health_listeners: list[HealthListener] = []
         #: bumped by every change of the fleet (a pod added, changed or removed)
         self.version = 0
 
@@ -60,6 +64,22 @@ class PodRegistry:
         self._listeners.append(listener)
         for name, state in self._pods.items():
             listener(name, state.spec)
+
+    def subscribe_health(self, listener: HealthListener) -> None:
+        """Hear of every ejection and re-admission made through :meth:`set_healthy`."""
+        self._health_listeners.append(listener)
+
+    def set_healthy(self, state: PodState, healthy: bool) -> None:
+        """Eject (``False``) or re-admit ``state``'s pod and tell the health listeners
+        (the proxy fails over the requests still waiting on an ejected pod)."""
+        if state.healthy == healthy:
+            return
+        state.healthy = healthy
+        for listener in self._health_listeners:
+            try:
+                listener(state.name, healthy)
+            except Exception:  # a listener's bug must not stop health checks
+                log.exception("health listener failed for %s", state.name)
 
     def _notify(self, name: str, spec: PodSpec | None) -> None:
         for listener in self._listeners:
