@@ -114,6 +114,41 @@ class ProxySettings(_Section):
     max_body_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024, description="largest request body accepted (413 above)"
     )
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        description="largest request head accepted from a client (request line and headers; "
+        "431 above, before routing)",
+    )
+    max_headers: int = Field(
+        default=100, ge=1, description="most request header lines accepted (431 above)"
+    )
+    client_keepalive_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="a client connection with no request in progress (new, or idle between "
+        "keep-alive requests) is closed after this (uvicorn's default); behind a load "
+        "balancer keep it above the balancer's idle timeout",
+    )
+    client_header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a request head not complete this long after its first bytes: 408, "
+        "connection closed",
+    )
+    client_body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="a request body not complete this long after its head (a client that "
+        "stops or trickles): 408, connection closed; max_body_bytes at >= 4.5 Mbit/s",
+    )
+    max_json_depth: int = Field(
+        default=128,
+        ge=2,
+        le=500,
+        description="deepest JSON nesting accepted in a request body (400 invalid_json "
+        "above; the top-level object is 1); serde_json's default",
+    )
     retries: int = Field(
         default=1,
         ge=0,

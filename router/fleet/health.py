@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.fleet.pods import PodRegistry, PodState
+from router.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class HealthChecker:
         self.readmissions: dict[str, int] = defaultdict(int)
         #: why the last failed check of each pod failed
         self.last_problem: dict[str, str] = {}
+        self._log = RateLimitedLog(log)  # one line per pod and cause per 10 s
         if metrics_registry is not None:
             metrics_registry.register(_HealthCollector(self))
 
@@ -105,7 +107,9 @@ class HealthChecker:
             data = r.json().get("data")
             return {str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")}
         except Exception as exc:  # unreachable, not JSON, not {"data": [...]}
-            log.warning("health: %s: cannot read %s: %s", state.name, url, exc)
+            self._log.warning(
+                ("models", state.name), "health: %s: cannot read %s: %s", state.name, url, exc
+            )
             return None
 
     async def check(self, state: PodState) -> bool:

@@ -13,6 +13,8 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from router.logs import RateLimitedLog
+
 log = logging.getLogger(__name__)
 
 
@@ -59,6 +61,7 @@ class PodRegistry:
         self._health_listeners: list[HealthListener] = []
         #: bumped by every change of the fleet (a pod added, changed or removed)
         self.version = 0
+        self._log = RateLimitedLog(log)
 
     def subscribe(self, listener: PodListener) -> None:
         self._listeners.append(listener)
@@ -79,14 +82,16 @@ class PodRegistry:
             try:
                 listener(state.name, healthy)
             except Exception:  # a listener's bug must not stop health checks
-                log.exception("health listener failed for %s", state.name)
+                self._log.exception(
+                    ("health_listener", listener), "health listener failed for %s", state.name
+                )
 
     def _notify(self, name: str, spec: PodSpec | None) -> None:
         for listener in self._listeners:
             try:
                 listener(name, spec)
             except Exception:  # a listener's bug must not stop discovery
-                log.exception("pod listener failed for %s", name)
+                self._log.exception(("listener", listener), "pod listener failed for %s", name)
 
     def set_pods(self, specs: Iterable[PodSpec]) -> tuple[list[str], list[str]]:
         """Replace the fleet with ``specs``; returns (added or changed, removed) names."""

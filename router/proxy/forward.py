@@ -90,7 +90,6 @@ from router.proxy.response_ids import CreatedSniffer, id_from_body
 from scoring.policies.base import Policy
 
 log = logging.getLogger(__name__)
-_limited = RateLimitedLog(log)
 
 RETRYABLE_STATUS = frozenset({502, 503})
 
@@ -161,6 +160,8 @@ class Proxy:
         )
         self._targets: dict[tuple[str, str], PodTarget] = {}
         self._watch = AttemptWatch()
+        #: per-request warnings: one line per cause per 10 s
+        self._log = RateLimitedLog(log)
         self._connect_timeout = settings.connect_timeout_s
         self._read_timeout = settings.read_timeout_s
         self._first_byte_timeout = settings.first_byte_timeout_s
@@ -297,7 +298,7 @@ class Proxy:
                 last_error = self._stall_error(pod, stalled.cause)
                 if not failed_over and not last:
                     failed_over = True  # once: a request that stalls twice is not re-sent
-                    _limited.warning(
+                    self._log.warning(
                         ("failover", pod, stalled.cause),
                         "request failed over from pod %s: %s",
                         pod,
@@ -377,7 +378,7 @@ class Proxy:
     def _fail_pod(self, pod: str, cause: str) -> None:
         n = self._watch.fail_pod(pod, cause)
         if n:
-            _limited.warning(
+            self._log.warning(
                 ("fail_pod", pod, cause),
                 "pod %s %s: %d requests still waiting for its first byte are cancelled there "
                 "and failed over",
@@ -464,7 +465,7 @@ class Proxy:
             # aborts the client connection too (no clean end: the client sees truncation)
             status = 502
             m.child(m.upstream_errors, pod, "stream_broken").inc()
-            _limited.warning(("stream_broken", pod), "stream from %s broke: %r", pod, exc)
+            self._log.warning(("stream_broken", pod), "stream from %s broke: %r", pod, exc)
             raise UpstreamBroken(f"stream from pod {pod} broke: {exc!r}") from None
         except asyncio.CancelledError:
             status = 499
@@ -481,7 +482,7 @@ class Proxy:
         try:
             await self.owners.put(response_id, pod)
         except Exception as exc:
-            _limited.warning(
+            self._log.warning(
                 "owner_put", "recording the owner of response %s failed: %r", response_id, exc
             )
 
