@@ -8,7 +8,8 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or
 ``POST /v1/embeddings``, ``POST /v1/responses`` with ``GET /v1/responses/{id}`` and
 ``POST /v1/responses/{id}/cancel`` (sent to the pod that created the response, see
 :mod:`router.decision.responses`), ``GET /v1/models``, ``POST /v1/route`` (explain, no forwarding),
-``GET /health``, ``GET /ready``, ``GET /metrics``; and ``proxy.passthrough_paths``
+``GET /health``, ``GET /ready``, ``GET /metrics``, ``GET /openapi.json`` (the fast path's
+endpoints included, :mod:`router.proxy.openapi`); and ``proxy.passthrough_paths``
 (``/tokenize``, ``/rerank``...: least-loaded pod serving the body's model).
 """
 
@@ -32,8 +33,9 @@ from router.decision.explain import explain
 from router.decision.request import Kind, parse_body
 from router.errors import RouterError, json_response
 from router.logs import RateLimitedLog
-from router.metrics import CONTENT_TYPE
+from router.metrics import CONTENT_TYPE, kvroute_version
 from router.proxy.gateway import Gateway
+from router.proxy.openapi import openapi_document
 from router.proxy.protocol import ClientLimits
 
 log = logging.getLogger(__name__)
@@ -210,6 +212,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 entry["max_model_len"] = max_len
             data.append(entry)
         return json_response({"object": "list", "data": data})
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> Response:
+        """This API's OpenAPI document, the fast path's endpoints included."""
+        g = gw(request)
+        return json_response(
+            openapi_document(
+                app.routes,
+                version=kvroute_version(),
+                passthrough_paths=settings.proxy.passthrough_paths,
+                served_models=g.registry.served_models(),
+            )
+        )
 
     @app.get("/health")
     async def health() -> Response:
