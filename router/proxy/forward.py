@@ -352,11 +352,12 @@ class Proxy:
         return err.response()
 
     def _stall_error(self, pod: str, cause: str) -> RouterError:
-        """The OpenAI error for an attempt cancelled before its first byte (counted by
-        pod and reason): 504 ``first_byte_timeout``, 502 ``pod_ejected`` /
-        ``pod_removed``."""
-        m = self.metrics
-        m.child(m.upstream_errors, pod, cause).inc()
+        """The OpenAI error for an attempt cancelled before its first byte: 504
+        ``first_byte_timeout``, 502 ``pod_ejected`` / ``pod_removed``; counted by pod and
+        reason (except for a removed pod: its series were just dropped from /metrics)."""
+        if cause != POD_REMOVED:
+            m = self.metrics
+            m.child(m.upstream_errors, pod, cause).inc()
         if cause == FIRST_BYTE_TIMEOUT:
             return RouterError(
                 504,
