@@ -95,7 +95,19 @@ class ProxySettings(_Section):
 
     connect_timeout_s: float = Field(default=2.0, gt=0, description="TCP connect timeout to a pod")
     read_timeout_s: float = Field(
-        default=600.0, gt=0, description="max wait for the next byte from a pod (long generations)"
+        default=600.0,
+        gt=0,
+        description="max wait for the next byte from a pod: between the chunks of a stream, "
+        "and for the head of a non-streaming answer (which comes when the whole generation "
+        "is done)",
+    )
+    first_byte_timeout_s: float | None = Field(
+        default=60.0,
+        gt=0,
+        description="a streaming request whose pod sends no first body byte (the first SSE "
+        "event: after queueing and prefill) within this is cancelled there and failed over "
+        "to the next pod once; null: no deadline. Non-streaming requests have none (their "
+        "head is the whole answer); they fail over when their pod is ejected",
     )
     max_keepalive: int = Field(
         default=200, ge=0, description="idle keep-alive connections kept per pod"
@@ -103,12 +115,48 @@ class ProxySettings(_Section):
     max_body_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024, description="largest request body accepted (413 above)"
     )
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        description="largest request head accepted from a client (request line and headers; "
+        "431 above, before routing)",
+    )
+    max_headers: int = Field(
+        default=100, ge=1, description="most request header lines accepted (431 above)"
+    )
+    client_keepalive_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="a client connection with no request in progress (new, or idle between "
+        "keep-alive requests) is closed after this (uvicorn's default); behind a load "
+        "balancer keep it above the balancer's idle timeout",
+    )
+    client_header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a request head not complete this long after its first bytes: 408, "
+        "connection closed",
+    )
+    client_body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="a request body not complete this long after its head (a client that "
+        "stops or trickles): 408, connection closed; max_body_bytes at >= 4.5 Mbit/s",
+    )
+    max_json_depth: int = Field(
+        default=128,
+        ge=2,
+        le=500,
+        description="deepest JSON nesting accepted in a request body (400 invalid_json "
+        "above; the top-level object is 1); serde_json's default",
+    )
     retries: int = Field(
         default=1,
         ge=0,
         le=3,
         description="retries on the next-best pod when connecting fails or the pod answers "
-        "502/503 before any byte reached the client",
+        "502/503 before any byte reached the client; a failover (first-byte deadline, pod "
+        "ejected or removed) takes one of them, and happens at most once per request",
     )
     passthrough_paths: Names = Field(
         default_factory=lambda: list(PASSTHROUGH_PATHS),
@@ -176,9 +224,7 @@ class FleetSettings(_Section):
     """The embedded simulated fleet started when no pods are configured."""
 
     enabled: bool = Field(default=True, description="start it when no pods are configured")
-    pods: int = Field(
-        default=4, ge=0, le=64, description="number of simulated pods of role both"
-    )
+    pods: int = Field(default=4, ge=0, le=64, description="number of simulated pods of role both")
     prefill_pods: int = Field(
         default=0, ge=0, le=64, description="simulated pods of role prefill (P/D, docs/pd.md)"
     )

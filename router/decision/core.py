@@ -47,12 +47,14 @@ from router.errors import RouterError, bad_request
 from router.fleet.load import LoadStore, PendingLoad
 from router.fleet.pods import PodRegistry, PodState
 from router.fleet.scrape import MetricsScraper
+from router.logs import RateLimitedLog
 from router.metrics import RouterMetrics
 from router.tokenize import EncodedPrompt, PromptTokenizer, TokenizeError
 from scoring.index.base import BlockIndex
 from scoring.policies.base import Policy, RouteRequest
 
 log = logging.getLogger(__name__)
+_limited = RateLimitedLog(log)  # per-request warnings: one line per cause per 10 s
 
 _perf = time.perf_counter
 
@@ -379,7 +381,7 @@ class RequestRouter:
         try:
             return await self.owners.get(response_id)
         except Exception as exc:  # the store is down: route as if unknown
-            log.warning("response owner lookup failed: %r", exc)
+            _limited.warning("owner_get", "response owner lookup failed: %r", exc)
             self.metrics.child(self.metrics.responses_affinity, "store_error").inc()
             return None
 

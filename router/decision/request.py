@@ -2,7 +2,8 @@
 :class:`Routed` (what to send, where first, and where next on a retry).
 
 Validation (every failure is a :class:`~router.errors.RouterError`, counted by reason by
-the caller): body not JSON / not an object -> 400 ``invalid_json``; chat ``messages``
+the caller): body not JSON / not an object / nested deeper than ``max_depth`` -> 400
+``invalid_json``; chat ``messages``
 absent, empty or malformed -> 400 ``invalid_messages``; completions ``prompt`` not a
 string, list of strings, token-id list or list of token-id lists -> 400
 ``invalid_prompt``.
@@ -16,13 +17,18 @@ from typing import Any, Literal
 
 import msgspec
 
-from router.errors import bad_request
+from router.errors import RouterError, bad_request
 from scoring.policies.base import Decision, PodView, RouteRequest
 
 Kind = Literal["chat", "completion", "embedding", "passthrough", "responses"]
 
 _decode = msgspec.json.decode
 _MAX_ID = 1 << 32  # token ids are hashed as uint32
+
+#: JSON nesting refused past this depth (the top-level object is depth 1); serde_json's
+#: default recursion limit.  msgspec itself stops at the interpreter's recursion limit
+#: (~1000 levels less the caller's stack) with a RecursionError
+DEFAULT_MAX_JSON_DEPTH = 128
 
 
 @dataclass(slots=True)
@@ -49,14 +55,55 @@ class Routed:
         return min(view.best_cached_blocks() * self.route.block_size, self.route.prompt_tokens)
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
+def parse_body(raw: bytes, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> dict[str, Any]:
+    """The JSON object in ``raw``; 400 ``invalid_json`` when it is not one or nests deeper
+    than ``max_depth`` levels.
+
+    msgspec cannot bound the depth itself (it stops only at the interpreter's recursion
+    limit, caught here; a depth-bounded type makes its decoder build exponentially), so
+    the depth is walked, but only for bodies with more than ``max_depth`` brackets: no
+    body nests deeper than it has brackets, and counting them runs at C speed.  A short
+    request pays two ``bytes.count``; a long chat (hundreds of brackets) a walk of its
+    containers, about as long as its decoding (tests/bench/bench_parse_body.py)."""
     try:
         body = _decode(raw)
     except msgspec.DecodeError as exc:
         raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from None
+    except RecursionError:  # msgspec's own bound, far past any configured depth
+        raise _too_deep(max_depth) from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", "invalid_json")
+    if raw.count(b"{") + raw.count(b"[") > max_depth and _deeper_than(body, max_depth):
+        raise _too_deep(max_depth)
     return body
+
+
+def _too_deep(max_depth: int) -> RouterError:
+    return bad_request(
+        f"request body nests JSON deeper than {max_depth} levels (proxy.max_json_depth)",
+        "invalid_json",
+    )
+
+
+def _deeper_than(body: dict[str, Any], limit: int) -> bool:
+    """True when ``body`` (level 1) nests objects / arrays more than ``limit`` levels
+    deep; level by level, containers only (the fastest plain-Python walk measured)."""
+    level: list[Any] = [body]
+    depth = 1
+    while True:
+        deeper: list[Any] = []
+        keep = deeper.append
+        for node in level:
+            for child in node.values() if type(node) is dict else node:
+                t = type(child)
+                if t is dict or t is list:
+                    keep(child)
+        if not deeper:
+            return False
+        if depth >= limit:
+            return True
+        level = deeper
+        depth += 1
 
 
 def check_messages(messages: Any) -> Sequence[Mapping[str, Any]]:

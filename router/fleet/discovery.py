@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from router.fleet.pods import PodRegistry, PodSpec
 from router.fleet.roles import Role, parse_role, parse_role_map, role_overrides
+from router.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +245,7 @@ class DnsDiscovery:
         self.settings = settings
         self.resolutions = 0
         self.failures = 0
+        self._log = RateLimitedLog(log)  # one line per cause per 10 s, not per round
 
     async def resolve(self) -> list[PodSpec]:
         s = self.settings
@@ -269,7 +271,9 @@ class DnsDiscovery:
                 specs = await self.resolve()
             except Exception as exc:  # gaierror, a bad name (UnicodeError): keep the fleet
                 self.failures += 1
-                log.warning("DNS discovery: resolving %r failed: %s", self.settings.hostname, exc)
+                self._log.warning(
+                    "resolve", "DNS discovery: resolving %r failed: %s", self.settings.hostname, exc
+                )
             else:
                 self.resolutions += 1
                 added, removed = registry.set_pods(specs)
@@ -308,6 +312,7 @@ class K8sDiscovery:
         self.watch_events = 0
         self.errors = 0
         self.skipped: dict[str, str] = {}
+        self._log = RateLimitedLog(log)  # one line per cause per 10 s, not per event
 
     def _read_namespace(self) -> str:
         try:
@@ -443,7 +448,9 @@ class K8sDiscovery:
             name = (item.get("metadata") or {}).get("name") if isinstance(item, dict) else None
             if not isinstance(name, str) or not name:
                 self.errors += 1
-                log.warning("k8s discovery: list item without metadata.name skipped")
+                self._log.warning(
+                    "no_name", "k8s discovery: list item without metadata.name skipped"
+                )
                 continue
             pods[name] = item
         self._pods = pods
@@ -504,7 +511,9 @@ class K8sDiscovery:
                                 new_rv = self.apply_watch_event(json.loads(line))
                             except ValueError as exc:  # JSONDecodeError included
                                 self.errors += 1
-                                log.warning("k8s discovery: bad watch line skipped: %s", exc)
+                                self._log.warning(
+                                    "bad_line", "k8s discovery: bad watch line skipped: %s", exc
+                                )
                                 continue
                             if new_rv:
                                 rv = new_rv
@@ -514,7 +523,8 @@ class K8sDiscovery:
                     log.info("k8s discovery: resourceVersion expired (410 Gone): re-listing")
                 except Exception as exc:  # never let discovery die: log, count, retry
                     self.errors += 1
-                    log.warning(
+                    self._log.warning(
+                        ("retry", type(exc).__name__),
                         "k8s discovery: %s: %s; retrying in %gs",
                         type(exc).__name__,
                         exc,

@@ -3,8 +3,9 @@
 Every ``interval_s`` each pod gets ``GET {url}{path}`` (vLLM: ``/health``) with a
 ``timeout_s`` deadline.  A 2xx answer is a success; anything else (error status,
 refused connection, timeout) a failure.  After ``failure_threshold`` consecutive
-failures the pod is ejected (``PodState.healthy = False``: no request goes there);
-the first success re-admits it.  On success the pod's served models are refreshed
+failures the pod is ejected (``PodRegistry.set_healthy(state, False)``: no request goes
+there, and the proxy fails over the requests still waiting on it); the first success
+re-admits it.  On success the pod's served models are refreshed
 from ``GET {url}/v1/models`` (the ``id`` of every entry: base model and LoRA
 adapters): ``PodState.models = spec.models | ids``.
 """
@@ -24,6 +25,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.fleet.pods import PodRegistry, PodState
+from router.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ class HealthChecker:
         #: (pod, model) pairs configured for a pod that its /v1/models does not list
         #: (warned once each: a typo in ``models:`` would be advertised, never served)
         self.unserved: set[tuple[str, str]] = set()
+        self._log = RateLimitedLog(log)  # one line per pod and cause per 10 s
         if metrics_registry is not None:
             metrics_registry.register(_HealthCollector(self))
 
@@ -107,8 +110,10 @@ class HealthChecker:
             data = r.json().get("data")
             return {str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")}
         except Exception as exc:  # unreachable, not JSON, not {"data": [...]}
-            log.warning("health: %s: cannot read %s: %s", state.name, url, exc)
             state.problem = f"cannot read {self.settings.models_path}: {exc}"
+            self._log.warning(
+                ("models", state.name), "health: %s: cannot read %s: %s", state.name, url, exc
+            )
             return None
 
     async def check(self, state: PodState) -> bool:
@@ -121,7 +126,7 @@ class HealthChecker:
             self.last_problem[name] = state.problem = problem
             state.consecutive_failures += 1
             if state.healthy and state.consecutive_failures >= self.settings.failure_threshold:
-                state.healthy = False
+                self.registry.set_healthy(state, False)
                 self.ejections[name] += 1
                 log.warning(
                     "health: %s ejected after %d failures (%s)",
@@ -133,7 +138,7 @@ class HealthChecker:
         state.consecutive_failures = 0
         state.problem = None
         if not state.healthy:
-            state.healthy = True
+            self.registry.set_healthy(state, True)
             self.readmissions[name] += 1
             log.info("health: %s re-admitted", name)
         if self.settings.refresh_models:

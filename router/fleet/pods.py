@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from router.fleet.roles import Role
+from router.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -66,25 +67,48 @@ class PodState:
 PodListener = Callable[[str, PodSpec | None], None]
 """Called with (pod name, spec) when a pod is added or changed, (name, None) when removed."""
 
+HealthListener = Callable[[str, bool], None]
+"""Called with (pod name, healthy) when health checks eject or re-admit a pod."""
+
 
 class PodRegistry:
     def __init__(self) -> None:
         self._pods: dict[str, PodState] = {}
         self._listeners: list[PodListener] = []
+        self._health_listeners: list[HealthListener] = []
         #: bumped by every change of the fleet (a pod added, changed or removed)
         self.version = 0
+        self._log = RateLimitedLog(log)
 
     def subscribe(self, listener: PodListener) -> None:
         self._listeners.append(listener)
         for name, state in self._pods.items():
             listener(name, state.spec)
 
+    def subscribe_health(self, listener: HealthListener) -> None:
+        """Hear of every ejection and re-admission made through :meth:`set_healthy`."""
+        self._health_listeners.append(listener)
+
+    def set_healthy(self, state: PodState, healthy: bool) -> None:
+        """Eject (``False``) or re-admit ``state``'s pod and tell the health listeners
+        (the proxy fails over the requests still waiting on an ejected pod)."""
+        if state.healthy == healthy:
+            return
+        state.healthy = healthy
+        for listener in self._health_listeners:
+            try:
+                listener(state.name, healthy)
+            except Exception:  # a listener's bug must not stop health checks
+                self._log.exception(
+                    ("health_listener", listener), "health listener failed for %s", state.name
+                )
+
     def _notify(self, name: str, spec: PodSpec | None) -> None:
         for listener in self._listeners:
             try:
                 listener(name, spec)
             except Exception:  # a listener's bug must not stop discovery
-                log.exception("pod listener failed for %s", name)
+                self._log.exception(("listener", listener), "pod listener failed for %s", name)
 
     def set_pods(self, specs: Iterable[PodSpec]) -> tuple[list[str], list[str]]:
         """Replace the fleet with ``specs``; returns (added or changed, removed) names."""

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from router.fleet.pods import PodRegistry
+from router.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class MetricsScraper:
         self.stale_after_s = stale_after_s
         self.on_error = on_error
         self.models_every = models_every
+        self._log = RateLimitedLog(log)
         self._scraped: dict[str, Scraped] = {}
         #: pod -> {model id: max_model_len} from /v1/models
         self.max_model_len: dict[str, dict[str, int]] = {}
@@ -214,7 +216,7 @@ class MetricsScraper:
             try:
                 await self.scrape_all()
             except Exception:  # never let one bad round kill the loop
-                log.exception("metrics scrape round failed")
+                self._log.exception("round", "metrics scrape round failed")
             self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.interval_s)

@@ -266,6 +266,14 @@ class _BodyStream(httpx.AsyncByteStream):
                 "peer closed connection without sending complete message body"
             )
 
+    async def wait_body(self) -> None:
+        """Until the first body bytes are here or the body ended (nothing is taken:
+        iterating yields them); ReadTimeout after the read timeout."""
+        conn = self._conn
+        while not conn.chunks and not conn.complete:
+            self._check()
+            await conn.wait(self._timeout)
+
     async def read_all(self) -> bytes:
         """The whole body."""
         conn = self._conn

@@ -8,7 +8,8 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or
 ``POST /v1/embeddings``, ``POST /v1/responses`` with ``GET /v1/responses/{id}`` and
 ``POST /v1/responses/{id}/cancel`` (sent to the pod that created the response, see
 :mod:`router.decision.responses`), ``GET /v1/models``, ``POST /v1/route`` (explain, no forwarding),
-``GET /health``, ``GET /ready``, ``GET /metrics``; and ``proxy.passthrough_paths``
+``GET /health``, ``GET /ready``, ``GET /metrics``, ``GET /openapi.json`` (the fast path's
+endpoints included, :mod:`router.proxy.openapi`); and ``proxy.passthrough_paths``
 (``/tokenize``, ``/rerank``...: least-loaded pod serving the body's model).
 """
 
@@ -31,8 +32,11 @@ from router.config import Settings
 from router.decision.explain import explain
 from router.decision.request import Kind, parse_body
 from router.errors import RouterError, json_response
-from router.metrics import CONTENT_TYPE
+from router.logs import RateLimitedLog
+from router.metrics import CONTENT_TYPE, kvroute_version
 from router.proxy.gateway import Gateway
+from router.proxy.openapi import openapi_document
+from router.proxy.protocol import ClientLimits
 
 log = logging.getLogger(__name__)
 _perf = time.perf_counter
@@ -44,6 +48,7 @@ _perf = time.perf_counter
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The router app; its lifespan owns a :class:`Gateway` (``app.state.gateway``)."""
     settings = settings or Settings()
+    limited = RateLimitedLog(log)
 
     @asynccontextmanager
     async def lifespan(fastapi_app: FastAPI) -> AsyncIterator[None]:
@@ -92,7 +97,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             g.check_api_key(headers)
         raw = await g.receive_body(headers, receive)
         try:
-            body = parse_body(raw)
+            body = parse_body(raw, g.max_json_depth)
         except RouterError as err:
             raise g.router.reject(err) from None
         routed = await g.router.decide(kind, body, headers)
@@ -109,11 +114,26 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             response = await _generate(app.gateway, kind, path, headers, raw_headers, receive)
         except RouterError as err:
             response = err.response()
-        except Exception:
-            log.exception("request failed")
+        except Exception as exc:
+            # a bug: the traceback once per exception type per 10 s, not once a request
+            limited.exception(type(exc).__name__, "request failed")
             response = RouterError(500, "internal router error", reason="internal").response()
         await response(scope, receive, send)
 
+    def _count_refused(reason: str) -> None:
+        g = getattr(app, "gateway", None)
+        if g is not None:
+            g.metrics.child(g.metrics.bad_requests, reason).inc()
+
+    p = settings.proxy
+    app.client_limits = ClientLimits(
+        max_header_bytes=p.max_header_bytes,
+        max_headers=p.max_headers,
+        keepalive_timeout_s=p.client_keepalive_timeout_s,
+        header_timeout_s=p.client_header_timeout_s,
+        body_timeout_s=p.client_body_timeout_s,
+        on_reject=_count_refused,
+    )
     app.fast_routes = dict(_FAST_KINDS)
     app.fast_routes.update((p, "passthrough") for p in settings.proxy.passthrough_paths)
     app.fast_handler = _fast
@@ -162,7 +182,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         g = gw(request)
         g.check_api_key(request.headers)
         raw = await g.read_body(request)
-        body = parse_body(raw)
+        try:
+            body = parse_body(raw, g.max_json_depth)
+        except RouterError as err:
+            raise g.router.reject(err) from None
         kind: Kind = "chat" if "messages" in body or "prompt" not in body else "completion"
         if "input" in body and "messages" not in body and "prompt" not in body:
             kind = "responses"
@@ -189,6 +212,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 entry["max_model_len"] = max_len
             data.append(entry)
         return json_response({"object": "list", "data": data})
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> Response:
+        """This API's OpenAPI document, the fast path's endpoints included."""
+        g = gw(request)
+        return json_response(
+            openapi_document(
+                app.routes,
+                version=kvroute_version(),
+                passthrough_paths=settings.proxy.passthrough_paths,
+                served_models=g.registry.served_models(),
+            )
+        )
 
     @app.get("/health")
     async def health() -> Response:
@@ -227,6 +263,8 @@ class _GatewayApp(FastAPI):
     fast_handler: Callable[[Scope, Receive, Send, Kind, str], Awaitable[None]]
     #: the lifespan's gateway (also ``state.gateway``), a plain attribute for the fast path
     gateway: Gateway
+    #: what a client connection may do, read by the HTTP protocol (router.proxy.protocol)
+    client_limits: ClientLimits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":

@@ -1,5 +1,6 @@
 """Forwarding a decided request to its pod: one pooled HTTP/1.1 client, retry before the
-first byte, streaming passthrough, cancellation on client disconnect.
+first byte, failover of requests stalled before their first byte, streaming passthrough,
+cancellation on client disconnect.
 
 Semantics:
 
@@ -8,12 +9,38 @@ Semantics:
   the next pod of the ranking (at most ``proxy.retries`` times).  Once a response status
   other than 502/503 arrived, the request is committed to that pod: nothing is retried
   after bytes went out.  The final 502/503 of the last attempt is passed through.
+* **Failover** — an attempt still waiting for its pod's *first byte* is cancelled there
+  (its connection closed: the engine aborts the request) and re-sent to the next pod of
+  the ranking when its pod is ejected by health checks (``pod_ejected``), leaves the
+  registry (``pod_removed``), or, for a streaming request, when
+  ``proxy.first_byte_timeout_s`` passes (``first_byte_timeout``).  The first byte is:
+
+  - streaming (``"stream": true``, or an SSE answer): the first byte of the *body*, i.e.
+    the first SSE event, which vLLM sends after queueing and prefill (its head comes at
+    once, before the engine saw the request).  The head is held until that first body
+    byte, so nothing reaches the client before it and the request may still move;
+  - non-streaming: the response head, which vLLM sends with the whole answer.  No
+    first-byte deadline applies (a long generation is legitimate; ``read_timeout_s``
+    bounds the wait); only ejection or removal moves it.
+
+  A request fails over at most once (a request that stalls on two pods is more likely
+  the request's doing than two pods'): the second stall answers 504
+  ``first_byte_timeout`` or 502 ``pod_ejected`` / ``pod_removed``.  A failover takes one
+  of the ``proxy.retries`` (with 0, none happens) and is counted in
+  ``kvroute_retries_total{reason}`` with its cause and in
+  ``kvroute_upstream_errors_total{pod, reason}``.  A request that committed (a byte went
+  to the client) is never re-sent.  Streams already relaying on an ejected or removed
+  pod are left alone: an ejection may be a false positive (health checks timing out on
+  a loaded pod) and a pod leaving discovery is usually draining (a rollout), so cutting
+  them would truncate answers that would complete; a stream that goes silent ends after
+  ``read_timeout_s``.
 * **Streaming** — the upstream body is relayed chunk by chunk as it arrives
   (``aiter_raw``), never buffered whole.  TTFT at the router = time from the request's
   arrival to the first body chunk sent.
-* **Disconnect** — while waiting for a non-streaming response, the client connection is
-  watched; when it closes, the upstream request is cancelled (its connection closed, so
-  the engine aborts the request).  A streaming response stops, and closes upstream, as
+* **Disconnect** — while waiting for a non-streaming response or a stream's first
+  byte, the client connection is watched (:mod:`router.proxy.attempts`); when it
+  closes, the upstream request is cancelled (its connection closed, so the engine
+  aborts the request).  A streaming response stops, and closes upstream, as
   soon as the server reports the disconnect.
 * **Load** — the chosen pod's router-tracked load is held from just before the attempt
   to the end of the response: prefill tokens until the first body chunk (or the whole
@@ -21,7 +48,8 @@ Semantics:
   as the attempt starts and ``on_complete`` when it ends (a failed attempt ends at once,
   before the retry's ``on_routed``).
 * **Errors** — connect failures after the last retry -> 502, read timeout -> 504,
-  other transport errors -> 502; all as OpenAI error JSON.
+  other transport errors -> 502, a stall of the last attempt -> 504 / 502 (above); all
+  as OpenAI error JSON.  Per-request warnings go through :class:`router.logs.RateLimitedLog`.
 * **TLS** — an ``https`` pod is dialled with the one :class:`PodTLS` context; the
   handshake is part of connecting, so a refused certificate is a connect failure
   (retried on the next pod, then 502), logged once per pod and cause.
@@ -47,8 +75,16 @@ from router.fleet.load import LoadStore, PendingLoad, RequestLoad
 from router.fleet.pods import PodRegistry
 from router.fleet.tls import PodTLS
 from router.fleet.transport import PodTarget, PodTransport, Upstream
+from router.logs import RateLimitedLog
 from router.metrics import PodMetrics, RouterMetrics
-from router.proxy.disconnect import Disconnected, DisconnectWatch
+from router.proxy.attempts import (
+    CLIENT_DISCONNECTED,
+    FIRST_BYTE_TIMEOUT,
+    POD_EJECTED,
+    POD_REMOVED,
+    AttemptWatch,
+    Disconnected,
+)
 from router.proxy.relay import Once, RawResponse, RelayResponse, UpstreamBroken, relay_chunks
 from router.proxy.response_ids import CreatedSniffer, id_from_body
 from scoring.policies.base import Policy
@@ -78,6 +114,15 @@ _DROP_REQUEST_B = frozenset(h.encode() for h in _DROP_REQUEST)
 
 #: kinds routed without a prompt to tokenize: no prompt or cached tokens to count
 _NO_PROMPT_KINDS = frozenset({"embedding", "passthrough"})
+
+
+class _Stalled(Exception):
+    """An attempt cancelled before its first byte: its pod was ejected or removed, or
+    its first-byte deadline passed (``cause``)."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
 
 
 class Proxy:
@@ -114,9 +159,14 @@ class Proxy:
             settings.max_keepalive, PodTLS.from_settings(settings)
         )
         self._targets: dict[tuple[str, str], PodTarget] = {}
-        self._watch = DisconnectWatch()
+        self._watch = AttemptWatch()
+        #: per-request warnings: one line per cause per 10 s
+        self._log = RateLimitedLog(log)
         self._connect_timeout = settings.connect_timeout_s
         self._read_timeout = settings.read_timeout_s
+        self._first_byte_timeout = settings.first_byte_timeout_s
+        registry.subscribe_health(self._on_health)
+        registry.subscribe(self._on_pod)
         self._drop = _DROP_REQUEST_B | (
             frozenset() if forward_authorization else frozenset({b"authorization"})
         )
@@ -166,18 +216,21 @@ class Proxy:
         receive: Receive,
         started: float,
     ) -> Response:
-        """Send ``routed`` to its best pod (retrying as documented) and relay the answer."""
+        """Send ``routed`` to its best pod (retrying and failing over as documented) and
+        relay the answer."""
         tail = self._head_tail(headers, len(raw_body))
         attempts = routed.ranking[: 1 + self.settings.retries]
         last_error: RouterError | None = None
+        failed_over = False
         m = self.metrics
         route = routed.route
         tokens = route.prompt_tokens
         n_attempts = len(attempts)
+        first_byte_s = self._first_byte_timeout if routed.stream else None
         for i, pod in enumerate(attempts):
             state = self.registry.get(pod)
-            if state is None:  # vanished between decision and send
-                continue
+            if state is None or (i > 0 and not state.healthy):
+                continue  # vanished or ejected between the decision and this attempt
             last = i == n_attempts - 1
             if i > 0:
                 m.child(m.retries, last_error.reason if last_error else "unknown").inc()
@@ -196,10 +249,12 @@ class Proxy:
                     self.pending.remove(pod, tokens)
             gauge = pm.inflight
             gauge.inc()
-            watch = self._watch.begin(receive)
+            attempt = self._watch.begin(receive, pod, first_byte_s)
+            resp: Upstream | None = None
             try:
-                # send; unless the answer is retryable (and this is not the last
-                # attempt) or a stream, read the whole body too
+                # send; then, unless the answer is retryable (and this is not the last
+                # attempt): a stream waits for its first body byte (its head is held
+                # until then), anything else is read whole
                 try:
                     target = self._target(state.spec.url, path)
                     resp = await self.transport.send_raw(
@@ -212,27 +267,50 @@ class Proxy:
                         target.tls,
                     )
                     content: bytes | None = None
-                    if not (
-                        (resp.status in RETRYABLE_STATUS and not last)
-                        or routed.stream
-                        or resp.is_event_stream
-                    ):
+                    if resp.status in RETRYABLE_STATUS and not last:
+                        pass  # closed below; the next pod is tried
+                    elif routed.stream or resp.is_event_stream:
+                        await resp.stream.wait_body()
+                    else:  # the head of a non-streaming answer comes with the answer
+                        self._watch.commit(attempt)
                         try:
                             content = await resp.stream.read_all()
                         finally:
                             await resp.stream.aclose()
                 except asyncio.CancelledError:
-                    if self._watch.gone(watch):
+                    if resp is not None:
+                        await resp.stream.aclose()  # closing cancels it on the pod
+                    cause = self._watch.cause(attempt)
+                    if cause == CLIENT_DISCONNECTED:
                         raise Disconnected() from None
+                    if cause is not None:
+                        raise _Stalled(cause) from None
                     raise
                 finally:
-                    self._watch.end(watch)
+                    self._watch.end(attempt)
             except Disconnected:
                 await self._finish(load, gauge, routed, pod)
                 self._served(routed, pod, pm)
                 pm.requests(499).inc()
                 return Response(status_code=499)
+            except _Stalled as stalled:
+                await self._finish(load, gauge, routed, pod)
+                last_error = self._stall_error(pod, stalled.cause)
+                if not failed_over and not last:
+                    failed_over = True  # once: a request that stalls twice is not re-sent
+                    self._log.warning(
+                        ("failover", pod, stalled.cause),
+                        "request failed over from pod %s: %s",
+                        pod,
+                        last_error.message,
+                    )
+                    continue
+                self._served(routed, pod, pm)
+                pm.requests(last_error.status).inc()
+                return last_error.response({self.pod_header: pod})
             except httpx.HTTPError as exc:
+                if resp is not None:
+                    await resp.stream.aclose()
                 await self._finish(load, gauge, routed, pod)
                 last_error = self._upstream_error(pod, exc)
                 if last_error.reason == "connect":
@@ -269,9 +347,46 @@ class Proxy:
                 return RawResponse(resp.status, out, content)
             return self._relay_stream(resp, routed, pod, load, gauge, started)
 
-        self._count(routed, attempts[-1] if attempts else "none", 502)
         err = last_error or RouterError(503, "no pod available", reason="no_pod")
+        self._count(routed, attempts[-1] if attempts else "none", err.status)
         return err.response()
+
+    def _stall_error(self, pod: str, cause: str) -> RouterError:
+        """The OpenAI error for an attempt cancelled before its first byte: 504
+        ``first_byte_timeout``, 502 ``pod_ejected`` / ``pod_removed``; counted by pod and
+        reason (except for a removed pod: its series were just dropped from /metrics)."""
+        if cause != POD_REMOVED:
+            m = self.metrics
+            m.child(m.upstream_errors, pod, cause).inc()
+        if cause == FIRST_BYTE_TIMEOUT:
+            return RouterError(
+                504,
+                f"pod {pod} sent no first byte within {self._first_byte_timeout:g} s "
+                "(proxy.first_byte_timeout_s)",
+                reason=cause,
+            )
+        what = "was ejected by health checks" if cause == POD_EJECTED else "left the fleet"
+        return RouterError(502, f"pod {pod} {what} while the request waited for it", reason=cause)
+
+    def _on_health(self, pod: str, healthy: bool) -> None:
+        if not healthy:
+            self._fail_pod(pod, POD_EJECTED)
+
+    def _on_pod(self, pod: str, spec: object) -> None:
+        if spec is None:
+            self._fail_pod(pod, POD_REMOVED)
+
+    def _fail_pod(self, pod: str, cause: str) -> None:
+        n = self._watch.fail_pod(pod, cause)
+        if n:
+            self._log.warning(
+                ("fail_pod", pod, cause),
+                "pod %s %s: %d requests still waiting for its first byte are cancelled there "
+                "and failed over",
+                pod,
+                "ejected" if cause == POD_EJECTED else "removed",
+                n,
+            )
 
     def _upstream_error(self, pod: str, exc: httpx.HTTPError) -> RouterError:
         """The OpenAI error for a failed exchange with ``pod`` (counted by reason):
@@ -351,7 +466,7 @@ class Proxy:
             # aborts the client connection too (no clean end: the client sees truncation)
             status = 502
             m.child(m.upstream_errors, pod, "stream_broken").inc()
-            log.warning("stream from %s broke: %r", pod, exc)
+            self._log.warning(("stream_broken", pod), "stream from %s broke: %r", pod, exc)
             raise UpstreamBroken(f"stream from pod {pod} broke: {exc!r}") from None
         except asyncio.CancelledError:
             status = 499
@@ -368,7 +483,9 @@ class Proxy:
         try:
             await self.owners.put(response_id, pod)
         except Exception as exc:
-            log.warning("recording the owner of response %s failed: %r", response_id, exc)
+            self._log.warning(
+                "owner_put", "recording the owner of response %s failed: %r", response_id, exc
+            )
 
     async def relay(
         self,

@@ -37,6 +37,7 @@ class Gateway(RouterCore):
         )
         self.proxy.owners = self.owners
         self._api_keys = [k.encode() for k in settings.api_keys]
+        self.max_json_depth = settings.proxy.max_json_depth
 
     async def stop(self) -> None:
         await super().stop()

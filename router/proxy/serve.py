@@ -24,10 +24,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router import metrics_share
 from router.preflight import StartupError, check_settings, load_settings, unknown_env
+from router.proxy.protocol import OneWriteHttpToolsProtocol
 
 log = logging.getLogger(__name__)
 
@@ -43,123 +43,14 @@ def _loop_impl() -> str:
 
 
 def _http_impl() -> Any:
-    """uvicorn's HTTP protocol: :class:`OneWriteHttpToolsProtocol` when httptools is
-    installed, else h11."""
+    """uvicorn's HTTP protocol: :class:`~router.proxy.protocol.OneWriteHttpToolsProtocol`
+    (the client limits, one write per response) when httptools is installed (it is a
+    dependency), else h11 (without the limits)."""
     try:
         import httptools  # noqa: F401
     except ImportError:
         return "h11"
     return OneWriteHttpToolsProtocol
-
-
-class _OneWriteTransport:
-    """A transport wrapper that sends everything written within one event-loop step as
-    one ``send()``, at the end of the step (``call_soon``).  uvicorn writes a response's
-    head and body separately, and an uncorked socket sends each at once: two syscalls,
-    two TCP segments and two wake-ups of the client per response.  Everything else is
-    the wrapped transport's."""
-
-    __slots__ = ("_buf", "_loop", "_scheduled", "_transport")
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._buf: list[bytes] = []
-        self._scheduled = False
-
-    def write(self, data: bytes) -> None:
-        if not data:
-            return
-        self._buf.append(data)
-        if not self._scheduled:
-            self._scheduled = True
-            self._loop.call_soon(self.flush)
-
-    def flush(self) -> None:
-        self._scheduled = False
-        buf = self._buf
-        if not buf:
-            return
-        data = buf[0] if len(buf) == 1 else b"".join(buf)
-        self._buf = []
-        if not self._transport.is_closing():
-            self._transport.write(data)
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def write_eof(self) -> None:
-        self.flush()
-        self._transport.write_eof()
-
-    def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + sum(len(b) for b in self._buf)
-
-    # asked on every request: spelled out (``__getattr__`` runs only after a failed
-    # lookup, which costs more than the call)
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-    def pause_reading(self) -> None:
-        self._transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        self._transport.resume_reading()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-class OneWriteHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, writing through :class:`_OneWriteTransport` (one
-    ``send()`` per response instead of head + body), with a keep-alive timer that is
-    not re-made per request.
-
-    uvicorn arms a ``timeout_keep_alive`` timer after every response and cancels it when
-    the next request's bytes arrive: two timer operations per request on a busy
-    connection.  Here the response only notes when the connection went idle; the timer,
-    armed once, checks when it fires whether the connection has been idle for the
-    whole timeout (then closes it) or re-arms for the end of the current idle period
-    (a busy connection re-arms at its next response)."""
-
-    _idle_since: float | None = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(_OneWriteTransport(transport, self.loop))  # type: ignore[arg-type]
-
-    def _unset_keepalive_if_required(self) -> None:
-        self._idle_since = None  # busy: the timer, if armed, finds the connection busy
-
-    def on_response_complete(self) -> None:
-        if self.pipeline or self.transport.is_closing():
-            super().on_response_complete()  # the next pipelined request, or nothing
-            return
-        # uvicorn's otherwise, but the keep-alive timer is armed only when none is
-        self.server_state.total_requests += 1
-        self.flow.resume_reading()
-        self._idle_since = self.loop.time()
-        if self.timeout_keep_alive_task is None:
-            self.timeout_keep_alive_task = self.loop.call_later(
-                self.timeout_keep_alive, self.timeout_keep_alive_handler
-            )
-
-    def timeout_keep_alive_handler(self) -> None:
-        self.timeout_keep_alive_task = None
-        idle = self._idle_since
-        if idle is None or self.transport.is_closing():
-            return  # busy (its response re-arms) or gone
-        due = idle + self.timeout_keep_alive
-        if self.loop.time() >= due:
-            self.transport.close()
-        else:
-            self.timeout_keep_alive_task = self.loop.call_at(due, self.timeout_keep_alive_handler)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
-        if self.timeout_keep_alive_task is not None:
-            self.timeout_keep_alive_task.cancel()
-            self.timeout_keep_alive_task = None
 
 
 class _InLoopServer(uvicorn.Server):

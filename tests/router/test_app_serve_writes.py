@@ -11,7 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from router.proxy.serve import OneWriteHttpToolsProtocol, RunningServer, _OneWriteTransport
+from router.proxy.protocol import OneWriteHttpToolsProtocol
+from router.proxy.protocol import OneWriteTransport as _OneWriteTransport
+from router.proxy.serve import RunningServer
 
 
 class RecordingTransport(asyncio.Transport):

@@ -1,4 +1,4 @@
-"""`kvroute serve`'s HTTP protocol (:class:`router.proxy.serve.OneWriteHttpToolsProtocol`)
+"""`kvroute serve`'s HTTP protocol (:class:`router.proxy.protocol.OneWriteHttpToolsProtocol`)
 answers byte for byte as uvicorn's own ``HttpToolsProtocol`` does: the same ASGI app
 behind each, on real loopback sockets, the same raw requests, the same raw bytes back
 (the ``date`` header masked)."""
@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from router.proxy.serve import OneWriteHttpToolsProtocol, RunningServer
+from router.proxy.protocol import OneWriteHttpToolsProtocol
+from router.proxy.serve import RunningServer
 
 
 async def app(scope: Any, receive: Any, send: Any) -> None:
