@@ -71,15 +71,53 @@ def _served_header() -> list[dict[str, Any]]:
     return [{"header": {"key": SERVED, "value": "%UPSTREAM_REMOTE_ADDRESS%"}}]
 
 
+def _override_host_policy() -> dict[str, Any]:
+    """Envoy's ``override_host`` load balancing: the hosts the EPP listed (header, or
+    else metadata), tried in order on retries; round robin when there is none."""
+    return {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.override_host",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies."
+                        "override_host.v3.OverrideHost",
+                        "override_host_sources": [
+                            {"header": DESTINATION},
+                            {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION}]}},
+                        ],
+                        "fallback_policy": {
+                            "policies": [
+                                {
+                                    "typed_extension_config": {
+                                        "name": "envoy.load_balancing_policies.round_robin",
+                                        "typed_config": {
+                                            "@type": "type.googleapis.com/envoy.extensions."
+                                            "load_balancing_policies.round_robin.v3.RoundRobin"
+                                        },
+                                    }
+                                }
+                            ]
+                        },
+                    },
+                }
+            }
+        ]
+    }
+
+
 def envoy_config(
     pods: list[tuple[str, int]],
     epp: tuple[str, int] | None,
     *,
     failure_mode_allow: bool = False,
+    fallback_list: bool = False,
 ) -> dict[str, Any]:
     """Envoy's bootstrap: the gateway listener in front of ``pods`` (host, port), with
     the EPP at ``epp`` (None: no ext_proc filter, round robin only — the benchmark's
-    baseline)."""
+    baseline).  ``fallback_list``: picked requests go instead to a cluster of the pods
+    with Envoy's ``override_host`` policy, which walks the EPP's ``ip:port,...`` list
+    on retries (one retry on a refused or reset connection)."""
     filters: list[dict[str, Any]] = [
         {
             "name": "envoy.filters.http.header_mutation",
@@ -141,10 +179,16 @@ def envoy_config(
             },
         },
     ]
+    picked_route: dict[str, Any] = {"cluster": "pool_picked", "timeout": "300s"}
+    if fallback_list:
+        picked_route["retry_policy"] = {
+            "retry_on": "connect-failure,refused-stream,reset",
+            "num_retries": 1,
+        }
     routes = [
         {
             "match": {"prefix": "/", "headers": [{"name": DESTINATION, "present_match": True}]},
-            "route": {"cluster": "pool_picked", "timeout": "300s"},
+            "route": picked_route,
             "response_headers_to_add": _served_header(),
         },
         {
@@ -153,14 +197,19 @@ def envoy_config(
             "response_headers_to_add": _served_header(),
         },
     ]
-    clusters: list[dict[str, Any]] = [
-        {
+    picked = (
+        _static_cluster("pool_picked", pods, load_balancing_policy=_override_host_policy())
+        if fallback_list
+        else {
             "name": "pool_picked",
             "type": "ORIGINAL_DST",
             "lb_policy": "CLUSTER_PROVIDED",
             "connect_timeout": "1s",
             "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
-        },
+        }
+    )
+    clusters: list[dict[str, Any]] = [
+        picked,
         _static_cluster("pool_any", pods, lb_policy="ROUND_ROBIN"),
     ]
     if epp is not None:
@@ -168,6 +217,18 @@ def envoy_config(
             _static_cluster(
                 "epp",
                 [epp],
+                # Envoy health-checks the EPP as llm-d's test gateway does
+                health_checks=[
+                    {
+                        "timeout": "1s",
+                        "interval": "1s",
+                        "unhealthy_threshold": 2,
+                        "healthy_threshold": 1,
+                        "grpc_health_check": {
+                            "service_name": "envoy.service.ext_proc.v3.ExternalProcessor"
+                        },
+                    }
+                ],
                 typed_extension_protocol_options={
                     "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                         "@type": "type.googleapis.com/"
@@ -267,10 +328,11 @@ class Envoy:
 
     def stat(self, name: str) -> int:
         """One counter or gauge from the admin API (0 when absent)."""
-        r = httpx.get(self.admin_url + "/stats?format=json&filter=^" + name + "$", timeout=5)
-        for s in r.json().get("stats", []):
-            if s.get("name") == name:
-                return int(s.get("value", 0))
+        r = httpx.get(self.admin_url + "/stats", params={"filter": name}, timeout=5)
+        for line in r.text.splitlines():
+            key, _, value = line.partition(": ")
+            if key == name and value.strip().isdigit():
+                return int(value)
         return 0
 
     def stop(self) -> None:
