@@ -5,12 +5,16 @@ Health (the gRPC Health Checking Protocol, as GIE's protocol asks):
 
 * ``liveness`` — SERVING while the process answers;
 * ``readiness`` and ``envoy.service.ext_proc.v3.ExternalProcessor`` — SERVING once
-  the picker can pick: at least one healthy pod per model (:meth:`RouterCore.ready`),
-  re-checked every second; NOT_SERVING otherwise and while shutting down;
+  the core has started (discovery ran, the first health round of the pods and the
+  first scrape are done, the KV-event subscriber is up), NOT_SERVING before and while
+  shutting down;
 * ``""`` (the server as a whole) — as readiness.
 
-``/health`` over HTTP answers ``{"status": "ok", "ready": ..., "healthy_pods": ...}``
-(200 always: a liveness probe); ``/ready`` is 200 when ready, 503 otherwise.
+Readiness does not follow the pods' health, as GIE's picker's does not: with no pod
+ready the picker still answers, with the protocol's 503, where a NOT_SERVING picker
+would be skipped by the proxy (its failure mode then decides: see docs/gateway.md).
+``/health`` over HTTP answers ``{"status": "ok", "ready": ..., "healthy_pods": ...}``:
+``ready`` is :meth:`RouterCore.ready` (>= 1 healthy pod per model), for a human.
 """
 
 from __future__ import annotations
@@ -39,8 +43,6 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 READY_SERVICES = ("", "readiness", EXT_PROC_SERVICE)
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-#: seconds between two readiness checks
-READY_INTERVAL_S = 1.0
 
 
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
@@ -125,15 +127,10 @@ class EppServer:
             ok, pods = picker.ready()
             return JSONResponse({"status": "ok", "ready": ok, "healthy_pods": pods})
 
-        async def ready(request: Request) -> Response:
-            ok, pods = picker.ready()
-            return JSONResponse({"ready": ok, "healthy_pods": pods}, status_code=200 if ok else 503)
-
         return Starlette(
             routes=[
                 Route("/metrics", metrics),
                 Route("/health", health),
-                Route("/ready", ready),
             ]
         )
 
@@ -153,27 +150,13 @@ class EppServer:
             if task.done():
                 task.result()
             await asyncio.sleep(0.01)
-        await self._check_ready()
-        self._tasks.append(asyncio.create_task(self._ready_loop(), name="epp-ready"))
+        await self._set_ready(True)
         log.info("kvroute epp: ext_proc on %s, metrics on %s", self.grpc_address, self.metrics_url)
 
     async def _set_ready(self, ok: bool) -> None:
         self.ready = ok
         for service in READY_SERVICES:
             await self.health.set(service, _SERVING if ok else _NOT_SERVING)
-
-    async def _check_ready(self) -> None:
-        ok = self.picker.ready()[0]
-        if ok != self.ready:
-            await self._set_ready(ok)
-
-    async def _ready_loop(self) -> None:
-        while True:
-            await asyncio.sleep(READY_INTERVAL_S)
-            try:
-                await self._check_ready()
-            except Exception as exc:  # never stop checking
-                log.warning("readiness check failed: %r", exc)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop taking streams (NOT_SERVING first), let open ones finish for up to
@@ -184,9 +167,6 @@ class EppServer:
         await self.grpc.stop(grace_s)
         if self._http is not None:
             self._http.should_exit = True
-        for task in self._tasks:
-            if task.get_name() == "epp-ready":
-                task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task

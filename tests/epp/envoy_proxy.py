@@ -217,7 +217,11 @@ def envoy_config(
             _static_cluster(
                 "epp",
                 [epp],
-                # Envoy health-checks the EPP as llm-d's test gateway does
+                # Envoy health-checks the EPP as llm-d's test gateway does, and sends it
+                # nothing while it fails them (no "panic" routing to an unhealthy EPP):
+                # the stream then fails before any body is sent, which is when fail-open
+                # can still let the request through in FULL_DUPLEX_STREAMED mode
+                common_lb_config={"healthy_panic_threshold": {"value": 0.0}},
                 health_checks=[
                     {
                         "timeout": "1s",

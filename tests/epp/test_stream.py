@@ -124,7 +124,7 @@ async def test_a_bad_request_is_answered_as_kvroute_serve_answers_it(
     ] == b"application/json"
 
 
-async def test_no_healthy_pod_is_an_immediate_503_and_readiness_says_not_serving() -> None:
+async def test_no_healthy_pod_is_an_immediate_503_from_a_picker_that_stays_ready() -> None:
     dead = {"name": "dead-0", "url": "http://127.0.0.1:9", "models": [MODEL]}
     settings = settings_for([], discovery={"static": [dead]}, health={"failure_threshold": 1})
     async with running_epp(settings) as (server, ch):
@@ -136,7 +136,7 @@ async def test_no_healthy_pod_is_an_immediate_503_and_readiness_says_not_serving
         ready = await health.Check(health_pb2.HealthCheckRequest(service="readiness"))
         alive = await health.Check(health_pb2.HealthCheckRequest(service="liveness"))
     assert answer.immediate_response.status.code == 503
-    assert ready.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert ready.status == health_pb2.HealthCheckResponse.SERVING  # it answers: 503
     assert alive.status == health_pb2.HealthCheckResponse.SERVING
 
 
