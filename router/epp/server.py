@@ -51,12 +51,19 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     def __init__(self, picker: EndpointPicker) -> None:
         self.picker = picker
 
-    async def Process(
+    async def Process(  # the gRPC method's name
         self, request_iterator: AsyncIterator[P.ProcessingRequest], context: Any
-    ) -> AsyncIterator[P.ProcessingResponse]:
+    ) -> None:
+        """One stream: messages read and answered with ``context.read`` / ``write``
+        (grpc.aio's iterator and async-generator forms cost ~40% more per stream)."""
         stream = ExtProcStream(self.picker)
+        read, write = context.read, context.write
+        eof = grpc.aio.EOF
         try:
-            async for req in request_iterator:
+            while True:
+                req = await read()
+                if req is eof:
+                    return
                 try:
                     responses = await stream.handle(req)
                 except Exception:
@@ -67,7 +74,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, "endpoint picker error")
                     return
                 for resp in responses:
-                    yield resp
+                    await write(resp)
                 if stream.finished:
                     return
         finally:
