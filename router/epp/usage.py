@@ -57,7 +57,7 @@ class UsageReader:
         self._size = 0
 
     def feed(self, chunk: bytes) -> None:
-        if not chunk:
+        if not chunk or (not self.event_stream and self._size > JSON_LIMIT):
             return
         self._chunks.append(chunk)
         self._size += len(chunk)
