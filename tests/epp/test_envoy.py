@@ -49,8 +49,10 @@ WORDS = ["cache", "prefix", "block", "router", "pod", "token", "queue", "prompt"
 #: scraping frozen after its first round, in both modes: the idle fleet's numbers, so
 #: that the index alone (filled by the same requests in the same order) decides
 FROZEN = {"scrape": {"interval_s": 3600.0}}
-#: pods slow next to a decision: a first-turn prefill (~1,100 tokens) takes ~0.5 s and
-#: 8 output tokens ~0.4 s, a round's 10 decisions a few ms each
+#: pods slow next to a decision: every prefill computes >= ~700 uncached tokens (a turn
+#: brings 100-120 words), >= ~0.35 s, and 8 output tokens take ~0.4 s, where a round's 10
+#: decisions take a few ms each: no event of the round reaches the index before its last
+#: decision
 SLOW = {"prefill_rate": 1000.0, "decode_rate": 10.0, "time_scale": 0.5}
 
 
@@ -134,7 +136,7 @@ async def run_workload(
         rng.shuffle(order)
         tasks = []
         for k, c in enumerate(order):
-            words = 120 if t == 0 else 20
+            words = 120 if t == 0 else 100  # every prefill >= ~0.35 s: see run_workload
             text = " ".join(rng.choice(WORDS) for _ in range(words))
             histories[c].append({"role": "user", "content": f"[{c}.{t}] {text}"})
             body = {"model": MODEL, "messages": list(histories[c]), "max_tokens": 8}
