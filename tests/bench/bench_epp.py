@@ -74,7 +74,12 @@ def request(port: int, payload: bytes) -> bytes:
     ).encode() + payload
 
 
-async def run(port: int, size: str, conns: int, seconds: float) -> tuple[float, list[float]]:
+async def run(
+    port: int, size: str, conns: int, seconds: float, spread_s: float = 0.0
+) -> tuple[float, list[float]]:
+    """``conns`` keep-alive connections sending for ``seconds``; with ``spread_s`` (the
+    pods' delay) their first requests are spread over it, so that they do not all reach
+    the picker at the same instant every cycle (real arrivals are not in lockstep)."""
     cs = []
     for i in range(conns):
         c = Conn(port)
@@ -91,8 +96,9 @@ async def run(port: int, size: str, conns: int, seconds: float) -> tuple[float, 
     await asyncio.gather(*(warm(c) for c in cs))
     stop_at = time.perf_counter() + seconds
 
-    async def worker(c: Conn) -> None:
+    async def worker(i: int, c: Conn) -> None:
         nonlocal errors
+        await asyncio.sleep(spread_s * i / conns)
         while time.perf_counter() < stop_at:
             t0 = time.perf_counter()
             status = await c.call()
@@ -100,7 +106,7 @@ async def run(port: int, size: str, conns: int, seconds: float) -> tuple[float, 
             errors += status != 200
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker(c) for c in cs))
+    await asyncio.gather(*(worker(i, c) for i, c in enumerate(cs)))
     elapsed = time.perf_counter() - t0
     for c in cs:
         c.close()
@@ -363,7 +369,8 @@ def main() -> int:
                         picker = watched.get(name)
                         pids = [picker.popen.pid] if picker is not None else []
                         cpu0 = cpu_seconds(pids)
-                        rps, lat = asyncio.run(run(port, size, c, args.seconds))
+                        spread = args.pod_delay_ms / 1e3
+                        rps, lat = asyncio.run(run(port, size, c, args.seconds, spread))
                         cpu = cpu_seconds(pids) - cpu0
                         cell.setdefault(name, []).append(
                             (pct(lat, 0.5), pct(lat, 0.9), rps, cpu / max(1, len(lat)))
