@@ -1,4 +1,4 @@
-"""`kvroute` command line: serve | index | sim | replay.
+"""`kvroute` command line: serve | epp | index | sim | replay.
 
 Each subcommand lives in its own module with a ``main(argv)``; this file only
 dispatches, importing lazily so `kvroute replay` does not load the web stack.
@@ -11,6 +11,7 @@ import sys
 
 _COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.proxy.serve", "run the OpenAI-compatible router"),
+    "epp": ("router.epp.main", "run as a Gateway API Inference Extension endpoint picker"),
     "index": ("router.indexer.main", "run a KV-event indexer writing into Redis"),
     "sim": ("router.sim.main", "run one simulated vLLM pod"),
     "replay": ("scoring.replay.cli", "replay a trace against simulated pods, per policy"),

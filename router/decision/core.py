@@ -27,7 +27,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from router.config import Settings
@@ -107,8 +107,17 @@ class RequestRouter:
         self.metrics.child(self.metrics.bad_requests, err.reason).inc()
         return err
 
-    def _candidates(self, model: str) -> list[PodState]:
+    def _candidates(self, model: str, only: Collection[str] | None = None) -> list[PodState]:
         pods = self.registry.candidates(model)
+        if pods and only is not None:  # a front's restriction (an endpoint picker's subset hint)
+            pods = [p for p in pods if p.name in only]
+            if not pods:
+                raise RouterError(
+                    503,
+                    f"no healthy pod serving model {model!r} is among the allowed endpoints",
+                    reason="no_pod_in_subset",
+                    param="model",
+                )
         if pods:
             return pods
         every = self.registry.all()
@@ -202,14 +211,28 @@ class RequestRouter:
 
     # -- the path ----------------------------------------------------------------------
 
-    async def decide(self, kind: Kind, body: dict[str, Any], headers: Mapping[str, str]) -> Routed:
-        """Validate, tokenize, look up and pick; raises RouterError (already counted)."""
+    async def decide(
+        self,
+        kind: Kind,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        *,
+        only: Collection[str] | None = None,
+    ) -> Routed:
+        """Validate, tokenize, look up and pick; raises RouterError (already counted).
+        ``only``: the pods the front allows (None: every candidate)."""
         try:
-            return await self._decide(kind, body, headers)
+            return await self._decide(kind, body, headers, only)
         except RouterError as err:
             raise self.reject(err) from None
 
-    async def _decide(self, kind: Kind, body: dict[str, Any], headers: Mapping[str, str]) -> Routed:
+    async def _decide(
+        self,
+        kind: Kind,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        only: Collection[str] | None = None,
+    ) -> Routed:
         """:meth:`decide` before counting a rejection."""
         t0 = _perf()
         model = body.get("model")
@@ -223,7 +246,7 @@ class RequestRouter:
             prompt = check_messages(body.get("messages"))
         elif kind == "completion":
             prompt = first_prompt(body.get("prompt"))
-        pods = self._candidates(model)
+        pods = self._candidates(model, only)
         names = [p.name for p in pods]
         request_id = headers.get("x-request-id") or self._next_id()
         session = headers.get(self.settings.session_header) or body.get("user")

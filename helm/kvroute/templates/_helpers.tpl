@@ -79,7 +79,35 @@ app.kubernetes.io/part-of: kvroute
 {{/* Discovery ---------------------------------------------------------------------------- */}}
 
 {{- define "kvroute.discoveryKind" -}}
+{{- if include "kvroute.poolDiscovery" . -}}
+k8s
+{{- else -}}
 {{- (.Values.config.discovery | default dict).kind | default "static" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Endpoint picker (mode: epp) ------------------------------------------------------- */}}
+
+{{- define "kvroute.epp" -}}
+{{- if eq (.Values.mode | default "proxy") "epp" -}}true{{- end -}}
+{{- end -}}
+
+{{/* "true" when discovery comes from the InferencePool's selector */}}
+{{- define "kvroute.poolDiscovery" -}}
+{{- if and (include "kvroute.epp" .) .Values.epp.inferencePool.matchLabels -}}true{{- end -}}
+{{- end -}}
+
+{{- define "kvroute.poolName" -}}
+{{- .Values.epp.inferencePool.name | default (include "kvroute.fullname" .) -}}
+{{- end -}}
+
+{{/* matchLabels as a label selector: k=v,k2=v2 (sorted) */}}
+{{- define "kvroute.poolSelector" -}}
+{{- $pairs := list -}}
+{{- range $k, $v := .Values.epp.inferencePool.matchLabels -}}
+{{- $pairs = append $pairs (printf "%s=%s" $k $v) -}}
+{{- end -}}
+{{- join "," $pairs -}}
 {{- end -}}
 
 {{/* The namespace kubernetes discovery watches (config.discovery.k8s.namespace, else the
@@ -95,6 +123,18 @@ app.kubernetes.io/part-of: kvroute
 {{- $url := include "kvroute.redisUrl" . -}}
 {{- if $url -}}
 {{- $_ := set $config "redis_url" $url -}}
+{{- end -}}
+{{- if include "kvroute.poolDiscovery" . -}}
+{{- /* epp mode: the InferencePool's pods are the pods kvroute discovers */ -}}
+{{- $discovery := deepCopy ($config.discovery | default dict) -}}
+{{- $k8s := deepCopy ($discovery.k8s | default dict) -}}
+{{- $_ := set $k8s "label_selector" (include "kvroute.poolSelector" .) -}}
+{{- $_ := set $k8s "port" (int .Values.epp.inferencePool.targetPort) -}}
+{{- $_ := set $discovery "kind" "k8s" -}}
+{{- $_ := set $discovery "k8s" $k8s -}}
+{{- $_ := unset $discovery "static" -}}
+{{- $_ := unset $discovery "dns" -}}
+{{- $_ := set $config "discovery" $discovery -}}
 {{- end -}}
 {{- toYaml $config -}}
 {{- end -}}
@@ -125,6 +165,9 @@ app.kubernetes.io/part-of: kvroute
 {{/* Combinations that cannot work: fail the render with the reason ------------------------ */}}
 {{- define "kvroute.validate" -}}
 {{- $writer := .Values.config.index_writer | default false -}}
+{{- if and (include "kvroute.epp" .) .Values.epp.inferencePool.create (not .Values.epp.inferencePool.matchLabels) -}}
+{{- fail "mode epp renders an InferencePool: set epp.inferencePool.matchLabels to the model server pods' labels (or epp.inferencePool.create: false)" -}}
+{{- end -}}
 {{- if and .Values.redis.enabled .Values.redis.url -}}
 {{- fail "redis.enabled (the bundled Valkey) and redis.url (an external Redis) are both set: choose one" -}}
 {{- end -}}

@@ -1,0 +1,147 @@
+"""The bookkeeping of one picked request, as the proxy front keeps it
+(:mod:`router.proxy.forward`): the policy's hooks, the router-tracked load and the same
+``kvroute_*`` metrics, but driven by what the proxy reports instead of a connection
+the router holds.
+
+* **Picked** (the answer with the endpoints went out): ``policy.on_routed`` and the
+  load's ``begin`` on the first-ranked pod, its in-flight gauge up.
+* **Served** (response headers, with ``x-gateway-destination-endpoint-served``): when
+  the proxy's retries ended on another pod, the bookkeeping moves there (the first
+  pod's load and ``on_complete`` undone, ``on_routed`` and ``begin`` on the served
+  one; counted in ``kvroute_epp_served_elsewhere_total``); prompt tokens and predicted
+  cached tokens are counted for the pod that served.
+* **First byte** (the first response body chunk): TTFT (``kvroute_ttft_seconds``, from
+  the request headers' arrival at the EPP) and the prefill part of the load done.
+* **Done** (the response's end of stream, or the stream's end without it: the client
+  or the proxy gave up, counted as 499): in-flight load ended, ``policy.on_complete``,
+  ``kvroute_requests_total`` by status; usage tokens counted when the answer had them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from router.decision.request import Routed
+from router.fleet.load import RequestLoad
+from router.metrics import PodMetrics
+
+if TYPE_CHECKING:
+    from router.epp.picker import EndpointPicker
+
+#: kinds routed without a prompt: no prompt tokens or cached tokens to count
+_NO_PROMPT_KINDS = frozenset({"embedding", "passthrough"})
+
+
+class Accounting:
+    """One picked request's load, policy hooks and metrics (each undone exactly once)."""
+
+    __slots__ = (
+        "_core",
+        "_counted",
+        "_done",
+        "_first",
+        "_load",
+        "_pm",
+        "_policy_name",
+        "pod",
+        "routed",
+        "started",
+        "status",
+    )
+
+    def __init__(self, core: EndpointPicker, routed: Routed, started: float) -> None:
+        self._core = core
+        self.routed = routed
+        self.started = started
+        self._policy_name = core.settings.policy
+        self.pod = ""
+        self._load: RequestLoad | None = None
+        self._pm: PodMetrics | None = None
+        self._first = True
+        self._counted = False
+        self._done = False
+        #: the answer's HTTP status (499 until response headers say otherwise)
+        self.status = 499
+
+    async def begin(self, pod: str) -> None:
+        """The request goes to ``pod``: the policy hears of it, its load is held."""
+        core = self._core
+        self.pod = pod
+        tokens = self.routed.route.prompt_tokens
+        core.policy.on_routed(self.routed.route, pod)
+        load = self._load = RequestLoad(core.load, pod, tokens)
+        if load.local is not None:
+            load.begin_now()
+        else:
+            core.pending.add(pod, tokens)
+            try:
+                await load.begin()
+            finally:
+                core.pending.remove(pod, tokens)
+        pm = self._pm = core.metrics.pod_metrics(self.routed.model, pod, self._policy_name)
+        pm.inflight.inc()
+
+    async def _end(self) -> None:
+        load, pm = self._load, self._pm
+        if load is None or pm is None:
+            return
+        self._load = None
+        pm.inflight.dec()
+        if load.local is not None:
+            load.end_now()
+        else:
+            await load.end()
+        self._core.policy.on_complete(self.routed.route, self.pod)
+
+    async def served(self, pod: str | None, status: int) -> None:
+        """Response headers arrived with ``status``, served by ``pod`` (None: the proxy
+        did not say; the picked pod is assumed)."""
+        self.status = status
+        if pod is not None and pod != self.pod and self._load is not None:
+            # the proxy retried on another endpoint of the list: account it there
+            await self._end()
+            self._core.epp.served_elsewhere.inc()
+            await self.begin(pod)
+        self._count_served()
+
+    def _count_served(self) -> None:
+        if self._counted or self._pm is None:
+            return
+        self._counted = True
+        routed = self.routed
+        if routed.kind in _NO_PROMPT_KINDS or self.pod not in routed.views:
+            return
+        self._pm.served(routed.route.prompt_tokens, routed.cached_tokens(self.pod))
+
+    async def first_byte(self) -> None:
+        if not self._first or self._load is None:
+            return
+        self._first = False
+        m = self._core.metrics
+        m.child(m.ttft_seconds, self.routed.model, self.pod).observe(
+            time.perf_counter() - self.started
+        )
+        load = self._load
+        if load.local is not None:
+            load.first_token_now()
+        else:
+            await load.first_token()
+
+    async def done(self, usage: Any = None) -> None:
+        """The answer ended (or the stream did); safe to call more than once."""
+        if self._done:
+            return
+        self._done = True
+        self._count_served()
+        pm = self._pm
+        await self._end()
+        if pm is not None:
+            pm.requests(self.status).inc()
+        if usage is not None and self.pod:
+            c = self._core.epp.usage_tokens
+            model, pod = self.routed.model, self.pod
+            c.labels(model, pod, "prompt").inc(usage.prompt_tokens)
+            c.labels(model, pod, "completion").inc(usage.completion_tokens)
+            if usage.cached_tokens is not None:
+                c.labels(model, pod, "cached").inc(usage.cached_tokens)

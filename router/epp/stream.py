@@ -1,0 +1,237 @@
+"""One ext_proc stream (one HTTP request through the proxy), message by message.
+
+The proxy runs the filter with ``request_body_mode`` and ``response_body_mode``
+``FULL_DUPLEX_STREAMED`` (what llm-d and GIE run; ``STREAMED`` and ``BUFFERED`` work
+the same way here), headers and trailers ``SEND``:
+
+1. **request headers** — kept; nothing is answered yet (the pick needs the body).
+   Headers that end the request (no body) are answered at once with a least-loaded
+   pick.
+2. **request body chunks** — kept as they came, up to ``proxy.max_body_bytes`` (413
+   beyond).  At the end of the body (or at the request trailers) the body is parsed
+   once and decided on; the answers are then, in order: the request-headers answer
+   naming the endpoints (header and metadata) with the body's Content-Length, and
+   the body's chunks sent back byte for byte (split at 62,000 bytes).
+3. **response headers** — the served endpoint (metadata), the status; answered with
+   the pod's name in ``pod_header`` (``x-kvroute-pod``).
+4. **response body chunks** — each sent back as it arrives (a stream is never held);
+   the first one is the time to first token; the usage is read on the way.
+5. the response's end of stream (or trailers) completes the request; a stream that
+   ends before it (client gone, proxy reset) completes it as 499.
+
+A decision that fails (bad body, unknown model, no pod) is an ImmediateResponse with
+the status and OpenAI error JSON `kvroute serve` would answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from router.decision.request import Routed
+from router.epp import protocol as P
+from router.epp.accounting import Accounting
+from router.epp.picker import EndpointPicker, route_path
+from router.epp.usage import UsageReader
+from router.errors import RouterError, error_body
+from router.proxy.response_ids import CreatedSniffer, id_from_body
+
+log = logging.getLogger(__name__)
+
+_perf = time.perf_counter
+_JSON_ERROR = (("content-type", "application/json"),)
+
+
+class ExtProcStream:
+    """The state of one ext_proc stream; :meth:`handle` returns what to send back."""
+
+    def __init__(self, picker: EndpointPicker) -> None:
+        self.picker = picker
+        self.started = 0.0
+        self.headers: dict[str, str] = {}
+        self.subset: list[str] | None = None
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._saw_body = False
+        self._decided = False
+        self.accounting: Accounting | None = None
+        self._reader: UsageReader | None = None
+        self._sniffer: CreatedSniffer | None = None
+        self._responses = False
+        #: an immediate response was sent: the proxy ends the stream
+        self.finished = False
+
+    # -- dispatch --------------------------------------------------------------------
+
+    async def handle(self, req: P.ProcessingRequest) -> list[P.ProcessingResponse]:
+        which = req.WhichOneof("request")
+        if which == "request_body":
+            return await self._request_body(req.request_body)
+        if which == "response_body":
+            return await self._response_body(req.response_body)
+        if which == "request_headers":
+            return await self._request_headers(req)
+        if which == "response_headers":
+            return await self._response_headers(req)
+        if which == "request_trailers":
+            out = [] if self._decided else await self._decide(end_of_stream=False)
+            return out if self.finished else [*out, P.trailers_response(request=True)]
+        if which == "response_trailers":
+            await self._complete()
+            return [P.trailers_response(request=False)]
+        self.picker.epp.protocol_errors.labels("unknown_message").inc()
+        return []
+
+    async def close(self) -> None:
+        """The stream ended: a request still open is completed (as 499 when its
+        answer did not end)."""
+        await self._complete()
+
+    # -- request -----------------------------------------------------------------------
+
+    async def _request_headers(self, req: P.ProcessingRequest) -> list[P.ProcessingResponse]:
+        self.started = _perf()
+        self.headers = P.header_map(req.request_headers)
+        self.subset = P.subset_hint(req)
+        if req.request_headers.end_of_stream:  # no body: nothing to score
+            return await self._decide(end_of_stream=True)
+        return []
+
+    async def _request_body(self, body: Any) -> list[P.ProcessingResponse]:
+        if self._decided:  # a body after the pick (not expected): pass it on
+            return list(P.body_responses(True, body.body, body.end_of_stream))
+        chunk = body.body
+        self._saw_body = True
+        if chunk:
+            self._size += len(chunk)
+            limit = self.picker.settings.proxy.max_body_bytes
+            if self._size > limit:
+                err = RouterError(
+                    413,
+                    f"request body larger than {limit} bytes (proxy.max_body_bytes)",
+                    reason="body_too_large",
+                )
+                return [self._reject(self.picker.router.reject(err))]
+            self._chunks.append(chunk)
+        if body.end_of_stream:
+            return await self._decide(end_of_stream=True)
+        return []
+
+    async def _decide(self, *, end_of_stream: bool) -> list[P.ProcessingResponse]:
+        self._decided = True
+        picker = self.picker
+        path = route_path(self.headers.get(":path", "/"))
+        body = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+        try:
+            decision = await picker.decide(path, body, self.headers, self.subset)
+        except RouterError as err:
+            return [self._reject(err)]
+        if isinstance(decision, Routed):
+            ranking = decision.ranking
+            accounting = self.accounting = Accounting(picker, decision, self.started)
+            self._responses = decision.kind == "responses"
+        else:
+            ranking, accounting = decision, None
+        endpoints = picker.endpoint_list(ranking)
+        if not endpoints:  # (every allowed pod is addressable: not expected)
+            none = RouterError(503, "no endpoint to send the request to", reason="no_pod")
+            return [self._reject(picker.router.reject(none))]
+        if accounting is not None:
+            await accounting.begin(ranking[0])
+        picker.epp.streams.labels("picked" if accounting is not None else "passed").inc()
+        length = self._size if self._saw_body else None
+        out = [P.pick_headers_response(endpoints, length)]
+        if self._saw_body:
+            out += self._body_echo(end_of_stream)
+        self._chunks = []
+        return out
+
+    def _body_echo(self, end_of_stream: bool) -> Iterator[P.ProcessingResponse]:
+        """The request body as it came (chunks of at most 62,000 bytes); only the
+        last carries ``end_of_stream``."""
+        chunks = self._chunks or [b""]
+        last = len(chunks) - 1
+        for i, chunk in enumerate(chunks):
+            yield from P.body_responses(True, chunk, end_of_stream and i == last)
+
+    def _reject(self, err: RouterError) -> P.ProcessingResponse:
+        self.finished = True
+        self.picker.epp.streams.labels("rejected").inc()
+        body = P.json_bytes(error_body(err.message, err.type, err.param, err.reason))
+        headers = [*_JSON_ERROR, *err.headers.items()]
+        return P.immediate_response(err.status, body, headers)
+
+    # -- response ----------------------------------------------------------------------
+
+    async def _response_headers(self, req: P.ProcessingRequest) -> list[P.ProcessingResponse]:
+        headers = P.header_map(req.response_headers)
+        status_text = headers.get(":status", "")
+        status = int(status_text) if status_text.isdigit() else 0
+        event_stream = "text/event-stream" in headers.get("content-type", "")
+        picker = self.picker
+        served = P.served_endpoint(req)
+        pod = picker.endpoints.pod(served) if served is not None else None
+        if served is not None and pod is None:
+            picker.epp.protocol_errors.labels("unknown_served_endpoint").inc()
+        accounting = self.accounting
+        extra: dict[str, str] = {}
+        if accounting is not None:
+            await accounting.served(pod, status)
+            extra[picker.settings.pod_header] = accounting.pod
+            self._reader = UsageReader(event_stream)
+            if self._responses and 200 <= status < 300 and event_stream:
+                self._sniffer = CreatedSniffer()
+        elif pod is not None:
+            extra[picker.settings.pod_header] = pod
+        out = [P.headers_response(False, extra)]
+        if req.response_headers.end_of_stream:
+            await self._complete()
+        return out
+
+    async def _response_body(self, body: Any) -> list[P.ProcessingResponse]:
+        chunk: bytes = body.body
+        accounting = self.accounting
+        if accounting is not None and chunk:
+            await accounting.first_byte()
+            if self._reader is not None:
+                self._reader.feed(chunk)
+            if self._sniffer is not None:
+                rid = self._sniffer.feed(chunk)
+                if rid is not None:
+                    await self._remember(rid)
+                if self._sniffer.done:
+                    self._sniffer = None
+        out = list(P.body_responses(False, chunk, body.end_of_stream))
+        if body.end_of_stream:
+            await self._complete()
+        return out
+
+    async def _complete(self) -> None:
+        accounting = self.accounting
+        if accounting is None:
+            return
+        reader = self._reader
+        usage = reader.usage() if reader is not None and accounting.status != 499 else None
+        if (
+            self._responses
+            and reader is not None
+            and not reader.event_stream
+            and 200 <= accounting.status < 300
+        ):
+            rid = id_from_body(reader.body())
+            if rid is not None:
+                await self._remember(rid)
+        self.accounting = None
+        await accounting.done(usage)
+
+    async def _remember(self, response_id: str) -> None:
+        accounting = self.accounting
+        owners = self.picker.owners
+        if accounting is None:
+            return
+        try:
+            await owners.put(response_id, accounting.pod)
+        except Exception as exc:  # a failing store never fails the answer
+            log.warning("recording the owner of response %s failed: %r", response_id, exc)

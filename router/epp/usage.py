@@ -1,0 +1,96 @@
+"""What the EPP reads in a pod's answer as it passes through: the OpenAI ``usage``.
+
+The answer is echoed to the proxy chunk by chunk and never changed; this keeps only
+what it needs to find the usage at the end: the whole body of a JSON answer up to
+:data:`JSON_LIMIT` bytes (a larger one is not parsed), or the last :data:`SSE_TAIL`
+bytes of a server-sent-event stream (vLLM sends the usage in the last data event when
+the request asked ``stream_options.include_usage``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+#: largest JSON answer read for its usage
+JSON_LIMIT = 1 << 20
+#: bytes of a stream's end kept to find its last usage event
+SSE_TAIL = 1 << 14
+
+_decode = msgspec.json.decode
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    #: ``prompt_tokens_details.cached_tokens`` (None when the engine does not report it)
+    cached_tokens: int | None = None
+
+
+def _usage_of(obj: object) -> Usage | None:
+    if not isinstance(obj, dict):
+        return None
+    usage = obj.get("usage")
+    if usage is None and isinstance(obj.get("response"), dict):  # Responses API events
+        usage = obj["response"].get("usage")
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        return None
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(prompt, completion, cached if isinstance(cached, int) else None)
+
+
+class UsageReader:
+    """Fed every chunk of one answer; :meth:`usage` at its end."""
+
+    __slots__ = ("_chunks", "_size", "event_stream")
+
+    def __init__(self, event_stream: bool) -> None:
+        self.event_stream = event_stream
+        self._chunks: list[bytes] = []
+        self._size = 0
+
+    def feed(self, chunk: bytes) -> None:
+        if not chunk or (not self.event_stream and self._size > JSON_LIMIT):
+            return
+        self._chunks.append(chunk)
+        self._size += len(chunk)
+        if self.event_stream:
+            while self._size - len(self._chunks[0]) >= SSE_TAIL:
+                self._size -= len(self._chunks.pop(0))
+        elif self._size > JSON_LIMIT:
+            self._chunks.clear()  # too large to parse: stop keeping it
+            self._size = JSON_LIMIT + 1
+
+    def body(self) -> bytes:
+        """What was kept: a JSON answer's whole body (empty past the limit), or a
+        stream's tail."""
+        return b"".join(self._chunks)
+
+    def usage(self) -> Usage | None:
+        """The answer's usage (None when it has none, or is not readable)."""
+        if not self._chunks:
+            return None
+        data = b"".join(self._chunks)
+        if not self.event_stream:
+            try:
+                return _usage_of(_decode(data))
+            except msgspec.DecodeError:
+                return None
+        for line in reversed(data.split(b"\n")):
+            line = line.strip()
+            if not line.startswith(b"data:") or b'"usage"' not in line:
+                continue
+            try:
+                found = _usage_of(_decode(line[5:].strip()))
+            except msgspec.DecodeError:
+                continue
+            if found is not None:
+                return found
+        return None

