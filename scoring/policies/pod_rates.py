@@ -5,7 +5,8 @@ ridge-regularised least-squares fit with exponential forgetting: each observatio
 multiplies the accumulated sums by ``1 - 1 / memory`` before adding itself, so the fit
 follows a pod whose speed changes, over about ``memory`` observations.  Before any data
 arrives (and while the data cannot identify a coefficient) the fit returns its *prior*;
-the prior weighs as ``prior_weight`` typical observations, so data dominates after a few.
+the prior weighs as ``prior_weight`` typical observations and is forgotten as they are,
+so data dominates after a few and the fit converges to the data's own.
 
 * **Prefill** — per request, at its first token::
 
@@ -42,6 +43,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
+
+#: the prior's weight never falls below this share of an observation: a numerical
+#: guard that keeps collinear data (e.g. a constant running count) solvable
+_RIDGE_FLOOR = 1e-6
 
 
 @dataclass
@@ -103,6 +108,7 @@ class RidgeFit:
         g = self._decay
         k = len(x)
         self._n = self._n * g + 1.0
+        self._prior_weight *= g  # the prior is forgotten like an early observation
         for i in range(k):
             row = self._sxx[i]
             xi = x[i]
@@ -120,7 +126,8 @@ class RidgeFit:
         k = len(self._prior)
         n = max(self._n, 1.0)
         # the prior weighs as prior_weight observations of this coefficient's mean scale
-        lam = [self._prior_weight * self._sxx[i][i] / n + 1e-12 for i in range(k)]
+        pw = max(self._prior_weight, _RIDGE_FLOOR)
+        lam = [pw * self._sxx[i][i] / n + 1e-12 for i in range(k)]
         a = [[self._sxx[i][j] + (lam[i] if i == j else 0.0) for j in range(k)] for i in range(k)]
         b = [self._sxy[i] + lam[i] * self._prior[i] for i in range(k)]
         best: tuple[float, ...] | None = None
