@@ -205,7 +205,7 @@ def _replay_vllm(
 ) -> PolicyRun:
     reqs = trace.requests
     n = len(reqs)
-    pods = [VllmPod(f"pod-{i}", cfg) for i in range(cfg.pods)]
+    pods = [VllmPod(f"pod-{i}", cfg, cfg.pod_capacity(i)) for i in range(cfg.pods)]
     index_of = {p.name: i for i, p in enumerate(pods)}
     run = _new_run(policy, [p.name for p in pods], reqs)
     heap: list[tuple[float, int, int]] = []  # (step end, seq, pod)
