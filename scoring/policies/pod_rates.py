@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 #: the prior's weight never falls below this share of an observation: a numerical
 #: guard that keeps collinear data (e.g. a constant running count) solvable
 _RIDGE_FLOOR = 1e-6
+#: refit once per this many observations after the first ones: the solve costs more
+#: than the rest of a request's bookkeeping, and rates drift over tens of requests
+REFIT_EVERY = 4
 
 
 @dataclass
@@ -76,9 +79,19 @@ def _finite_nonneg(*xs: float) -> bool:
 
 class RidgeFit:
     """Exponentially forgotten least squares ``y ~ theta . x`` with a ridge prior and
-    ``theta >= 0`` (the best non-negative solution of the normal equations)."""
+    ``theta >= 0`` (negative coefficients pinned to 0 one at a time, the rest refitted)."""
 
-    __slots__ = ("_decay", "_n", "_positive", "_prior", "_prior_weight", "_sxx", "_sxy", "theta")
+    __slots__ = (
+        "_count",
+        "_decay",
+        "_n",
+        "_positive",
+        "_prior",
+        "_prior_weight",
+        "_sxx",
+        "_sxy",
+        "theta",
+    )
 
     def __init__(
         self,
@@ -90,6 +103,7 @@ class RidgeFit:
         """``positive``: coefficients a fit must keep > 0 (else it falls back to the prior)."""
         k = len(prior)
         self._positive = tuple(positive)
+        self._count = 0
         self._prior = tuple(float(v) for v in prior)
         self._decay = 1.0 - 1.0 / memory
         self._prior_weight = prior_weight
@@ -104,7 +118,8 @@ class RidgeFit:
         return self._n
 
     def add(self, x: Sequence[float], y: float) -> bool:
-        """Add one observation and refit; ``False`` when the fit fell back to the prior."""
+        """Add one observation and refit (each of the first :data:`REFIT_EVERY`, then
+        every :data:`REFIT_EVERY`-th); ``False`` when the fit fell back to the prior."""
         g = self._decay
         k = len(x)
         self._n = self._n * g + 1.0
@@ -115,6 +130,9 @@ class RidgeFit:
             for j in range(k):
                 row[j] = row[j] * g + xi * x[j]
             self._sxy[i] = self._sxy[i] * g + xi * y
+        self._count += 1
+        if self._count > REFIT_EVERY and self._count % REFIT_EVERY:
+            return True
         theta = self._solve()
         if theta is None or any(not theta[i] > 0 for i in self._positive):
             self.theta = self._prior
@@ -130,28 +148,21 @@ class RidgeFit:
         lam = [pw * self._sxx[i][i] / n + 1e-12 for i in range(k)]
         a = [[self._sxx[i][j] + (lam[i] if i == j else 0.0) for j in range(k)] for i in range(k)]
         b = [self._sxy[i] + lam[i] * self._prior[i] for i in range(k)]
-        best: tuple[float, ...] | None = None
-        best_obj = math.inf
-        full = (1 << k) - 1
-        # non-negative least squares by active sets: every subset of free coefficients
-        # (the others pinned to 0), the feasible one with the lowest objective wins
-        for mask in range(full, 0, -1):
-            free = [i for i in range(k) if mask & (1 << i)]
+        # non-negative least squares, greedily: solve with every free coefficient;
+        # while one comes out negative, pin the most negative to 0 and solve the rest
+        free = list(range(k))
+        while free:
             sol = _solve_linear([[a[i][j] for j in free] for i in free], [b[i] for i in free])
             if sol is None:
-                continue
-            theta = [0.0] * k
-            for i, v in zip(free, sol, strict=True):
-                theta[i] = v
-            if any(not (math.isfinite(v) and v >= 0) for v in theta):
-                continue
-            obj = sum(theta[i] * a[i][j] * theta[j] for i in range(k) for j in range(k))
-            obj -= 2 * sum(theta[i] * b[i] for i in range(k))
-            if obj < best_obj:
-                best, best_obj = tuple(theta), obj
-            if mask == full:
-                break  # the unconstrained solution is feasible: it is the optimum
-        return best
+                return None
+            worst = min(range(len(free)), key=lambda m: sol[m])
+            if sol[worst] >= 0:
+                theta = [0.0] * k
+                for i, v in zip(free, sol, strict=True):
+                    theta[i] = v
+                return tuple(theta)
+            del free[worst]
+        return None
 
 
 def _solve_linear(a: list[list[float]], b: list[float]) -> list[float] | None:
