@@ -456,6 +456,7 @@ class Proxy:
                     first = False
                     ttft = time.perf_counter() - started
                     m.child(m.ttft_seconds, routed.model, pod).observe(ttft)
+                    self.policy.on_first_token(routed.route, pod, ttft)
                     if load.local is not None:
                         load.first_token_now()
                     else:
@@ -529,4 +530,5 @@ class Proxy:
             load.end_now()
         else:
             await load.end()
+        self.policy.on_finished(routed.route, pod, None)  # output tokens not parsed
         self.policy.on_complete(routed.route, pod)

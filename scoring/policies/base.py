@@ -4,12 +4,19 @@ A policy sees only plain data: the request (its block-key chain and size) and on
 :class:`PodView` per candidate pod (index hits + load).  It returns a :class:`Decision`.
 It is told when a request it routed finished, so stateful policies (round robin,
 approximate prefix trees, session tables) can keep their own bookkeeping.
+
+Observation hooks (default no-ops): :meth:`Policy.on_first_token` (the request's TTFT as
+the router measured it) and :meth:`Policy.on_finished` (it was served to the end, with
+its output tokens when known), for policies that learn their pods' rates online.  A
+policy reads time from :attr:`Policy.clock` (``time.perf_counter`` live); the replay sets
+it to its virtual clock, so the same learning code sees simulated time.
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -88,6 +95,8 @@ class Policy(ABC):
 
     def __init__(self, params: PolicyParams | None = None) -> None:
         self.params = params if params is not None else self.Params()
+        #: seconds, monotonic: the router's clock live, the replay's virtual clock
+        self.clock: Callable[[], float] = time.perf_counter
 
     @abstractmethod
     def pick(self, request: RouteRequest, pods: Sequence[PodView]) -> Decision:
@@ -95,6 +104,17 @@ class Policy(ABC):
 
     def on_routed(self, request: RouteRequest, pod: str) -> None:  # noqa: B027
         """The request was sent to ``pod`` (after any retry)."""
+
+    def on_first_token(self, request: RouteRequest, pod: str, ttft_s: float) -> None:  # noqa: B027
+        """The first token of ``request`` came back from ``pod``, ``ttft_s`` after it
+        arrived at the router (called before ``on_complete``)."""
+
+    def on_finished(  # noqa: B027
+        self, request: RouteRequest, pod: str, output_tokens: int | None
+    ) -> None:
+        """``request`` was served to its last token by ``pod`` (``output_tokens``
+        generated, ``None`` when the router does not know); called just before
+        ``on_complete``, never for a failed attempt."""
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:  # noqa: B027
         """The request finished on ``pod`` (success or failure)."""

@@ -20,6 +20,7 @@ _MODULES: dict[str, str] = {
     "cost": "scoring.policies.cost",
     "dynamo": "scoring.policies.dynamo",
     "llmd": "scoring.policies.llmd",
+    "measured": "scoring.policies.measured",
 }
 
 

@@ -15,8 +15,13 @@ plays it::
     views    = [pod.view(request.block_keys) for pod in pods]   # index hits + load
     decision = policy.pick(request, views)
     policy.on_routed(request, decision.pod)    # inflight += 1, outstanding += P
-    ...                                        # first token: outstanding -= P
-    policy.on_complete(request, decision.pod)  # last token:  inflight -= 1
+    policy.on_first_token(request, pod, ttft)  # first token: outstanding -= P
+    policy.on_finished(request, pod, output)   # last token, then
+    policy.on_complete(request, decision.pod)  #              inflight -= 1
+
+The policy's :attr:`~scoring.policies.base.Policy.clock` reads the replay's virtual time
+during the replay (restored after), so a policy that learns from observed times sees
+the simulated ones, through the same code as live.
 
 **vLLM pods.**  The heap holds each busy pod's next step end.  When a step ends its
 first tokens and completions are reported, then the pod plans its next step at once
@@ -79,10 +84,14 @@ def replay_policy(
     """Replay ``trace`` through ``policy`` on a fresh fleet described by ``cfg``."""
     wall0 = time.perf_counter()
     cfg.validate()
-    if isinstance(cfg, VllmFleetConfig):
-        run = _replay_vllm(trace, policy, cfg, on_progress)
-    else:
-        run = _replay_simple(trace, policy, cfg, on_progress)
+    clock = policy.clock
+    try:
+        if isinstance(cfg, VllmFleetConfig):
+            run = _replay_vllm(trace, policy, cfg, on_progress)
+        else:
+            run = _replay_simple(trace, policy, cfg, on_progress)
+    finally:
+        policy.clock = clock
     run.wall_s = time.perf_counter() - wall0
     return run
 
@@ -125,6 +134,8 @@ def _replay_simple(
     push, pop = heapq.heappush, heapq.heappop
     last_finish = run.first_arrival_s
     bs = cfg.block_size
+    now_s = [run.first_arrival_s]
+    policy.clock = lambda: now_s[0]
 
     def start_next(pod_i: int, now: float) -> None:
         nonlocal seq
@@ -142,10 +153,12 @@ def _replay_simple(
     def handle(event: tuple[float, int, int, int, int]) -> None:
         nonlocal seq, last_finish
         now, _, kind, pod_i, ri = event
+        now_s[0] = now
         pod = pods[pod_i]
         r = reqs[ri]
         if kind == _PREFILL_DONE:
             run.ttft_s[ri] = now - r.arrival_s
+            policy.on_first_token(r.route, pod.name, now - r.arrival_s)
             pod.prefilling = False
             pod.outstanding -= r.prompt_tokens
             step = pod.decode_step_s()
@@ -158,12 +171,14 @@ def _replay_simple(
             pod.inflight -= 1
             pod.active_blocks -= _blocks(r.prompt_tokens + r.output_tokens, bs)
             last_finish = max(last_finish, now)
+            policy.on_finished(r.route, pod.name, r.output_tokens)
             policy.on_complete(r.route, pod.name)
 
     for ri, r in enumerate(reqs):
         t = r.arrival_s
         while heap and heap[0][0] <= t:
             handle(pop(heap))
+        now_s[0] = t
         keys = list(r.route.block_keys)
         pod_i = _pick(policy, r, [p.view(keys) for p in pods], index_of)
         pod = pods[pod_i]
@@ -190,13 +205,15 @@ def _replay_vllm(
 ) -> PolicyRun:
     reqs = trace.requests
     n = len(reqs)
-    pods = [VllmPod(f"pod-{i}", cfg) for i in range(cfg.pods)]
+    pods = [VllmPod(f"pod-{i}", cfg, cfg.pod_capacity(i)) for i in range(cfg.pods)]
     index_of = {p.name: i for i, p in enumerate(pods)}
     run = _new_run(policy, [p.name for p in pods], reqs)
     heap: list[tuple[float, int, int]] = []  # (step end, seq, pod)
     seq = 0
     push, pop = heapq.heappush, heapq.heappop
     last_finish = run.first_arrival_s
+    now_s = [run.first_arrival_s]
+    policy.clock = lambda: now_s[0]
 
     def start_step(pod_i: int, now: float, horizon: float) -> None:
         nonlocal seq
@@ -208,16 +225,19 @@ def _replay_vllm(
     def end_step(now: float, pod_i: int, horizon: float) -> None:
         nonlocal last_finish
         pod = pods[pod_i]
+        now_s[0] = now
         result = pod.finish_step()
         for s in result.first_tokens:
             r = reqs[s.rid]
             run.ttft_s[s.rid] = now - r.arrival_s
             pod.outstanding -= r.prompt_tokens
+            policy.on_first_token(r.route, pod.name, now - r.arrival_s)
         for s in result.finished:
             r = reqs[s.rid]
             run.hit_tokens[s.rid] = run.gpu_hit_tokens[s.rid] = s.hit_tokens
             pod.inflight -= 1
             last_finish = max(last_finish, now)
+            policy.on_finished(r.route, pod.name, s.num_output)
             policy.on_complete(r.route, pod.name)
         start_step(pod_i, now, horizon)
 
@@ -226,6 +246,7 @@ def _replay_vllm(
         while heap and heap[0][0] <= t:
             end, _, pod_i = pop(heap)
             end_step(end, pod_i, t)
+        now_s[0] = t
         keys = list(r.route.block_keys)
         pod_i = _pick(policy, r, [p.view(keys) for p in pods], index_of)
         pod = pods[pod_i]

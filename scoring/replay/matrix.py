@@ -38,10 +38,12 @@ from scoring.replay.cli import fleet_defaults
 from scoring.replay.engine import PolicyRun, replay_policy
 from scoring.replay.families import bursty, family_params, rag
 from scoring.replay.families import generate as generate_family
-from scoring.replay.offered_load import scale_to_load, span_s, working_set_tokens
+from scoring.replay.offered_load import load_rates, scale_to_load, span_s, working_set_tokens
+from scoring.replay.presets import resolve_preset
 from scoring.replay.report import summarize as summarize_run
 from scoring.replay.simpod import FleetConfig, ReplayConfigError
 from scoring.replay.trace import Trace, load_trace
+from scoring.replay.vllm_pod import VllmFleetConfig
 
 TRACES_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
 MOONCAKE = {
@@ -57,8 +59,10 @@ CACHE_FRACTIONS = {"small": 0.1, "medium": 0.3, "large": 1.0}
 LOADS = (0.5, 0.8, 1.1)
 #: the unequal fleet's per-pod weights, repeated over the pods (mean 1)
 UNEQUAL_WEIGHTS = (4 / 3, 2 / 3)
-#: the replay's own pod model; a replay that gains others (issue #9) is dispatched in _replay
-POD_MODELS = ("simpod",)
+#: the replay's pod models: its own simple one and the vLLM-scheduler one (the preset below)
+POD_MODELS = ("simpod", "vllm")
+#: the vLLM pod model's engine preset (docs/replay.md)
+VLLM_PRESET = "llama3-8b-h100"
 WITHIN = 1.05
 
 
@@ -161,13 +165,25 @@ def fleet_for(cell: Cell, trace: Trace, *, prefill_rate: float = 8000.0) -> Flee
 # --- one cell -----------------------------------------------------------------------
 
 
-def _replay(trace: Trace, name: str, cfg: FleetConfig, pod_model: str) -> PolicyRun:
-    """Hook for other pod models: ``simpod`` is the replay's own; when the replay grows
-    another (e.g. a vLLM-scheduler pod), dispatch on ``pod_model`` here."""
-    if pod_model not in POD_MODELS:
-        raise ReplayConfigError(
-            f"pod-model {pod_model!r} is not available; available: {', '.join(POD_MODELS)}"
-        )
+def pod_fleet(cfg: FleetConfig, pod_model: str) -> FleetConfig | VllmFleetConfig:
+    """The cell's fleet in ``pod_model``: ``simpod`` as is; ``vllm`` the same pods and
+    per-pod caches, engines of :data:`VLLM_PRESET` (its rates replace simpod's)."""
+    if pod_model == "simpod":
+        return cfg
+    if pod_model == "vllm":
+        return VllmFleetConfig(
+            pods=cfg.pods,
+            capacity_tokens=cfg.capacity_tokens,
+            block_size=cfg.block_size,
+            engine=resolve_preset(VLLM_PRESET, {}),
+            pod_capacity_tokens=cfg.pod_capacity_tokens,
+        ).validate()
+    raise ReplayConfigError(
+        f"pod-model {pod_model!r} is not available; available: {', '.join(POD_MODELS)}"
+    )
+
+
+def _replay(trace: Trace, name: str, cfg: FleetConfig | VllmFleetConfig) -> PolicyRun:
     return replay_policy(trace, build_policy(name, fleet_defaults(name, cfg)), cfg)
 
 
@@ -188,7 +204,7 @@ def run_cell(
     trace = load_workload(
         cell.workload, seed, limit=limit, block_size=block_size, traces_dir=str(traces_dir)
     )
-    cfg = fleet_for(cell, trace)
+    cfg = pod_fleet(fleet_for(cell, trace), pod_model)
     scaled, factor = scale_to_load(trace, cfg, cell.load)
     pooled = pooled_ceiling(scaled, cfg.total_capacity_tokens)
     out: dict[str, Any] = {
@@ -201,7 +217,7 @@ def run_cell(
         "fleet": {
             "pods": cfg.pods,
             "pod_capacity_tokens": [cfg.pod_capacity(i) for i in range(cfg.pods)],
-            "prefill_rate": cfg.prefill_rate,
+            "prefill_rate": load_rates(cfg).prefill_rate,
             "pod_model": pod_model,
         },
         "offered_load": cell.load,
@@ -211,7 +227,7 @@ def run_cell(
     }
     capacity_s = cfg.pods * max(span_s(scaled), 1e-9)
     for name in policies or available_policies():
-        run = _replay(scaled, name, cfg, pod_model)
+        run = _replay(scaled, name, cfg)
         m = summarize_run(run)
         out["policies"][name] = {
             "hit_rate": m["hit_rate"],

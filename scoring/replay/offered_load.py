@@ -23,6 +23,14 @@ busier (the matrix reports ``busy_vs_capacity``, the same ratio measured).  When
 infinite.  The pooled basis makes "80%" mean the same for a small and a large cache:
 80% of what the best routing of *this* fleet could serve.
 
+With the vLLM pod model (:class:`~scoring.replay.vllm_pod.VllmFleetConfig`) the same
+formula takes the engine preset's rates (:func:`load_rates`): ``prefill_rate`` =
+:meth:`EngineSpec.prefill_rate_tokens_per_s` (one full chunk from an empty context),
+``decode_rate`` = one lone decode step's inverse, ``1 / (base_s + decode_seq_s)``,
+``decode_batch_slope`` = ``decode_seq_s / (base_s + decode_seq_s)`` (each extra sequence
+adds its linear-layer cost to the step; attention over context is left out), and
+``decode_interference`` = :meth:`EngineSpec.decode_slowdown_per_running`.
+
 The ceilings ignore timing, so rescaling every arrival time by ``s`` (about the first)
 divides ``work_s / span_s`` and ``x`` by ``s``; :func:`scale_to_load` solves
 ``offered(s) = target`` (bisection: the load falls as ``s`` grows) and keeps the request
@@ -33,9 +41,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 
 from scoring.replay.simpod import FleetConfig
 from scoring.replay.trace import Trace, TraceRequest
+from scoring.replay.vllm_pod import VllmFleetConfig
 from scoring.simcache import PrefixCache
 
 
@@ -69,28 +79,67 @@ def span_s(trace: Trace) -> float:
     return reqs[-1].arrival_s - reqs[0].arrival_s if len(reqs) > 1 else 0.0
 
 
-def offered_load(trace: Trace, cfg: FleetConfig, *, basis: str = "pooled") -> float:
+@dataclass(frozen=True, slots=True)
+class LoadRates:
+    """The rates the offered-load formula takes from a pod model."""
+
+    pods: int
+    total_capacity_tokens: int
+    prefill_rate: float
+    decode_rate: float
+    decode_batch_slope: float
+    decode_interference: float
+
+
+def load_rates(cfg: FleetConfig | VllmFleetConfig) -> LoadRates:
+    """The offered-load rates of either pod model (see the module docstring)."""
+    if isinstance(cfg, VllmFleetConfig):
+        c = cfg.engine.cost
+        lone = c.base_s + c.decode_seq_s
+        return LoadRates(
+            cfg.pods,
+            cfg.total_capacity_tokens,
+            cfg.engine.prefill_rate_tokens_per_s(),
+            1.0 / lone,
+            c.decode_seq_s / lone,
+            cfg.engine.decode_slowdown_per_running(),
+        )
+    return LoadRates(
+        cfg.pods,
+        cfg.total_capacity_tokens,
+        cfg.prefill_rate,
+        cfg.decode_rate,
+        cfg.decode_batch_slope,
+        cfg.decode_interference,
+    )
+
+
+def offered_load(
+    trace: Trace, cfg: FleetConfig | VllmFleetConfig, *, basis: str = "pooled"
+) -> float:
     """The trace's offered prefill load on ``cfg`` (see the module docstring);
     ``basis`` is ``"pooled"`` or ``"infinite"``."""
-    work, decode, span = _demand(trace, cfg, basis)
-    return _load(work, decode, span, cfg)
+    rates = load_rates(cfg)
+    work, decode, span = _demand(trace, rates, basis)
+    return _load(work, decode, span, rates)
 
 
 def scale_to_load(
-    trace: Trace, cfg: FleetConfig, target: float, *, basis: str = "pooled"
+    trace: Trace, cfg: FleetConfig | VllmFleetConfig, target: float, *, basis: str = "pooled"
 ) -> tuple[Trace, float]:
     """A copy of ``trace`` with arrival times rescaled about the first arrival so that
     its offered load on ``cfg`` is ``target``; also returns the time scale factor."""
     if not (target > 0 and math.isfinite(target)):
         raise ValueError(f"target load must be > 0, got {target!r}")
-    work, decode, span = _demand(trace, cfg, basis)
-    lo = work / (cfg.pods * span) / target  # the factor if decoding cost nothing
+    rates = load_rates(cfg)
+    work, decode, span = _demand(trace, rates, basis)
+    lo = work / (rates.pods * span) / target  # the factor if decoding cost nothing
     hi = lo
-    while _load(work, decode, span * hi, cfg) > target:
+    while _load(work, decode, span * hi, rates) > target:
         hi *= 2.0
     for _ in range(100):  # load(lo) >= target >= load(hi)
         mid = math.sqrt(lo * hi)
-        if _load(work, decode, span * mid, cfg) > target:
+        if _load(work, decode, span * mid, rates) > target:
             lo = mid
         else:
             hi = mid
@@ -110,7 +159,7 @@ def scale_to_load(
     return dataclasses.replace(trace, requests=requests, errors=list(trace.errors)), factor
 
 
-def _demand(trace: Trace, cfg: FleetConfig, basis: str) -> tuple[float, float, float]:
+def _demand(trace: Trace, cfg: LoadRates, basis: str) -> tuple[float, float, float]:
     """``(prefill work s, decode work s, span s)`` of ``trace`` at the ceiling."""
     span = span_s(trace)
     if span <= 0:
@@ -120,7 +169,7 @@ def _demand(trace: Trace, cfg: FleetConfig, basis: str) -> tuple[float, float, f
     return work, decode, span
 
 
-def _load(work_s: float, decode_s: float, span: float, cfg: FleetConfig) -> float:
+def _load(work_s: float, decode_s: float, span: float, cfg: LoadRates) -> float:
     x = decode_s / (cfg.pods * span)
     if cfg.decode_batch_slope * x >= 1.0:
         return math.inf
@@ -136,7 +185,7 @@ def working_set_tokens(trace: Trace) -> int:
     return len(distinct) * trace.block_size
 
 
-def _capacity(cfg: FleetConfig, basis: str) -> int | None:
+def _capacity(cfg: LoadRates, basis: str) -> int | None:
     if basis == "pooled":
         return cfg.total_capacity_tokens
     if basis == "infinite":

@@ -44,6 +44,9 @@ class VllmFleetConfig:
     engine: EngineSpec
     fast_forward: bool = True  # step over decode runs analytically (same results)
     pod_model: str = "vllm"
+    #: KV cache of each pod when the pods differ (one entry per pod); None = every pod
+    #: holds ``capacity_tokens``
+    pod_capacity_tokens: tuple[int, ...] | None = None
 
     def validate(self) -> VllmFleetConfig:
         if self.pods < 1:
@@ -54,6 +57,12 @@ class VllmFleetConfig:
             raise ReplayConfigError(
                 f"capacity-tokens must hold at least one block ({self.block_size} tokens), "
                 f"got {self.capacity_tokens}"
+            )
+        caps = self.pod_capacity_tokens
+        if caps is not None and (len(caps) != self.pods or any(c < self.block_size for c in caps)):
+            raise ReplayConfigError(
+                f"pod-capacity-tokens must list {self.pods} pods of at least one block "
+                f"({self.block_size} tokens), got {caps!r}"
             )
         try:
             self.engine.validate()
@@ -69,25 +78,36 @@ class VllmFleetConfig:
     def max_model_len(self) -> int:
         return min(self.engine.max_model_len, self.capacity_blocks * self.block_size)
 
+    def pod_capacity(self, i: int) -> int:
+        """KV cache of pod ``i``, tokens."""
+        caps = self.pod_capacity_tokens
+        return caps[i] if caps is not None else self.capacity_tokens
+
+    @property
+    def total_capacity_tokens(self) -> int:
+        """The fleet's KV cache, tokens (what the pooled ceiling pools)."""
+        return sum(self.pod_capacity(i) for i in range(self.pods))
+
 
 class VllmPod:
     """One simulated vLLM engine and the router-tracked load on it."""
 
     __slots__ = ("busy_s", "cfg", "inflight", "max_model_len", "name", "outstanding", "sched")
 
-    def __init__(self, name: str, cfg: VllmFleetConfig) -> None:
+    def __init__(self, name: str, cfg: VllmFleetConfig, capacity_tokens: int | None = None) -> None:
         self.name = name
         self.cfg = cfg
         spec = cfg.engine
+        tokens = cfg.capacity_tokens if capacity_tokens is None else capacity_tokens
         self.sched = Scheduler(
             spec.cost,
-            num_blocks=cfg.capacity_blocks,
+            num_blocks=tokens // cfg.block_size,
             block_size=cfg.block_size,
             max_num_batched_tokens=spec.max_num_batched_tokens,
             max_num_seqs=spec.max_num_seqs,
             fast_forward=cfg.fast_forward,
         )
-        self.max_model_len = cfg.max_model_len
+        self.max_model_len = min(spec.max_model_len, tokens // cfg.block_size * cfg.block_size)
         self.busy_s = 0.0  # seconds spent running engine steps
         # router-tracked load (what a router replica knows without scraping)
         self.inflight = 0

@@ -1,6 +1,6 @@
 """Where the router's CPU per request goes, in process (no uvicorn, no client socket).
 
-    python tests/bench/bench_hot_path.py [--requests 30000]
+    python tests/bench/bench_hot_path.py [--requests 30000] [--policy cost]
 
 Starts 4 simulated pods (``kvroute sim --time-scale 0``), builds `kvroute serve`'s app
 in this process and reports CPU microseconds per request (``time.process_time``) for:
@@ -99,9 +99,14 @@ async def cpu_per_request(app: App, n: int, concurrency: int = 32) -> float:
     return 1e6 * used / done
 
 
-async def measure(urls: list[str], n: int) -> dict[str, float]:
+async def measure(urls: list[str], n: int, policy_name: str = "cost") -> dict[str, float]:
     static = [{"name": f"sim-{i}", "url": u, "models": ["sim-model"]} for i, u in enumerate(urls)]
-    settings = Settings.load(["--discovery.static", json.dumps(static), "--log-level", "warning"])
+    settings = Settings.load(
+        [
+            *("--discovery.static", json.dumps(static), "--log-level", "warning"),
+            *("--policy", policy_name),
+        ]
+    )
     app = create_app(settings)
     inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -122,6 +127,8 @@ async def measure(urls: list[str], n: int) -> dict[str, float]:
         for _ in range(n):
             routed = await router.decide("completion", parse_body(BODY), headers)
             policy.on_routed(routed.route, routed.ranking[0])
+            policy.on_first_token(routed.route, routed.ranking[0], 0.01)
+            policy.on_finished(routed.route, routed.ranking[0], None)
             policy.on_complete(routed.route, routed.ranking[0])
         decide = 1e6 * (time.process_time() - t0) / n
         whole = await cpu_per_request(app, n)
@@ -137,12 +144,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=30_000)
     ap.add_argument("--pods", type=int, default=4)
+    ap.add_argument("--policy", default="cost", help="routing policy (default cost)")
     args = ap.parse_args()
     sims = [overhead.start_sim(i) for i in range(args.pods)]
     try:
         for _, url in sims:
             overhead.wait_completion(int(url.rsplit(":", 1)[1]))
-        result = uvloop.run(measure([u for _, u in sims], args.requests))
+        result = uvloop.run(measure([u for _, u in sims], args.requests, args.policy))
     finally:
         for proc, _ in sims:
             proc.stop()

@@ -283,6 +283,7 @@ def test_cli_json_is_one_object_with_ceilings_and_every_policy(
         "cost",
         "dynamo",
         "llmd",
+        "measured",
     }
     for metrics in out["policies"].values():
         for key in (

@@ -472,3 +472,24 @@ def test_cli_rejects_invalid_pod_model_settings_in_one_line(
     assert main([str(path), *extra]) == 2
     err = capsys.readouterr().err
     assert named in err and err.count("\n") == 1
+
+
+def test_the_matrix_runs_a_cell_on_vllm_pods_with_their_own_rates_and_unequal_caches() -> None:
+    from scoring.replay import matrix
+    from scoring.replay.offered_load import load_rates, offered_load
+
+    cell = matrix.Cell("chat", 4, "unequal", "medium", 0.8)
+    trace = matrix.load_workload(
+        "chat", 0, limit=200, block_size=16, traces_dir=str(matrix.TRACES_DIR)
+    )
+    simple = matrix.fleet_for(cell, trace)
+    vllm = matrix.pod_fleet(simple, "vllm")
+    assert isinstance(vllm, VllmFleetConfig)
+    assert [vllm.pod_capacity(i) for i in range(4)] == list(simple.pod_capacity_tokens or ())
+    assert load_rates(vllm).prefill_rate == vllm.engine.prefill_rate_tokens_per_s()
+    # the same trace is a lighter load on an H100 engine than on the 8000 tok/s simpod
+    assert offered_load(trace, vllm) < offered_load(trace, simple)
+    out = matrix.run_cell(cell, 0, policies=["measured", "cost"], limit=200, pod_model="vllm")
+    assert out["fleet"]["pod_model"] == "vllm"
+    assert set(out["policies"]) == {"measured", "cost"}
+    assert all(0.0 <= m["hit_rate"] <= 1.0 for m in out["policies"].values())
