@@ -281,6 +281,22 @@ class RouterMetrics:
             "Prompt tokens the index predicted cached on the chosen pod (any tier)",
             ("model", "pod"),
         )
+        self.engine_cached_tokens = self._hot(
+            "counter",
+            "kvroute_engine_cached_tokens",
+            "Prompt tokens the pod reported served from its cache (the answer's "
+            "usage.prompt_tokens_details.cached_tokens; vLLM with "
+            "--enable-prompt-tokens-details), by model and pod",
+            ("model", "pod"),
+        )
+        self.cache_prediction_error = self._hot(
+            "counter",
+            "kvroute_cache_prediction_error_tokens",
+            "Predicted minus reported cached prompt tokens of answers that report them, by "
+            "model, pod and direction (over: the index promised more than the pod had; "
+            "under: the pod had more); a growing over at one pod means its index drifted",
+            ("model", "pod", "direction"),
+        )
         self.approximate_tokenizations = Counter(
             "kvroute_approximate_tokenizations",
             "Requests whose token ids were only estimated (approximate tokenizer)",

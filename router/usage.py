@@ -1,6 +1,7 @@
-"""What the EPP reads in a pod's answer as it passes through: the OpenAI ``usage``.
+"""What a front reads in a pod's answer as it passes through: the OpenAI ``usage``
+(the EPP as it echoes the answer to Envoy, the proxy as it relays it to the client).
 
-The answer is echoed to the proxy chunk by chunk and never changed; this keeps only
+The answer is relayed chunk by chunk and never changed; this keeps only
 what it needs to find the usage at the end: the whole body of a JSON answer up to
 :data:`JSON_LIMIT` bytes (a larger one is not parsed), or the last :data:`SSE_TAIL`
 bytes of a server-sent-event stream (vLLM sends the usage in the last data event when
@@ -46,6 +47,14 @@ def _usage_of(obj: object) -> Usage | None:
     return Usage(prompt, completion, cached if isinstance(cached, int) else None)
 
 
+def usage_of_json(body: bytes) -> Usage | None:
+    """The usage of a complete JSON answer (None: none, or not JSON)."""
+    try:
+        return _usage_of(_decode(body))
+    except msgspec.DecodeError:
+        return None
+
+
 class UsageReader:
     """Fed every chunk of one answer; :meth:`usage` at its end."""
 
@@ -79,10 +88,7 @@ class UsageReader:
             return None
         data = b"".join(self._chunks)
         if not self.event_stream:
-            try:
-                return _usage_of(_decode(data))
-            except msgspec.DecodeError:
-                return None
+            return usage_of_json(data)
         for line in reversed(data.split(b"\n")):
             line = line.strip()
             if not line.startswith(b"data:") or b'"usage"' not in line:

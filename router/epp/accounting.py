@@ -119,9 +119,9 @@ class Accounting:
             return
         self._first = False
         m = self._core.metrics
-        m.child(m.ttft_seconds, self.routed.model, self.pod).observe(
-            time.perf_counter() - self.started
-        )
+        ttft = time.perf_counter() - self.started
+        m.child(m.ttft_seconds, self.routed.model, self.pod).observe(ttft)
+        self._core.policy.on_first_token(self.routed.route, self.pod, ttft)
         load = self._load
         if load.local is not None:
             load.first_token_now()
@@ -135,6 +135,9 @@ class Accounting:
         self._done = True
         self._count_served()
         pm = self._pm
+        if self._load is not None:  # (the policy learns decode rates from the answer)
+            out = usage.completion_tokens if usage is not None else None
+            self._core.policy.on_finished(self.routed.route, self.pod, out)
         await self._end()
         if pm is not None:
             pm.requests(self.status).inc()

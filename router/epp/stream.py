@@ -34,9 +34,9 @@ from router.decision.request import Routed
 from router.epp import protocol as P
 from router.epp.accounting import Accounting
 from router.epp.picker import EndpointPicker, route_path
-from router.epp.usage import UsageReader
 from router.errors import RouterError, error_body
 from router.proxy.response_ids import CreatedSniffer, id_from_body
+from router.usage import UsageReader
 
 log = logging.getLogger(__name__)
 

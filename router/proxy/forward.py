@@ -77,6 +77,7 @@ from router.fleet.tls import PodTLS
 from router.fleet.transport import PodTarget, PodTransport, Upstream
 from router.logs import RateLimitedLog
 from router.metrics import PodMetrics, RouterMetrics
+from router.proxy import answers
 from router.proxy.attempts import (
     CLIENT_DISCONNECTED,
     FIRST_BYTE_TIMEOUT,
@@ -335,12 +336,15 @@ class Proxy:
                     rid = id_from_body(content)
                     if rid is not None:
                         await self.remember(rid, pod)
+                answer = answers.of_body(m, routed, pod, resp.status, content)
                 if load.local is not None:
                     gauge.dec()
                     load.end_now()
+                    if answer.ok:
+                        self.policy.on_finished(route, pod, answer.output_tokens)
                     self.policy.on_complete(route, pod)
                 else:
-                    await self._complete(load, gauge, routed, pod)
+                    await self._complete(load, gauge, routed, pod, answer)
                 pm.requests(resp.status).inc()
                 out = self._response_headers(resp, pod)
                 out.append((b"content-length", b"%d" % len(content)))
@@ -422,9 +426,10 @@ class Proxy:
         gauge: Any,
         started: float,
     ) -> Response:
-        done = Once(self._complete, load, gauge, routed, pod)
+        answer = answers.Answer.for_stream(routed, resp.status)
+        done = Once(self._complete, load, gauge, routed, pod, answer)
         relay = RelayResponse(
-            self._stream(resp, routed, pod, load, started),
+            self._stream(resp, routed, pod, load, started, answer),
             status_code=resp.status,
             on_close=done,
         )
@@ -432,7 +437,13 @@ class Proxy:
         return relay
 
     async def _stream(
-        self, resp: Upstream, routed: Routed, pod: str, load: RequestLoad, started: float
+        self,
+        resp: Upstream,
+        routed: Routed,
+        pod: str,
+        load: RequestLoad,
+        started: float,
+        answer: answers.Answer,
     ) -> AsyncIterator[bytes]:
         first = True
         status = resp.status
@@ -461,7 +472,10 @@ class Proxy:
                         load.first_token_now()
                     else:
                         await load.first_token()
+                answer.feed(chunk)
                 yield chunk
+            if 200 <= status < 300:
+                answer.finish(m, routed, pod)
         except httpx.HTTPError as exc:
             # bytes may already be out: no retry, no JSON error.  Re-raise so the server
             # aborts the client connection too (no clean end: the client sees truncation)
@@ -524,11 +538,14 @@ class Proxy:
         out.append((b"content-length", b"%d" % len(content)))
         return RawResponse(resp.status, out, content)
 
-    async def _complete(self, load: RequestLoad, gauge: Any, routed: Routed, pod: str) -> None:
+    async def _complete(
+        self, load: RequestLoad, gauge: Any, routed: Routed, pod: str, answer: answers.Answer
+    ) -> None:
         gauge.dec()
         if load.local is not None:
             load.end_now()
         else:
             await load.end()
-        self.policy.on_finished(routed.route, pod, None)  # output tokens not parsed
+        if answer.ok:
+            self.policy.on_finished(routed.route, pod, answer.output_tokens)
         self.policy.on_complete(routed.route, pod)

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from router.epp.endpoints import Endpoints, endpoint_of
-from router.epp.usage import JSON_LIMIT, SSE_TAIL, UsageReader
 from router.fleet.pods import PodRegistry, PodSpec
+from router.usage import JSON_LIMIT, SSE_TAIL, UsageReader
 from tests.epp import client as C
 from tests.epp.fleet import MODEL, endpoint, running_epp, settings_for, sim_pods
 

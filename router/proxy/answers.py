@@ -1,0 +1,84 @@
+"""What the proxy learns from a pod's answer as it relays it: the ``usage``.
+
+* The output tokens, for the policy's ``on_finished`` (a learning policy's decode
+  rates).
+* The cached prompt tokens the engine reports (vLLM's
+  ``usage.prompt_tokens_details.cached_tokens``, with ``--enable-prompt-tokens-details``),
+  set against what the index predicted for the pod: ``kvroute_engine_cached_tokens_total``
+  and ``kvroute_cache_prediction_error_tokens_total{direction}``.  No other router
+  reports this; it tells an operator at once when a pod's index entries drifted from
+  its cache.
+
+A non-streaming answer is already in memory (its JSON is decoded once more for the
+usage); a stream keeps only its tail, and only when the request asked for a usage
+event (``stream_options.include_usage``).
+"""
+
+from __future__ import annotations
+
+from router.decision.request import Routed
+from router.metrics import RouterMetrics
+from router.usage import Usage, UsageReader, usage_of_json
+
+#: kinds whose answers carry a prompt's usage
+_USAGE_KINDS = frozenset({"chat", "completion", "responses"})
+
+
+class Answer:
+    """One relayed answer: whether it ended cleanly, and its usage once known."""
+
+    __slots__ = ("ok", "reader", "usage")
+
+    def __init__(self, reader: UsageReader | None = None) -> None:
+        self.reader = reader
+        self.usage: Usage | None = None
+        #: the answer ended cleanly (a 2xx relayed to its end)
+        self.ok = False
+
+    @classmethod
+    def for_stream(cls, routed: Routed, status: int) -> Answer:
+        options = routed.body.get("stream_options")
+        wants = isinstance(options, dict) and options.get("include_usage") is True
+        ok_kind = routed.kind in _USAGE_KINDS and 200 <= status < 300
+        return cls(UsageReader(event_stream=True) if wants and ok_kind else None)
+
+    @property
+    def output_tokens(self) -> int | None:
+        return self.usage.completion_tokens if self.usage is not None else None
+
+    def feed(self, chunk: bytes) -> None:
+        if self.reader is not None:
+            self.reader.feed(chunk)
+
+    def finish(self, metrics: RouterMetrics, routed: Routed, pod: str) -> None:
+        """The stream ended cleanly: read its usage and count it."""
+        self.ok = True
+        if self.reader is not None:
+            self.usage = self.reader.usage()
+            count_usage(metrics, routed, pod, self.usage)
+
+
+def of_body(metrics: RouterMetrics, routed: Routed, pod: str, status: int, body: bytes) -> Answer:
+    """A complete (non-streaming) answer: its usage read and counted."""
+    answer = Answer()
+    answer.ok = 200 <= status < 300
+    if answer.ok and routed.kind in _USAGE_KINDS:
+        answer.usage = usage_of_json(body)
+        count_usage(metrics, routed, pod, answer.usage)
+    return answer
+
+
+def count_usage(metrics: RouterMetrics, routed: Routed, pod: str, usage: Usage | None) -> None:
+    """The engine's cached tokens, and the index's error on them, when reported."""
+    if usage is None or usage.cached_tokens is None or pod not in routed.views:
+        return
+    reported = usage.cached_tokens
+    # as vLLM serves a hit: whole blocks only, and the last prompt token always computed
+    bs = routed.route.block_size
+    predicted = min(routed.cached_tokens(pod), (routed.route.prompt_tokens - 1) // bs * bs)
+    m = metrics
+    m.child(m.engine_cached_tokens, routed.model, pod).inc(reported)
+    if predicted > reported:
+        m.child(m.cache_prediction_error, routed.model, pod, "over").inc(predicted - reported)
+    elif reported > predicted:
+        m.child(m.cache_prediction_error, routed.model, pod, "under").inc(reported - predicted)
