@@ -174,6 +174,30 @@ class ProxySettings(_Section):
         "(encrypted but unauthenticated: anyone on the path can pose as a pod)",
     )
 
+    access_log: Literal["off", "on"] = Field(
+        default="off",
+        description="one line per generation request on stdout when its response ends "
+        "(method, path, status, model, pod, prompt and predicted cached tokens, TTFT, "
+        "latency; never the prompt): off or on (docs/observability.md)",
+    )
+    access_log_sample: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="with access_log on, the share of requests logged (drawn per request)",
+    )
+    access_log_format: Literal["text", "json"] = Field(
+        default="text", description="access-log lines as key=value text or one JSON object"
+    )
+
+    @field_validator("access_log", mode="before")
+    @classmethod
+    def _on_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare off / on as a boolean
+        if isinstance(v, bool):
+            return "on" if v else "off"
+        return v
+
     @field_validator("passthrough_paths")
     @classmethod
     def _passthrough_paths(cls, v: list[str]) -> list[str]:
