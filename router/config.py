@@ -90,6 +90,14 @@ PASSTHROUGH_PATHS = (
 )
 
 
+def _on_off_schema(schema: dict[str, Any]) -> None:
+    """``off`` / ``on`` or a boolean: YAML 1.1 (Helm's too) reads a bare off / on as one."""
+    schema["anyOf"] = [
+        {"enum": schema.pop("enum"), "type": schema.pop("type")},
+        {"type": "boolean"},
+    ]
+
+
 class ProxySettings(_Section):
     """How requests are forwarded to pods."""
 
@@ -176,6 +184,7 @@ class ProxySettings(_Section):
 
     access_log: Literal["off", "on"] = Field(
         default="off",
+        json_schema_extra=_on_off_schema,
         description="one line per generation request on stdout when its response ends "
         "(method, path, status, model, pod, prompt and predicted cached tokens, TTFT, "
         "latency; never the prompt): off or on (docs/observability.md)",
