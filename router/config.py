@@ -90,6 +90,14 @@ PASSTHROUGH_PATHS = (
 )
 
 
+def _on_off_schema(schema: dict[str, Any]) -> None:
+    """``off`` / ``on`` or a boolean: YAML 1.1 (Helm's too) reads a bare off / on as one."""
+    schema["anyOf"] = [
+        {"enum": schema.pop("enum"), "type": schema.pop("type")},
+        {"type": "boolean"},
+    ]
+
+
 class ProxySettings(_Section):
     """How requests are forwarded to pods."""
 
@@ -173,6 +181,31 @@ class ProxySettings(_Section):
         description="verify https pods' certificates and host names; false is INSECURE "
         "(encrypted but unauthenticated: anyone on the path can pose as a pod)",
     )
+
+    access_log: Literal["off", "on"] = Field(
+        default="off",
+        json_schema_extra=_on_off_schema,
+        description="one line per generation request on stdout when its response ends "
+        "(method, path, status, model, pod, prompt and predicted cached tokens, TTFT, "
+        "latency; never the prompt): off or on (docs/observability.md)",
+    )
+    access_log_sample: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="with access_log on, the share of requests logged (drawn per request)",
+    )
+    access_log_format: Literal["text", "json"] = Field(
+        default="text", description="access-log lines as key=value text or one JSON object"
+    )
+
+    @field_validator("access_log", mode="before")
+    @classmethod
+    def _on_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare off / on as a boolean
+        if isinstance(v, bool):
+            return "on" if v else "off"
+        return v
 
     @field_validator("passthrough_paths")
     @classmethod

@@ -34,6 +34,7 @@ from router.decision.request import Kind, parse_body
 from router.errors import RouterError, json_response
 from router.logs import RateLimitedLog
 from router.metrics import CONTENT_TYPE, kvroute_version
+from router.proxy.access_log import Entry
 from router.proxy.gateway import Gateway
 from router.proxy.openapi import openapi_document
 from router.proxy.protocol import ClientLimits
@@ -91,6 +92,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         headers: Mapping[str, str],
         raw_headers: list[tuple[bytes, bytes]],
         receive: Receive,
+        entry: Entry | None = None,
     ) -> Response:
         started = _perf()
         if g._api_keys:
@@ -101,6 +103,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except RouterError as err:
             raise g.router.reject(err) from None
         routed = await g.router.decide(kind, body, headers)
+        if entry is not None:
+            entry.routed = routed
         # the original bytes are forwarded: the body is never re-serialised
         return await g.proxy.forward(routed, path, raw, raw_headers, receive, started)
 
@@ -110,15 +114,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         in ASGI; a repeated header keeps its last value)."""
         raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
+        g = app.gateway
+        entry = g.access_log.begin(scope, _perf())  # None: not logged
         try:
-            response = await _generate(app.gateway, kind, path, headers, raw_headers, receive)
+            response = await _generate(g, kind, path, headers, raw_headers, receive, entry)
         except RouterError as err:
             response = err.response()
         except Exception as exc:
             # a bug: the traceback once per exception type per 10 s, not once a request
             limited.exception(type(exc).__name__, "request failed")
             response = RouterError(500, "internal router error", reason="internal").response()
-        await response(scope, receive, send)
+        if entry is None:
+            await response(scope, receive, send)
+            return
+        try:
+            await response(scope, receive, entry.watch(send))
+        except BaseException as exc:
+            entry.end(exc)
+            raise
+        entry.end()
 
     def _count_refused(reason: str) -> None:
         g = getattr(app, "gateway", None)

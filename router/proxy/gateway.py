@@ -14,6 +14,7 @@ from starlette.types import Receive
 from router.config import Settings
 from router.core import RouterCore
 from router.errors import RouterError
+from router.proxy.access_log import AccessLog
 from router.proxy.forward import Proxy
 
 
@@ -36,6 +37,13 @@ class Gateway(RouterCore):
             transport=self.transport,
         )
         self.proxy.owners = self.owners
+        p = settings.proxy
+        self.access_log = AccessLog(
+            p.access_log == "on",
+            p.access_log_sample,
+            p.access_log_format,
+            pod_header=settings.pod_header,
+        )
         self._api_keys = [k.encode() for k in settings.api_keys]
         self.max_json_depth = settings.proxy.max_json_depth
 
