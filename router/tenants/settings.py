@@ -93,7 +93,7 @@ Access = Literal["admin", "open", "off"]
 
 
 class SecuritySettings(_Section):
-    """Who may see what: introspection endpoints, a trusted tenant header, logging."""
+    """Who may see what: the introspection endpoints, a trusted tenant header."""
 
     route_endpoint: Access = Field(
         default="admin",
@@ -117,11 +117,6 @@ class SecuritySettings(_Section):
         default_factory=list,
         description="CIDRs of the gateways trusted to set tenant_header (the TCP peer "
         "address; e.g. 10.0.0.0/8)",
-    )
-    log_sensitive: bool = Field(
-        default=False,
-        description="DEBUG ONLY: let log lines carry prompt text and request details; "
-        "never on in production",
     )
 
     @field_validator("tenant_header")
