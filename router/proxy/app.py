@@ -101,6 +101,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except RouterError as err:
             raise g.router.reject(err) from None
         routed = await g.router.decide(kind, body, headers)
+        if routed.pd is not None:  # a model whose pods have P/D roles
+            return await g.disagg.forward(routed, path, raw, raw_headers, receive, started)
         # the original bytes are forwarded: the body is never re-serialised
         return await g.proxy.forward(routed, path, raw, raw_headers, receive, started)
 

@@ -14,6 +14,7 @@ from starlette.types import Receive
 from router.config import Settings
 from router.core import RouterCore
 from router.errors import RouterError
+from router.proxy.disagg import Disaggregator
 from router.proxy.forward import Proxy
 
 
@@ -36,6 +37,8 @@ class Gateway(RouterCore):
             transport=self.transport,
         )
         self.proxy.owners = self.owners
+        #: requests of models whose pods have P/D roles (router/proxy/disagg.py)
+        self.disagg = Disaggregator(self.proxy, self.router.pd, settings.pd)
         self._api_keys = [k.encode() for k in settings.api_keys]
         self.max_json_depth = settings.proxy.max_json_depth
 
