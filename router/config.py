@@ -37,6 +37,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from router.decision.disagg import PDSettings
 from router.events.settings import EventsSettings
 from router.fleet.discovery import DiscoverySettings
 from router.fleet.health import HealthSettings
@@ -430,6 +431,7 @@ class Settings(BaseSettings):
     scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
     responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
+    pd: PDSettings = Field(default_factory=PDSettings)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
     events: EventsSettings = Field(default_factory=EventsSettings)
     health: HealthSettings = Field(default_factory=HealthSettings)  # type: ignore[arg-type]

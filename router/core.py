@@ -139,6 +139,7 @@ class RouterCore:
     def _on_pod(self, name: str, spec: PodSpec | None) -> None:
         if spec is None:
             self.policy.on_pod_removed(name)
+            self.router.pd.on_pod_removed(name)
             self.scraper.forget(name)
             self.metrics.forget_pod(name)
             self._spawn(self.load.clear_pod(name))

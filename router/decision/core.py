@@ -31,6 +31,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from router.config import Settings
+from router.decision.disagg import PDStep
 from router.decision.owners import OwnerStore
 from router.decision.plan import Encoding, Planner
 from router.decision.request import (
@@ -85,6 +86,8 @@ class RequestRouter:
         self.pending = pending if pending is not None else PendingLoad()
         self.planner = Planner(settings, registry, scraper, tokenizer_for, metrics)
         self.views = ViewBuilder(index, load, scraper, self.pending)
+        #: prefill/decode: decides for models whose pods have roles (none: the policy)
+        self.pd = PDStep(settings.pd, settings.policy, settings.policy_params)
         self._decision_hist = metrics.decision_seconds.labels()
         self._rr = 0
         self._ids = itertools.count()
@@ -313,8 +316,12 @@ class RequestRouter:
             views = vb.views_now(lookup_now(keys, names) if keys else {}, names)
         else:
             views = await vb.views(keys, names)
-        decision = self.policy.pick(route, list(views.values()))
-        ranking = rank(decision, names)
+        pd = self.pd.plan(route, pods, views)
+        if pd is None:  # no roles: the policy over every candidate
+            decision = self.policy.pick(route, list(views.values()))
+            ranking = rank(decision, names)
+        else:
+            decision, ranking = pd.as_decision(), pd.decode_ranking
         self._decision_hist.observe(_perf() - t0)
         if self.on_routed is not None and keys and not enc.approximate:
             salt = body.get("cache_salt")
@@ -340,6 +347,7 @@ class RequestRouter:
             views,
             entry.name,
             enc.approximate,
+            pd=pd,
         )
 
     def _only_model(self, kind: Kind, model: Any) -> str:
