@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -122,6 +122,9 @@ class Proxy:
         )
         #: where a created response's owner is recorded (``/v1/responses``)
         self.owners: OwnerStore | None = None
+        #: told of every attempt as it starts, like the policy (the speculative entries,
+        #: ``RequestRouter.sent``)
+        self.on_sent: Callable[[Routed, str], None] | None = None
 
     async def aclose(self) -> None:
         """Close the transport if this proxy made its own."""
@@ -186,6 +189,8 @@ class Proxy:
             # the policy hears of the request now (its in-flight bookkeeping must see it
             # while it runs); the pending overlay covers the shared store's round trip
             self.policy.on_routed(route, pod)
+            if self.on_sent is not None:
+                self.on_sent(routed, pod)
             if load.local is not None:
                 load.begin_now()
             else:

@@ -36,6 +36,8 @@ class Gateway(RouterCore):
             transport=self.transport,
         )
         self.proxy.owners = self.owners
+        if self.learner.enabled:
+            self.proxy.on_sent = self.router.sent
         self._api_keys = [k.encode() for k in settings.api_keys]
 
     async def stop(self) -> None:
