@@ -49,6 +49,8 @@ speculative, and ``/v1/route`` shows it.
 **Confirmed or dropped**:
 
 * a ``BlockStored`` of a key on the pod confirms it (the index has it; the entry goes);
+  so does a request sent to the pod whose index hits cover it (for a replica reading a
+  shared index, which sees no events, the only confirmation);
 * a ``BlockRemoved`` drops it (also of a carried block, by its engine hash);
   ``AllBlocksCleared``, an engine restart or the pod leaving drops them all;
 * the pod's own ``vllm:prefix_cache_hits_total`` (tokens; vLLM counts a request's hit
@@ -177,6 +179,10 @@ class RouteLearner:
         known = gpu - spec
         if spec:
             self.hits[pod] += 1
+        if known and self.index.has_entries(pod):
+            # what the index shows now needs no entry (for a replica reading a shared
+            # index, whose events it never sees, this is the confirmation)
+            self.index.confirm(pod, keys[:known])
         if self.settings.verify:
             self._probe(pod, keys, known, spec, route.prompt_tokens, route.block_size)
         ttl = self._ttl if self.reason(pod) is not None else self._routed_ttl

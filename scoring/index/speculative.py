@@ -93,6 +93,11 @@ class SpeculativeIndex:
     def __len__(self) -> int:
         return self._entries
 
+    def has_entries(self, pod: str) -> bool:
+        """Whether ``pod`` has entries, expired ones not yet popped included (O(1))."""
+        pid = self._pid.get(pod)
+        return pid is not None and self._pod_n[pid] > 0
+
     def holds(self, pod: str) -> bool:
         """Whether ``pod`` has any live entry."""
         pid = self._pid.get(pod)
