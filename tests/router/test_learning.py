@@ -22,7 +22,8 @@ class Clock:
 
 
 def learner(events_off: bool = False, **kw: object) -> RouteLearner:
-    return RouteLearner(SpeculativeSettings(**kw), events_off=events_off, clock=Clock())
+    settings = SpeculativeSettings.model_validate(kw)
+    return RouteLearner(settings, events_off=events_off, clock=Clock())
 
 
 def routed(pod: str, gpu: int = 0, spec: int = 0, approximate: bool = False) -> Routed:

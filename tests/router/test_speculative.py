@@ -51,8 +51,9 @@ async def routed(
             **settings,
         }
     )
-    async with RunningServer(create_app(config)) as server:
-        gateway: Gateway = server.server.config.app.state.gateway  # type: ignore[attr-defined]
+    app = create_app(config)
+    async with RunningServer(app) as server:
+        gateway: Gateway = app.state.gateway
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
             yield gateway, client
 
