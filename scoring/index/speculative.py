@@ -28,7 +28,8 @@ Semantics:
 * Expiry is lazy: every write and lookup first pops the expired entries (one queue per
   TTL, oldest first: O(1) when nothing expired).  An expired entry is never returned.
 * Bounded: at most ``max_entries`` pairs; past it the entries nearest to expiry go first
-  (for one TTL that is the least recently written: an LRU).
+  (for one TTL that is the least recently written: an LRU), down to 1% below the bound
+  so that eviction runs in batches.
 
 Pure and in-process: no I/O, no clock of its own but ``clock``.  Each router replica
 keeps its own (what it routed), like Dynamo's side index, which "can create temporary
@@ -147,6 +148,8 @@ class SpeculativeIndex:
             q = self._queues[ttl_s] = OrderedDict()
         others = [o for t, o in self._queues.items() if t != ttl_s and o]
         held = self._held
+        held_get = held.get
+        move = q.move_to_end
         expiry = now + ttl_s
         new = 0
         refreshed = 0
@@ -154,27 +157,23 @@ class SpeculativeIndex:
             key = keys[i]
             ek = high | key
             if ek in q:
-                q.move_to_end(ek)
+                move(ek)
                 q[ek] = expiry
                 refreshed += 1
                 continue
-            moved = False
-            for o in others:
-                if o.pop(ek, None) is not None:
-                    moved = True
-                    break
             q[ek] = expiry
-            if moved:
-                refreshed += 1
+            if others and any(o.pop(ek, None) is not None for o in others):
+                refreshed += 1  # it moved from another TTL's queue
                 continue
-            held[key] = held.get(key, 0) | bit
+            held[key] = held_get(key, 0) | bit
             new += 1
         self._pod_n[pid] += new
         self._entries += new
         self.stats.written += new
         self.stats.refreshed += refreshed
         if self._entries > self.max_entries:
-            self._evict(self._entries - self.max_entries)
+            # down to 1% below the bound, so eviction runs in batches
+            self._evict(self._entries - self.max_entries + self.max_entries // 100)
         return new
 
     def _unhold(self, ek: int) -> None:
@@ -194,15 +193,23 @@ class SpeculativeIndex:
         if pid is None or not self._pod_n[pid]:
             return 0
         high = pid << 64
-        queues = [q for q in self._queues.values() if q]
+        clear = ~(1 << pid)
+        queues = [q.pop for q in self._queues.values() if q]
+        held = self._held
         n = 0
         for key in keys:
             ek = high | key
-            for q in queues:
-                if q.pop(ek, None) is not None:
-                    self._unhold(ek)
+            for pop in queues:
+                if pop(ek, None) is not None:
+                    m = held[key] & clear
+                    if m:
+                        held[key] = m
+                    else:
+                        del held[key]
                     n += 1
                     break
+        self._pod_n[pid] -= n
+        self._entries -= n
         return n
 
     def confirm(self, pod: str, keys: Sequence[int]) -> int:
@@ -256,20 +263,35 @@ class SpeculativeIndex:
 
     def _evict(self, count: int) -> None:
         """Drop ``count`` entries, those nearest to expiry first."""
+        held = self._held
+        pod_n = self._pod_n
         n = 0
         while n < count:
-            best: OrderedDict[int, float] | None = None
-            best_exp = float("inf")
-            for q in self._queues.values():
-                if q:
-                    exp = next(iter(q.values()))
-                    if exp < best_exp:
-                        best, best_exp = q, exp
-            if best is None:
+            fronts = sorted(
+                (next(iter(q.values())), i, q) for i, q in enumerate(self._queues.values()) if q
+            )
+            if not fronts:
                 break
-            ek, _ = best.popitem(last=False)
-            self._unhold(ek)
-            n += 1
+            q = fronts[0][2]
+            # pop from the earliest queue until another queue's front comes first
+            limit = fronts[1][0] if len(fronts) > 1 else float("inf")
+            pop = q.popitem
+            while n < count and q:
+                ek, exp = pop(last=False)
+                if exp > limit:
+                    q[ek] = exp
+                    q.move_to_end(ek, last=False)
+                    break
+                key = ek & _KEY_MASK
+                pid = ek >> 64
+                m = held.get(key, 0) & ~(1 << pid)
+                if m:
+                    held[key] = m
+                else:
+                    held.pop(key, None)
+                pod_n[pid] -= 1
+                n += 1
+        self._entries -= n
         self.stats.evicted += n
 
     # -- reads -----------------------------------------------------------------------

@@ -49,7 +49,7 @@ def main() -> int:
     pods = [f"sim-{i}" for i in range(args.pods)]
     chains = [[rng.getrandbits(64) for _ in range(args.blocks)] for _ in range(args.n + 200)]
     chain = chains[0]
-    settings = SpeculativeSettings(max_entries=10_000_000)
+    settings = SpeculativeSettings()  # max_entries 250,000: writes past it evict
     lr = RouteLearner(settings, events_off=True)
     idx = lr.index
     rows: list[tuple[str, float]] = []
