@@ -1,5 +1,10 @@
 """``POST /v1/route``: where a request would go and why, every candidate's view and score
-(every field, its unit and how to read it: docs/route.md)."""
+(every field, its unit and how to read it: docs/route.md).
+
+``cached_blocks`` are a pod's hits per tier as the policy saw them; of its GPU blocks,
+``speculative_blocks`` come from speculative entries (routed there, not announced by its
+KV events: router/decision/learning.py), the rest from the index.  ``/v1/route``
+itself sends nothing, so it writes no speculative entry."""
 
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ def explain(routed: Routed, registry: PodRegistry, policy: str) -> dict[str, Any
                 "pod": pod,
                 "url": state.spec.url if state else None,
                 "cached_blocks": shown_tiers(v.hits),
+                "speculative_blocks": v.speculative,
                 "cached_tokens": routed.cached_tokens(pod),
                 "inflight": v.inflight,
                 "outstanding_prefill_tokens": v.outstanding_prefill_tokens,

@@ -184,6 +184,9 @@ class Proxy:
         self.public: Callable[[RouterError], RouterError] = _as_is
         #: called with (tenant, completion tokens) when an answer ends cleanly (limits)
         self.on_answer: Callable[[str | None, int | None], Awaitable[None]] | None = None
+        #: told of every attempt as it starts, like the policy (the speculative entries,
+        #: ``RequestRouter.sent``)
+        self.on_sent: Callable[[Routed, str], None] | None = None
 
     async def aclose(self) -> None:
         """Close the transport if this proxy made its own."""
@@ -259,6 +262,8 @@ class Proxy:
             # the policy hears of the request now (its in-flight bookkeeping must see it
             # while it runs); the pending overlay covers the shared store's round trip
             self.policy.on_routed(route, pod)
+            if self.on_sent is not None:
+                self.on_sent(routed, pod)
             if load.local is not None:
                 load.begin_now()
             else:

@@ -54,6 +54,8 @@ class Gateway(RouterCore):
             self.proxy.on_answer = self.tenants.on_answer
         #: requests of models whose pods have P/D roles (router/proxy/disagg.py)
         self.disagg = Disaggregator(self.proxy, self.router.pd, settings.pd)
+        if self.learner.enabled:
+            self.proxy.on_sent = self.router.sent
         self._api_keys = [k.encode() for k in settings.api_keys]
         self.max_json_depth = settings.proxy.max_json_depth
 
