@@ -237,6 +237,8 @@ class CostPolicy(Policy):
         self._ledger: dict[str, list[int]] = {}
         # pod -> block keys routed there within hot_window_s (see scoring.policies.hot_set)
         self._hot = HotBlocks(self._p.hot_window_s)
+        # pod -> the capacity (blocks) its last view carried: bounds its hot set
+        self._capacity: dict[str, int] = {}
 
     def hot_blocks(self, pod: str) -> int:
         """Distinct blocks routed to ``pod`` within ``hot_window_s`` (0 when off)."""
@@ -329,6 +331,8 @@ class CostPolicy(Policy):
                 running = pod.inflight
             miss = prompt - c
             if hot_set is not None:
+                if pod.capacity_blocks is not None:
+                    self._capacity[name] = pod.capacity_blocks
                 h = hot[name] = hot_set.count(name, now)
                 # hot blocks this request's freshly computed blocks push out: each is
                 # a miss a later request pays (0 while the hot set fits the cache)
@@ -393,7 +397,7 @@ class CostPolicy(Policy):
         entry[0] += prompt
         entry[1] += miss
         if self._p.hot_window_s > 0:
-            self._hot.routed(pod, request.block_keys, self.clock())
+            self._hot.routed(pod, request.block_keys, self.clock(), self._capacity.get(pod))
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
         old = self._live.pop(_key(request), None)
@@ -404,6 +408,7 @@ class CostPolicy(Policy):
         self._ledger.pop(pod, None)
         self._live_keys.pop(pod, None)
         self._hot.forget(pod)
+        self._capacity.pop(pod, None)
         for rid in [rid for rid, v in self._live.items() if v[0] == pod]:
             del self._live[rid]
 

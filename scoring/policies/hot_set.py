@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from scoring.policies.base import PodView
 from scoring.policies.measured import free_blocks
 
-#: a pod's remembered keys are bounded (memory), far above any real cache's blocks
-MAX_KEYS_PER_POD = 1 << 21
+#: a pod's remembered keys are bounded (memory) when its capacity is unknown
+MAX_KEYS_PER_POD = 1 << 20
 
 
 class HotBlocks:
@@ -45,8 +45,12 @@ class HotBlocks:
         self.max_keys = max_keys
         self._pods: dict[str, OrderedDict[int, float]] = {}
 
-    def routed(self, pod: str, keys: Sequence[int], now: float) -> None:
-        """``keys`` were routed to ``pod`` at ``now``."""
+    def routed(
+        self, pod: str, keys: Sequence[int], now: float, capacity: int | None = None
+    ) -> None:
+        """``keys`` were routed to ``pod`` at ``now``.  With the pod's ``capacity``
+        known, only the most recent ``2 * capacity`` keys are kept: a pod whose hot set
+        is twice its cache has no room and evicts a hot block per new one either way."""
         seen = self._pods.get(pod)
         if seen is None:
             seen = self._pods[pod] = OrderedDict()
@@ -56,7 +60,8 @@ class HotBlocks:
                 move(k)
             seen[k] = now
         self._expire(seen, now)
-        while len(seen) > self.max_keys:
+        limit = self.max_keys if capacity is None else min(self.max_keys, 2 * capacity)
+        while len(seen) > limit:
             seen.popitem(last=False)
 
     def count(self, pod: str, now: float) -> int:

@@ -125,10 +125,12 @@ def test_room_is_the_smaller_of_vllms_free_blocks_and_capacity_less_hot() -> Non
     assert room(PodView(pod="p", resident_blocks=80), hot=10) is None  # capacity unknown
 
 
-def test_a_pods_remembered_keys_are_bounded() -> None:
+def test_a_pods_remembered_keys_are_bounded_by_its_capacity() -> None:
     hot = HotBlocks(window_s=1e9, max_keys=100)
     hot.routed("p", list(range(250)), now=0.0)
     assert hot.count("p", now=1.0) == 100
+    hot.routed("p", list(range(250)), now=0.0, capacity=40)
+    assert hot.count("p", now=1.0) == 80  # past twice the cache a hot set says no more
     hot.forget("p")
     assert hot.count("p", now=1.0) == 0
 
