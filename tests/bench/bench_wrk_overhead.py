@@ -40,6 +40,10 @@ deletes the namespace at the end; otherwise it runs on 127.0.0.1 and says so.  A
 quiet-machine gate waits (up to ``--gate-wait`` s) for the 1-minute load average to fall
 below ``--max-load`` before starting, and the table reports the load at each round.
 
+``--baseline DIR``: also run kvroute from the source tree DIR (``kvroute cost
+(baseline)``, ``kvroute round_robin (baseline)``), interleaved with this tree's, so an
+optimisation's before and after come from the same run.
+
 ``--scaling``: kvroute ``cost`` with ``--workers 1 / 2 / 4`` and the Rust routers
 (whose thread pools size themselves to the CPUs they may use), each pinned with
 ``taskset -c 0`` and ``taskset -c 0,1`` (the backends and wrk are not pinned).  On a
@@ -200,11 +204,18 @@ def wait_completion(port: int, proc: subprocess.Popen[bytes], timeout: float = 6
 
 
 def start_kvroute(
-    urls: list[str], policy: str, workers: int = 1, cpus: str | None = None
+    urls: list[str],
+    policy: str,
+    workers: int = 1,
+    cpus: str | None = None,
+    tree: str | None = None,
 ) -> tuple[Proc, int]:
+    """``tree``: run the kvroute of that source tree (PYTHONPATH) instead of this one."""
     port = free_port()
     static = [{"name": f"b{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    if tree is not None:
+        env["PYTHONPATH"] = tree
     cmd = [
         sys.executable,
         *f"-m router.cli serve --port {port} --workers {workers} --policy {policy}".split(),
@@ -365,9 +376,18 @@ def measure(
 Starter = Callable[[], tuple[Proc, int]]
 
 
-def default_targets(urls: list[str], peer_py: str) -> Iterator[tuple[str, Starter | None]]:
+def default_targets(
+    urls: list[str], peer_py: str, baseline: str | None = None
+) -> Iterator[tuple[str, Starter | None]]:
     yield "kvroute cost", partial(start_kvroute, urls, "cost")
+    if baseline is not None:
+        yield "kvroute cost (baseline)", partial(start_kvroute, urls, "cost", tree=baseline)
     yield "kvroute round_robin", partial(start_kvroute, urls, "round_robin")
+    if baseline is not None:
+        yield (
+            "kvroute round_robin (baseline)",
+            partial(start_kvroute, urls, "round_robin", tree=baseline),
+        )
     sglang, vllm = peer_tools(peer_py)
     for policy in ("cache_aware", "round_robin"):
         yield (
@@ -407,6 +427,12 @@ def main() -> int:
     ap.add_argument("--peer-python", default=sys.executable, help="python with the peers")
     ap.add_argument("--only", nargs="*", default=None, help="target names (substrings)")
     ap.add_argument("--scaling", action="store_true", help="workers x cores instead")
+    ap.add_argument(
+        "--baseline",
+        default=None,
+        help="another kvroute source tree (e.g. a `git archive` of main): its kvroute "
+        "targets run beside this tree's, for before/after numbers from one run",
+    )
     ap.add_argument("--no-netns", action="store_true", help="run on 127.0.0.1 as it is")
     args = ap.parse_args()
 
@@ -432,8 +458,12 @@ def main() -> int:
             urls.append(url)
         backend_pids = [p.popen.pid for p in procs]
         targets = [Target("direct", int(urls[0].rsplit(":", 1)[1]))]
-        make = scaling_targets if args.scaling else default_targets
-        for name, starter in make(urls, args.peer_python):
+        starters = (
+            scaling_targets(urls, args.peer_python)
+            if args.scaling
+            else default_targets(urls, args.peer_python, args.baseline)
+        )
+        for name, starter in starters:
             if args.only is not None and not any(s in name for s in args.only):
                 continue
             if starter is None:
