@@ -38,7 +38,11 @@ class Batch:
 
 @dataclass(slots=True)
 class Reconnect:
-    """Dial mode: the pod's PUB connection dropped (queued in order with its batches)."""
+    """Re-learn the pod from its replay buffer at this point of its stream (queued in
+    order with its batches): its dial-mode PUB connection dropped (``reconnect``), or
+    the shared index lost its data (``data_loss``)."""
+
+    reason: str = "reconnect"
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ RESYNC_REASONS = (
     "join_gap",
     "rejected",
     "quarantine",
+    "data_loss",
 )
 
 #: reasons a message or batch is refused (``kvroute_event_rejected_total{pod,reason}``)

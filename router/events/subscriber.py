@@ -250,6 +250,14 @@ class KVEventSubscriber:
                     feed.pending.append(Reconnect())
                 self._writer.schedule(feed)
 
+    def relearn_all(self, reason: str) -> int:
+        """Clear every pod and re-learn it from its replay buffer, in order with its
+        batches (the shared index lost its data); the number of pods."""
+        for feed in self._feeds.values():
+            feed.pending.append(Reconnect(reason))
+            self._writer.schedule(feed)
+        return len(self._feeds)
+
     def _close_feed(self, feed: PodFeed) -> None:
         self._writer.close_feed(feed)
         if feed.reader is not None:

@@ -146,8 +146,14 @@ class EventWriter:
 
     async def _item(self, feed: PodFeed, item: Item) -> None:
         if isinstance(item, Reconnect):
-            await self._resync(feed, "reconnect")
+            stop = feed.expected
+            await self._resync(feed, item.reason)
             feed.joined = False  # the next batch re-learns from the replay buffer
+            if item.reason == "data_loss" and stop and self._can_join(feed):
+                # the pod's stream is fine, only the index lost it: re-learn now from the
+                # buffer up to where we were, not at its next batch (it may be idle)
+                feed.joined = True
+                self._spawn_fetch(feed, "join", 0, stop)
         elif isinstance(item, ReplayDone):
             await self._replayed(feed, item)
         else:
@@ -233,13 +239,23 @@ class EventWriter:
             await self._resync(feed, "restart")
         await self._apply(feed, b)
 
+    def _can_join(self, feed: PodFeed) -> bool:
+        return bool(self.settings.replay_on_join and feed.spec.replay_endpoint) and (
+            feed.replay is None
+        )
+
     def _start_replay(
         self, feed: PodFeed, kind: Literal["gap", "join"], start: int, b: Batch
     ) -> None:
         """Fetch ``[start, b.seq)`` in a task of its own; ``b`` waits at the front."""
         feed.put_back(b)
+        self._spawn_fetch(feed, kind, start, b.seq)
+
+    def _spawn_fetch(
+        self, feed: PodFeed, kind: Literal["gap", "join"], start: int, stop: int
+    ) -> None:
         task = asyncio.create_task(
-            self._fetch(feed, kind, start, b.seq), name=f"kv-events-replay-{feed.name}"
+            self._fetch(feed, kind, start, stop), name=f"kv-events-replay-{feed.name}"
         )
         feed.replay = task
         self._replays.add(task)

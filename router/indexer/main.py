@@ -53,7 +53,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from router.config import Settings
 from router.events import IndexSink, KVEventSubscriber
@@ -78,6 +78,8 @@ def make_sink(index: Any, settings: Settings) -> IndexSink:
 
 
 #: default seconds between two sweeps of retired slot ids (``--sweep-interval``)
+#: how often the writer checks that Redis still holds its index (the namespace epoch)
+EPOCH_CHECK_S = 5.0
 DEFAULT_SWEEP_INTERVAL_S = 300.0
 #: exit status of an indexer whose writer lease another process took
 EXIT_LEASE_LOST = 3
@@ -142,6 +144,14 @@ class Indexer:
         self._sweep_task: asyncio.Task[None] | None = None
         self._lease_task: asyncio.Task[None] | None = None
         self._activate_task: asyncio.Task[None] | None = None
+        self._epoch_task: asyncio.Task[None] | None = None
+        #: times Redis was found to have lost the index (its epoch changed)
+        self.data_losses = Counter(
+            "kvroute_index_data_losses",
+            "Times the writer found the Redis namespace's epoch changed or gone (the index "
+            "was lost: a restart without persistence, a flush) and re-learned every pod",
+            registry=self.metrics,
+        )
         #: the subscriber runs (this process holds the lease and writes)
         self.active = False
 
@@ -203,15 +213,46 @@ class Indexer:
         self.scraper.start()
         await self.subscriber.start()
         self.active = True
+        self._epoch_task = asyncio.create_task(self._watch_epoch(), name="index-epoch")
         if self.sweep_interval_s > 0:
             self._sweep_task = asyncio.create_task(
                 self.index.sweep_forever(self.sweep_interval_s), name="index-sweep"
             )
         log.info("kvroute index: writing Redis namespace %r", self.settings.redis_namespace)
 
+    async def _watch_epoch(self) -> None:
+        """Every :data:`EPOCH_CHECK_S`: a namespace epoch that changed (or vanished and
+        was made anew) means Redis lost the index — every pod is cleared and re-learned
+        from its replay buffer (and, in the routers, from the requests routed to it)."""
+        known: str | None = None
+        while True:
+            try:
+                epoch = await self.index.ensure_epoch()
+            except Exception as exc:  # Redis down: the breaker counts it; try again
+                log.debug("kvroute index: epoch check failed: %s", exc)
+            else:
+                if known is not None and epoch != known:
+                    n = self.subscriber.relearn_all("data_loss")
+                    self.data_losses.inc()
+                    log.warning(
+                        "kvroute index: Redis lost namespace %r (epoch %s -> %s): "
+                        "re-learning %d pods from their replay buffers",
+                        self.settings.redis_namespace,
+                        known,
+                        epoch,
+                        n,
+                    )
+                known = epoch
+            await asyncio.sleep(EPOCH_CHECK_S)
+
     async def stop(self) -> None:
         self._server.should_exit = True
         self.active = False
+        if self._epoch_task is not None:
+            self._epoch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._epoch_task
+            self._epoch_task = None
         if self._activate_task is not None:
             self._activate_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -329,3 +329,55 @@ def test_main_rejects_a_lease_that_is_not_positive_naming_the_flag(
 ) -> None:
     assert main(["--redis", "redis://127.0.0.1:1", "--lease-seconds", "0"]) == 2
     assert "--lease-seconds must be > 0" in capsys.readouterr().err
+
+
+async def test_redis_losing_its_data_is_noticed_and_every_pod_re_learned(
+    sim_pod: SimPod,
+    redis_url: str,
+    redis_namespace: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import router.indexer.main as indexer_main
+
+    monkeypatch.setattr(indexer_main, "EPOCH_CHECK_S", 0.1)
+    settings = Settings.load(["--config", str(write_config(tmp_path, sim_pod, redis_namespace))])
+    indexer = Indexer(settings, redis_url, metrics_port=0)
+    reader = RedisIndex.from_url(redis_url, namespace=redis_namespace)
+    hasher = BlockHasher(BS, MODEL)
+    await indexer.start()
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            n = 0
+
+            async def warmed_up() -> bool:  # (the SUB connects asynchronously)
+                nonlocal n
+                n += 1
+                await complete(client, sim_pod, f"warm-up request number {n} " * 8)
+                await asyncio.sleep(0.05)
+                return indexer.subscriber.stats.pod("sim-0").batches > 0
+
+            await wait_until(warmed_up)
+            prompt = "Redis forgets everything after a restart without persistence. " * 10
+            keys = hasher.keys(await complete(client, sim_pod, prompt))
+
+            async def indexed() -> bool:
+                return (await reader.lookup(keys)).get("sim-0", {}).get("GPU", 0) == len(keys)
+
+            await wait_until(indexed, "the prompt's blocks in Redis")
+            await wait_until(lambda: indexer._epoch_task is not None, "the epoch watch")
+            await asyncio.sleep(0.3)  # the watch has read the epoch at least once
+            raw = reader.guard.client
+            await raw.flushall()  # the data is gone, epoch included
+            assert "sim-0" not in await reader.lookup(keys)
+
+            # no new request: the pod's blocks come back from its replay buffer alone
+            async def relearned() -> bool:
+                return (await reader.lookup(keys)).get("sim-0", {}).get("GPU", 0) == len(keys)
+
+            await wait_until(relearned, "the pod re-learned after the data loss", timeout=20)
+        assert indexer.data_losses._value.get() == 1
+        assert indexer.subscriber.stats.pod("sim-0").resyncs["data_loss"] == 1
+    finally:
+        await indexer.stop()
+        await reader.close()
