@@ -31,6 +31,8 @@ table showing medians over rounds):
   small box all of them share, req/s ~ cores / box us per request;
 * ``c1``: ``wrk -t1 -c1 -d<seconds>`` -> latency p50 / p99, and the p50 *added* over
   direct's;
+* ``router cores``: the router's CPU over the c32 run's wall time (cores it kept busy);
+  ``threads``: its threads at the end (a Rust router sizes its pool to its CPUs);
 * ``TTFT``: sequential streaming completions (a small raw-socket client, TCP_NODELAY)
   -> time to the first body chunk, p50.
 
@@ -75,7 +77,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_router_overhead import Proc, cpu_seconds, free_port, wait_http  # noqa: E402
+from bench_router_overhead import Proc, _proc_tree, cpu_seconds, free_port, wait_http  # noqa: E402
 
 MODEL = "fake-model"
 #: the prompt every request sends (one identical prompt, as the users' run did)
@@ -159,6 +161,15 @@ class Target:
     name: str
     port: int
     pids: list[int] = field(default_factory=list)
+
+    def threads(self) -> int:
+        """Threads of the target's processes (a Rust router sizes its pool to its CPUs)."""
+        n = 0
+        for pid in self.pids:
+            for p in _proc_tree(pid):
+                with contextlib.suppress(OSError), open(f"/proc/{p}/status") as f:
+                    n += next(int(x.split()[1]) for x in f if x.startswith("Threads:"))
+        return n
 
 
 def pinned(cmd: list[str], cpus: str | None) -> list[str]:
@@ -347,7 +358,7 @@ def run_ttft(port: int, n: int) -> float:
 @dataclass
 class Sample:
     c32: Wrk
-    c1: Wrk
+    c1: Wrk | None
     ttft_ms: float
     router_us: float
     backends_us: float
@@ -356,17 +367,22 @@ class Sample:
 
 
 def measure(
-    target: Target, backend_pids: list[int], script: Path, seconds: float, ttft_n: int
+    target: Target,
+    backend_pids: list[int],
+    script: Path,
+    seconds: float,
+    ttft_n: int,
+    c1: bool = True,
 ) -> Sample:
     load = os.getloadavg()[0]
     r0, b0, x0 = cpu_seconds(target.pids), cpu_seconds(backend_pids), box_busy_seconds()
     c32 = run_wrk(script, target.port, 2, 32, seconds)
     r1, b1, x1 = cpu_seconds(target.pids), cpu_seconds(backend_pids), box_busy_seconds()
     n = max(1, c32.requests)
-    c1 = run_wrk(script, target.port, 1, 1, seconds)
+    seq = run_wrk(script, target.port, 1, 1, seconds) if c1 else None
     ttft = run_ttft(target.port, ttft_n) if ttft_n else float("nan")
     return Sample(
-        c32, c1, ttft, (r1 - r0) / n * 1e6, (b1 - b0) / n * 1e6, (x1 - x0) / n * 1e6, load
+        c32, seq, ttft, (r1 - r0) / n * 1e6, (b1 - b0) / n * 1e6, (x1 - x0) / n * 1e6, load
     )
 
 
@@ -484,10 +500,18 @@ def main() -> int:
             order = targets if r % 2 == 0 else targets[::-1]
             for t in order:
                 samples[t.name].append(
-                    measure(t, backend_pids, script, args.seconds, args.ttft_requests)
+                    measure(
+                        t,
+                        backend_pids,
+                        script,
+                        args.seconds,
+                        0 if args.scaling else args.ttft_requests,
+                        c1=not args.scaling,
+                    )
                 )
                 print(f"# round {r + 1}: {t.name} done", file=sys.stderr)
-        print_table(samples, args, where, start_load)
+        threads = {t.name: t.threads() for t in targets if t.pids}
+        print_table(samples, threads, args, where, start_load)
     finally:
         for p in reversed(procs):
             with contextlib.suppress(Exception):
@@ -497,36 +521,47 @@ def main() -> int:
 
 
 def print_table(
-    samples: dict[str, list[Sample]], args: argparse.Namespace, where: str | None, load: float
+    samples: dict[str, list[Sample]],
+    threads: dict[str, int],
+    args: argparse.Namespace,
+    where: str | None,
+    load: float,
 ) -> None:
     def med(xs: list[float]) -> float:
-        return statistics.median(xs)
+        return statistics.median(xs) if xs else float("nan")
 
     loads = [s.load for ss in samples.values() for s in ss]
+    c1_part = "" if args.scaling else " / -t1 -c1"
     print(
-        f"# wrk -t2 -c32 / -t1 -c1, {args.seconds:g} s each, {args.rounds} rounds (medians), "
+        f"# wrk -t2 -c32{c1_part}, {args.seconds:g} s each, {args.rounds} rounds (medians), "
         f"{args.backends} FastAPI backends, "
         + (f"network namespace {where} (lo only)" if where else "127.0.0.1 (no namespace)")
         + f"; load at start {load:.2f}, during {min(loads):.2f}-{max(loads):.2f}"
     )
     print(
         "| target | c32 req/s | c32 p99 ms | c1 p50 ms | c1 p50 added | c1 p99 ms "
-        "| TTFT p50 ms | router us/req | backends us/req | box us/req | errors |"
+        "| TTFT p50 ms | router us/req | router cores | threads | backends us/req "
+        "| box us/req | errors |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    direct_p50 = med([s.c1.p50_ms for s in samples["direct"]])
+    print("|---|" + "---:|" * 12)
+    direct_p50 = med([s.c1.p50_ms for s in samples["direct"] if s.c1 is not None])
     for name, ss in samples.items():
-        p50 = med([s.c1.p50_ms for s in ss])
-        added = "" if name == "direct" else f"{p50 - direct_p50:+.3f}"
-        router = "" if name == "direct" else f"{med([s.router_us for s in ss]):.0f}"
-        errors = sum(s.c32.errors + s.c32.non2xx + s.c1.errors + s.c1.non2xx for s in ss)
+        c1s = [s.c1 for s in ss if s.c1 is not None]
+        p50 = med([c.p50_ms for c in c1s])
+        added = "" if name == "direct" or not c1s else f"{p50 - direct_p50:+.3f}"
+        router = cores = ""
+        if name != "direct":
+            router = f"{med([s.router_us for s in ss]):.0f}"
+            cores = f"{med([s.router_us * s.c32.rps / 1e6 for s in ss]):.2f}"
+        errors = sum(s.c32.errors + s.c32.non2xx for s in ss)
+        errors += sum(c.errors + c.non2xx for c in c1s)
         print(
             f"| {name} | {med([s.c32.rps for s in ss]):,.0f}"
             f" | {med([s.c32.p99_ms for s in ss]):.2f}"
-            f" | {p50:.3f} | {added} | {med([s.c1.p99_ms for s in ss]):.3f}"
-            f" | {med([s.ttft_ms for s in ss]):.3f} | {router}"
-            f" | {med([s.backends_us for s in ss]):.0f} | {med([s.box_us for s in ss]):.0f}"
-            f" | {errors} |"
+            f" | {p50:.3f} | {added} | {med([c.p99_ms for c in c1s]):.3f}"
+            f" | {med([s.ttft_ms for s in ss]):.3f} | {router} | {cores}"
+            f" | {threads.get(name, '')} | {med([s.backends_us for s in ss]):.0f}"
+            f" | {med([s.box_us for s in ss]):.0f} | {errors} |"
         )
 
 
