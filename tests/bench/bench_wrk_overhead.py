@@ -60,6 +60,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -530,6 +531,9 @@ def print_table(
     def med(xs: list[float]) -> float:
         return statistics.median(xs) if xs else float("nan")
 
+    def ms(x: float, fmt: str = ".3f") -> str:
+        return "" if math.isnan(x) else format(x, fmt)
+
     loads = [s.load for ss in samples.values() for s in ss]
     c1_part = "" if args.scaling else " / -t1 -c1"
     print(
@@ -558,8 +562,8 @@ def print_table(
         print(
             f"| {name} | {med([s.c32.rps for s in ss]):,.0f}"
             f" | {med([s.c32.p99_ms for s in ss]):.2f}"
-            f" | {p50:.3f} | {added} | {med([c.p99_ms for c in c1s]):.3f}"
-            f" | {med([s.ttft_ms for s in ss]):.3f} | {router} | {cores}"
+            f" | {ms(p50)} | {added} | {ms(med([c.p99_ms for c in c1s]))}"
+            f" | {ms(med([s.ttft_ms for s in ss]))} | {router} | {cores}"
             f" | {threads.get(name, '')} | {med([s.backends_us for s in ss]):.0f}"
             f" | {med([s.box_us for s in ss]):.0f} | {errors} |"
         )
