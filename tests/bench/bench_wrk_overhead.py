@@ -42,9 +42,9 @@ deletes the namespace at the end; otherwise it runs on 127.0.0.1 and says so.  A
 quiet-machine gate waits (up to ``--gate-wait`` s) for the 1-minute load average to fall
 below ``--max-load`` before starting, and the table reports the load at each round.
 
-``--baseline DIR``: also run kvroute from the source tree DIR (``kvroute cost
-(baseline)``, ``kvroute round_robin (baseline)``), interleaved with this tree's, so an
-optimisation's before and after come from the same run.
+``--baseline DIR``: also run kvroute ``cost`` from the source tree DIR (``kvroute cost
+(baseline)``), interleaved with this tree's, so an optimisation's before and after come
+from the same run.
 
 ``--scaling``: kvroute ``cost`` with ``--workers 1 / 2 / 4`` and the Rust routers
 (whose thread pools size themselves to the CPUs they may use), each pinned with
@@ -400,11 +400,6 @@ def default_targets(
     if baseline is not None:
         yield "kvroute cost (baseline)", partial(start_kvroute, urls, "cost", tree=baseline)
     yield "kvroute round_robin", partial(start_kvroute, urls, "round_robin")
-    if baseline is not None:
-        yield (
-            "kvroute round_robin (baseline)",
-            partial(start_kvroute, urls, "round_robin", tree=baseline),
-        )
     sglang, vllm = peer_tools(peer_py)
     for policy in ("cache_aware", "round_robin"):
         yield (
