@@ -40,6 +40,7 @@ from pydantic_settings import (
 from router.events.settings import EventsSettings
 from router.fleet.discovery import DiscoverySettings
 from router.fleet.health import HealthSettings
+from router.tenants.settings import SecuritySettings, Tenant, check_tenants
 
 
 class _Section(BaseModel):
@@ -88,6 +89,14 @@ PASSTHROUGH_PATHS = (
     "/v1/rerank",
     "/v2/rerank",
 )
+
+
+def _on_off_schema(schema: dict[str, Any]) -> None:
+    """``off`` / ``on`` or a boolean: YAML 1.1 (Helm's too) reads a bare off / on as one."""
+    schema["anyOf"] = [
+        {"enum": schema.pop("enum"), "type": schema.pop("type")},
+        {"type": "boolean"},
+    ]
 
 
 class ProxySettings(_Section):
@@ -173,6 +182,31 @@ class ProxySettings(_Section):
         description="verify https pods' certificates and host names; false is INSECURE "
         "(encrypted but unauthenticated: anyone on the path can pose as a pod)",
     )
+
+    access_log: Literal["off", "on"] = Field(
+        default="off",
+        json_schema_extra=_on_off_schema,
+        description="one line per generation request on stdout when its response ends "
+        "(method, path, status, model, pod, prompt and predicted cached tokens, TTFT, "
+        "latency; never the prompt): off or on (docs/observability.md)",
+    )
+    access_log_sample: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="with access_log on, the share of requests logged (drawn per request)",
+    )
+    access_log_format: Literal["text", "json"] = Field(
+        default="text", description="access-log lines as key=value text or one JSON object"
+    )
+
+    @field_validator("access_log", mode="before")
+    @classmethod
+    def _on_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare off / on as a boolean
+        if isinstance(v, bool):
+            return "on" if v else "off"
+        return v
 
     @field_validator("passthrough_paths")
     @classmethod
@@ -339,6 +373,19 @@ class Settings(BaseSettings):
     redis_breaker_backoff_cap_s: float = Field(
         default=5.0, gt=0.0, description="longest wait of the breaker before its probe"
     )
+    redis_username: str | None = Field(
+        default=None, description="Redis ACL user (AUTH username password); null: default user"
+    )
+    redis_password_file: str | None = Field(
+        default=None,
+        description="file holding the Redis password (AUTH; a mounted Secret); overrides a "
+        "password in redis_url",
+    )
+    redis_ca_file: str | None = Field(
+        default=None,
+        description="CA bundle (PEM) to verify a TLS Redis (rediss://) against (default: the "
+        "system trust store)",
+    )
     index_writer: bool = Field(
         default=False,
         description="with redis_url: also apply KV events to Redis from this process "
@@ -352,6 +399,28 @@ class Settings(BaseSettings):
         default_factory=list,
         description="router-level API keys (Bearer); empty: Authorization passed through",
     )
+    tenants: list[Tenant] = Field(
+        default_factory=list,
+        description="tenants (name, key_sha256, models, limits, share_cache): each request "
+        "must carry a tenant's key; cache salts, stored responses and limits are per tenant "
+        "(README: Security)",
+    )
+    tenant_salt_secret: str | None = Field(
+        default=None,
+        description="secret key of the per-tenant cache_salt HMAC (>= 32 characters; required "
+        "with tenants)",
+    )
+    tenant_salt_secret_file: str | None = Field(
+        default=None, description="file holding tenant_salt_secret (a mounted Secret)"
+    )
+    admin_keys: Names = Field(
+        default_factory=list,
+        description="keys (Bearer) for /v1/route, /metrics, /openapi.json when they are admin-only",
+    )
+    admin_key_sha256: Names = Field(
+        default_factory=list, description="SHA-256 hex digests of admin keys (preferred)"
+    )
+    security: SecuritySettings = Field(default_factory=SecuritySettings)
     pod_header: str = Field(default="x-kvroute-pod", description="response header naming the pod")
     session_header: str = Field(
         default="x-session-id", description="request header with a session id (else body `user`)"
@@ -379,6 +448,35 @@ class Settings(BaseSettings):
         if bad:
             raise ValueError(f"must be positive for {', '.join(bad)}")
         return v
+
+    @field_validator("redis_password_file", "redis_ca_file", "tenant_salt_secret_file")
+    @classmethod
+    def _file_exists(cls, v: str | None) -> str | None:
+        if v is not None and not Path(v).is_file():
+            raise ValueError(f"no such file: {v}")
+        return v
+
+    @field_validator("admin_key_sha256")
+    @classmethod
+    def _digests(cls, v: list[str]) -> list[str]:
+        from router.tenants.settings import _digest
+
+        return [_digest(d) for d in v]
+
+    @model_validator(mode="after")
+    def _tenancy(self) -> Settings:
+        if self.tenants and self.api_keys:
+            raise ValueError("api_keys and tenants: give each key holder a tenant instead")
+        check_tenants(self.tenants, self.salt_secret())
+        if self.redis_ca_file and not (self.redis_url or "rediss://").startswith("rediss://"):
+            raise ValueError("redis_ca_file needs a TLS redis_url (rediss://...)")
+        return self
+
+    def salt_secret(self) -> str | None:
+        """``tenant_salt_secret``, or the contents of ``tenant_salt_secret_file``."""
+        if self.tenant_salt_secret_file is not None:
+            return Path(self.tenant_salt_secret_file).read_text().strip() or None
+        return self.tenant_salt_secret
 
     @model_validator(mode="after")
     def _one_index_writer(self) -> Settings:

@@ -1,5 +1,7 @@
 """The one guarded Redis client of a process (``redis_url``): shared by its index, load
-store and response owners, so one pool and one circuit breaker see every call.
+store, response owners and tenant limits, so one pool and one circuit breaker see every
+call.  AUTH (``redis_username``, ``redis_password_file``) and TLS (``rediss://``,
+``redis_ca_file``) are set here, for the router and `kvroute index` alike.
 
 :func:`make_guard` builds it from the settings (``redis_request_deadline_s`` for calls a
 request waits on, ``redis_background_deadline_s`` for the rest, the breaker's failure
@@ -11,6 +13,9 @@ once while the breaker is open) and the decision core routes on what this replic
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.backoff import EqualJitterBackoff
@@ -37,7 +42,23 @@ def make_guard(settings: Settings) -> RedisGuard:
         breaker=breaker,
         request_deadline_s=settings.redis_request_deadline_s,
         background_deadline_s=settings.redis_background_deadline_s,
+        **redis_auth(settings),
     )
+
+
+def redis_auth(settings: Settings) -> dict[str, Any]:
+    """The client options of AUTH and TLS: ``redis_username``, the password in
+    ``redis_password_file`` (read at start; a mounted Secret), and for ``rediss://``
+    the CA bundle ``redis_ca_file`` (the server's certificate and host name are
+    verified)."""
+    out: dict[str, Any] = {}
+    if settings.redis_username:
+        out["username"] = settings.redis_username
+    if settings.redis_password_file:
+        out["password"] = Path(settings.redis_password_file).read_text().strip()
+    if settings.redis_ca_file:
+        out["ssl_ca_certs"] = settings.redis_ca_file
+    return out
 
 
 def count_errors(guard: RedisGuard, registry: CollectorRegistry) -> None:

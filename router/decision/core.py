@@ -218,13 +218,17 @@ class RequestRouter:
         headers: Mapping[str, str],
         *,
         only: Collection[str] | None = None,
+        tenant: str | None = None,
     ) -> Routed:
         """Validate, tokenize, look up and pick; raises RouterError (already counted).
-        ``only``: the pods the front allows (None: every candidate)."""
+        ``only``: the pods the front allows (None: every candidate); ``tenant``: whose
+        request it is (a ``previous_response_id`` must be its own)."""
         try:
-            return await self._decide(kind, body, headers, only)
+            routed = await self._decide(kind, body, headers, only, tenant)
         except RouterError as err:
             raise self.reject(err) from None
+        routed.tenant = tenant
+        return routed
 
     async def _decide(
         self,
@@ -232,6 +236,7 @@ class RequestRouter:
         body: dict[str, Any],
         headers: Mapping[str, str],
         only: Collection[str] | None = None,
+        tenant: str | None = None,
     ) -> Routed:
         """:meth:`decide` before counting a rejection."""
         t0 = _perf()
@@ -256,7 +261,7 @@ class RequestRouter:
             return await self._decide_least_loaded(kind, body, model, stream, pods, request_id)
         encode_body = body
         if kind == "responses":
-            pre = await self._responses(body, model, stream, pods, request_id)
+            pre = await self._responses(body, model, stream, pods, request_id, tenant)
             if isinstance(pre, Routed):
                 return pre
             prompt, encode_body = pre
@@ -359,6 +364,7 @@ class RequestRouter:
         stream: bool,
         pods: Sequence[PodState],
         request_id: str,
+        tenant: str | None = None,
     ) -> Routed | tuple[list[dict[str, Any]], dict[str, Any]]:
         """A ``/v1/responses`` body: a follow-up goes to the pod owning its
         ``previous_response_id`` (a decided :class:`Routed`); a new response that
@@ -377,12 +383,16 @@ class RequestRouter:
                     "invalid_previous_response_id",
                     "previous_response_id",
                 )
-            owner = await self._owner(previous)
+            owner = await self._owner(previous, tenant)
             m = self.metrics
             if owner is not None and any(p.name == owner for p in pods):
                 m.child(m.responses_affinity, "owner").inc()
                 return await self._decide_owner(body, model, stream, owner, request_id)
             m.child(m.responses_affinity, "unknown" if owner is None else "owner_gone").inc()
+            if owner is None and tenant is not None:
+                # not this tenant's (or unknown): never sent on, where the pod holding it
+                # would continue another tenant's conversation
+                raise _response_not_found(previous, "previous_response_id")
             # the history lives on a pod we cannot reach: no exact prompt to score (the
             # pod answers 404, which is relayed)
             reason = "previous_response_id"
@@ -397,22 +407,23 @@ class RequestRouter:
                 chat_body[key] = body[key]
         return form.messages, chat_body
 
-    async def _owner(self, response_id: str) -> str | None:
-        """The pod that created ``response_id`` (None: not known to the owner store)."""
+    async def _owner(self, response_id: str, tenant: str | None = None) -> str | None:
+        """The pod that created ``response_id`` for ``tenant`` (None: not known to the
+        owner store, or another tenant's)."""
         if self.owners is None:
             return None
         try:
-            return await self.owners.get(response_id)
+            return await self.owners.get(response_id, tenant)
         except Exception as exc:  # the store is down: route as if unknown
             _limited.warning("owner_get", "response owner lookup failed: %r", exc)
             self.metrics.child(self.metrics.responses_affinity, "store_error").inc()
             return None
 
-    async def owner_of(self, response_id: str) -> str:
+    async def owner_of(self, response_id: str, tenant: str | None = None) -> str:
         """The registered pod that created ``response_id`` (GET, cancel); 404 when the
-        router knows no owner, or its pod left (counted)."""
+        router knows no owner (or ``tenant`` did not create it), or its pod left (counted)."""
         m = self.metrics
-        owner = await self._owner(response_id)
+        owner = await self._owner(response_id, tenant)
         if owner is not None and self.registry.get(owner) is not None:
             m.child(m.responses_affinity, "owner").inc()
             return owner
@@ -477,6 +488,15 @@ class RequestRouter:
         ranking = [names[i] for i in order]
         scores = {n: float(views[n].inflight) for n in names}
         return without_prompt(kind, body, model, stream, request_id, ranking, scores, views)
+
+
+def _response_not_found(response_id: str, param: str) -> RouterError:
+    return RouterError(
+        404,
+        f"Response with id '{response_id}' not found",
+        reason="response_not_found",
+        param=param,
+    )
 
 
 def _why_not(pods: Sequence[PodState]) -> str:

@@ -1,4 +1,5 @@
-"""``POST /v1/route``: where a request would go and why, every candidate's view and score."""
+"""``POST /v1/route``: where a request would go and why, every candidate's view and score
+(every field, its unit and how to read it: docs/route.md)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,26 @@ from typing import Any
 
 from router.decision.request import Routed
 from router.fleet.pods import PodRegistry
+from scoring.index.base import DEFAULT_TIERS
+
+
+def shown_tiers(hits: dict[str, int]) -> dict[str, int]:
+    """A pod's cumulative hits per tier as shown: ``GPU``, and each slower tier only
+    where it adds blocks (its count above the next faster tier's).  A GPU-only engine's
+    ``{"GPU": 25, "CPU": 25, "DISK": 25}`` shows as ``{"GPU": 25}``; an empty view
+    (no leading block anywhere) as ``{}``."""
+    if not hits:
+        return {}
+    order = [t for t in DEFAULT_TIERS if t in hits or t == "GPU"]
+    order += [t for t in hits if t not in DEFAULT_TIERS]
+    shown: dict[str, int] = {}
+    faster = 0
+    for tier in order:
+        n = hits.get(tier, faster)
+        if tier == "GPU" or n > faster:
+            shown[tier] = n
+        faster = max(faster, n)
+    return shown
 
 
 def explain(routed: Routed, registry: PodRegistry, policy: str) -> dict[str, Any]:
@@ -19,7 +40,7 @@ def explain(routed: Routed, registry: PodRegistry, policy: str) -> dict[str, Any
             {
                 "pod": pod,
                 "url": state.spec.url if state else None,
-                "cached_blocks": dict(v.hits),
+                "cached_blocks": shown_tiers(v.hits),
                 "cached_tokens": routed.cached_tokens(pod),
                 "inflight": v.inflight,
                 "outstanding_prefill_tokens": v.outstanding_prefill_tokens,

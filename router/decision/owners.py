@@ -1,8 +1,13 @@
-"""Who owns a stored response: ``response id -> pod``, in memory (LRU with TTL) or in
-Redis under ``{ns}:resp:{id}`` so every replica sees it.
+"""Who owns a stored response: ``response id -> (pod, tenant)``, in memory (LRU with
+TTL) or in Redis under ``{ns}:resp:{id}`` so every replica sees it.
 
 vLLM keeps stored responses in the memory of the pod that created them, so a follow-up
 (``previous_response_id``), ``GET`` and ``cancel`` of an id only work there.
+
+With tenants, a response belongs to the tenant that created it as well: ``get`` with
+another tenant finds nothing, exactly as for an id never seen (the callers answer the
+same 404), so a tenant cannot even learn that an id exists.  In Redis the value is the
+pod, or ``pod NUL tenant``.
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ from typing import Any, Protocol
 class OwnerStore(Protocol):
     """``response id -> pod`` for the pods' stored responses."""
 
-    async def get(self, response_id: str) -> str | None: ...
+    async def get(self, response_id: str, tenant: str | None = None) -> str | None:
+        """The pod of ``response_id`` if ``tenant`` created it (None: unknown, or not
+        ``tenant``'s)."""
+        ...
 
-    async def put(self, response_id: str, pod: str) -> None: ...
+    async def put(self, response_id: str, pod: str, tenant: str | None = None) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -30,22 +38,24 @@ class MemoryOwnerStore:
     def __init__(self, max_owners: int, ttl_s: float) -> None:
         self.max_owners = max_owners
         self.ttl_s = ttl_s
-        self._owners: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._owners: OrderedDict[str, tuple[str, str | None, float]] = OrderedDict()
 
-    async def get(self, response_id: str) -> str | None:
+    async def get(self, response_id: str, tenant: str | None = None) -> str | None:
         entry = self._owners.get(response_id)
         if entry is None:
             return None
-        pod, expires = entry
+        pod, owner, expires = entry
         if time.monotonic() >= expires:
             del self._owners[response_id]
+            return None
+        if owner != tenant:
             return None
         self._owners.move_to_end(response_id)
         return pod
 
-    async def put(self, response_id: str, pod: str) -> None:
+    async def put(self, response_id: str, pod: str, tenant: str | None = None) -> None:
         owners = self._owners
-        owners[response_id] = (pod, time.monotonic() + self.ttl_s)
+        owners[response_id] = (pod, tenant, time.monotonic() + self.ttl_s)
         owners.move_to_end(response_id)
         while len(owners) > self.max_owners:
             owners.popitem(last=False)
@@ -93,15 +103,20 @@ class RedisOwnerStore:
     def key(self, response_id: str) -> str:
         return self._prefix + response_id
 
-    async def get(self, response_id: str) -> str | None:
+    async def get(self, response_id: str, tenant: str | None = None) -> str | None:
         key = self._prefix + response_id
         value = await self.guard.call("owner_get", lambda: self._r.get(key), request=True)
         if value is None:
             return None
-        return value.decode() if isinstance(value, bytes) else str(value)
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        pod, sep, owner = text.partition("\x00")
+        if (owner if sep else None) != tenant:
+            return None
+        return pod
 
-    async def put(self, response_id: str, pod: str) -> None:
-        key, value = self._prefix + response_id, pod.encode()
+    async def put(self, response_id: str, pod: str, tenant: str | None = None) -> None:
+        key = self._prefix + response_id
+        value = (pod if tenant is None else f"{pod}\x00{tenant}").encode()
         await self.guard.call(
             "owner_put", lambda: self._r.set(key, value, px=self._ttl_ms), request=True
         )

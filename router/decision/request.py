@@ -46,6 +46,8 @@ class Routed:
     views: dict[str, PodView]
     tokenizer_name: str = "none"
     approximate: bool = False
+    #: the tenant that sent it (None: tenancy off); set by :meth:`RequestRouter.decide`
+    tenant: str | None = None
 
     def cached_tokens(self, pod: str) -> int:
         """Prompt tokens the index says ``pod`` holds (any tier)."""

@@ -32,6 +32,8 @@ from router.epp.endpoints import Endpoints
 from router.epp.metrics import EppMetrics
 from router.errors import RouterError
 from router.fleet.pods import PodSpec
+from router.tenants.auth import TenantContext
+from router.tenants.gate import TenantGate
 
 #: the proxy front's generation endpoints (their bodies must be valid)
 ROUTED_PATHS: dict[str, Kind] = {
@@ -59,6 +61,8 @@ class EndpointPicker(RouterCore):
         self.endpoints = Endpoints(self.registry)
         self.epp = EppMetrics(self.metrics.registry, lambda: len(self.endpoints.unaddressable))
         self.registry.subscribe(self._forget)
+        #: the tenants: keys, models, limits and cache salts as in `kvroute serve`
+        self.tenants = TenantGate(settings, self.metrics.registry, self.redis)
 
     def _forget(self, name: str, spec: PodSpec | None) -> None:
         if spec is None:
@@ -71,27 +75,56 @@ class EndpointPicker(RouterCore):
             return self.endpoints.addressable() if unaddressable else None
         return self.endpoints.allowed(subset)
 
+    async def admit(
+        self, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> tuple[bytes, TenantContext | None]:
+        """With tenants: the request's tenant (401), and for a generation path its
+        model (404), request bucket (429) and cache salt; returns the body to send on
+        (the client's bytes, or with the tenant's ``cache_salt``) and the tenant."""
+        gate = self.tenants
+        if not gate.enabled:
+            return body, None
+        try:
+            ctx = gate.identify(headers, None)  # the peer is the proxy: keys only
+            assert ctx is not None
+            kind = ROUTED_PATHS.get(path)
+            if kind is None:
+                return body, ctx
+            parsed = parse_body(body)
+            out = await gate.admit(ctx, kind, parsed, body, self.registry.served_models())
+        except RouterError as err:
+            raise self.router.reject(err) from None
+        return out, ctx
+
     async def decide(
         self,
         path: str,
         body: bytes,
         headers: Mapping[str, str],
         subset: list[str] | None,
+        tenant: TenantContext | None = None,
     ) -> Routed | list[str]:
         """The decision for one request: a :class:`Routed` (scored, or least loaded as
         the decision core does it), or for a request the core does not route, the
         pods least loaded first.  Raises :class:`RouterError` (counted)."""
         only = self._allowed(subset)
         kind = ROUTED_PATHS.get(path)
+        name = tenant.name if tenant is not None else None
         if kind is not None:
             try:
                 parsed = parse_body(body)
             except RouterError as err:
                 raise self.router.reject(err) from None
-            return await self.router.decide(kind, parsed, headers, only=only)
+            routed = await self.router.decide(kind, parsed, headers, only=only, tenant=name)
+            if tenant is not None:
+                try:
+                    await self.tenants.admit_tokens(tenant, routed.route.prompt_tokens)
+                except RouterError as err:
+                    raise self.router.reject(err) from None
+            return routed
         stored = _STORED_RESPONSE.match(path)
         if stored is not None:
-            owner = await self.router.owner_of(stored.group(1))
+            owner = await self.router.owner_of(stored.group(1), name)
             if only is not None and owner not in only:
                 raise self.router.reject(
                     RouterError(
@@ -103,7 +136,13 @@ class EndpointPicker(RouterCore):
             return [owner]
         passthrough = _json_with_model(body, self.registry.served_models())
         if passthrough is not None:
-            return await self.router.decide("passthrough", passthrough, headers, only=only)
+            if tenant is not None:
+                self.tenants.check_model(
+                    tenant, passthrough.get("model"), self.registry.served_models()
+                )
+            return await self.router.decide(
+                "passthrough", passthrough, headers, only=only, tenant=name
+            )
         return await self.least_loaded(only)
 
     async def least_loaded(self, only: Collection[str] | None) -> list[str]:

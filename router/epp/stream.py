@@ -21,6 +21,12 @@ the same way here), headers and trailers ``SEND``:
 
 A decision that fails (bad body, unknown model, no pod) is an ImmediateResponse with
 the status and OpenAI error JSON `kvroute serve` would answer.
+
+With tenants (:mod:`router.tenants`) the same rules as `kvroute serve` apply before the
+pick: the key (401), the model (404), the request and token buckets (429), and the
+tenant's ``cache_salt`` set in the body sent on (its Content-Length follows); the
+error messages are the tenant-facing ones.  The trusted tenant header is not honoured
+here (the gRPC peer is the proxy, not a gateway in front of it).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from router.epp.accounting import Accounting
 from router.epp.picker import EndpointPicker, route_path
 from router.errors import RouterError, error_body
 from router.proxy.response_ids import CreatedSniffer, id_from_body
+from router.tenants.auth import TenantContext
 from router.usage import UsageReader
 
 log = logging.getLogger(__name__)
@@ -60,6 +67,8 @@ class ExtProcStream:
         self._reader: UsageReader | None = None
         self._sniffer: CreatedSniffer | None = None
         self._responses = False
+        #: the request's tenant (None: tenancy off, or not yet known)
+        self.tenant: TenantContext | None = None
         #: an immediate response was sent: the proxy ends the stream
         self.finished = False
 
@@ -125,9 +134,12 @@ class ExtProcStream:
         path = route_path(self.headers.get(":path", "/"))
         body = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
         try:
-            decision = await picker.decide(path, body, self.headers, self.subset)
+            sent, self.tenant = await picker.admit(path, body, self.headers)
+            if sent is not body:  # the tenant's cache_salt: the body sent on changed
+                body, self._chunks, self._size = sent, [sent], len(sent)
+            decision = await picker.decide(path, body, self.headers, self.subset, self.tenant)
         except RouterError as err:
-            return [self._reject(err)]
+            return [self._reject(picker.tenants.public(err))]
         if isinstance(decision, Routed):
             ranking = decision.ranking
             accounting = self.accounting = Accounting(picker, decision, self.started)
@@ -159,6 +171,8 @@ class ExtProcStream:
     def _reject(self, err: RouterError) -> P.ProcessingResponse:
         self.finished = True
         self.picker.epp.streams.labels("rejected").inc()
+        if err.status != 401:  # a 401 was counted when the key was refused
+            self.picker.tenants.count(self.tenant, err.status)
         body = P.json_bytes(error_body(err.message, err.type, err.param, err.reason))
         headers = [*_JSON_ERROR, *err.headers.items()]
         return P.immediate_response(err.status, body, headers)
@@ -225,6 +239,11 @@ class ExtProcStream:
                 await self._remember(rid)
         self.accounting = None
         await accounting.done(usage)
+        gate = self.picker.tenants
+        if gate.enabled:
+            gate.count(self.tenant, accounting.status)
+            if usage is not None:
+                await gate.on_answer(accounting.routed.tenant, usage.completion_tokens)
 
     async def _remember(self, response_id: str) -> None:
         accounting = self.accounting
@@ -232,6 +251,6 @@ class ExtProcStream:
         if accounting is None:
             return
         try:
-            await owners.put(response_id, accounting.pod)
+            await owners.put(response_id, accounting.pod, accounting.routed.tenant)
         except Exception as exc:  # a failing store never fails the answer
             log.warning("recording the owner of response %s failed: %r", response_id, exc)

@@ -92,7 +92,11 @@ class EventsSettings(BaseModel):
         description="ZMQ receive high-water mark per SUB (vLLM's PUB: 100,000)",
     )
     block_size_fallback: int = Field(
-        default=16, ge=1, description="block size used when an event omits it (kvroute index)"
+        default=16,
+        ge=1,
+        description="block size assumed for a BlockStored that omits it from a pod whose size "
+        "is unknown (no block_size setting, no scraped vllm:cache_config_info, no earlier event "
+        "naming one); a guess, never counted as a block-size mismatch",
     )
     model_fallback: str = Field(
         default="", description="model of a pod named neither by its topic nor its discovery entry"

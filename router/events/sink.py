@@ -62,7 +62,8 @@ def make_sink(index: Any, settings: Settings) -> IndexSink:
     standalone indexer both build their sink here)."""
     return IndexSink(
         index,
-        block_size=settings.block_size or settings.events.block_size_fallback,
+        block_size=settings.block_size,
+        fallback_block_size=settings.events.block_size_fallback,
         engine_hasher=build_engine_hasher(settings.events),
         learn_queue=settings.events.engine_hash_queue,
     )
@@ -105,8 +106,10 @@ class IndexSink(_ScoringIndexSink):
         before any index write (the applier has counted the batch: the caller clears
         the pod)."""
         st = self.applier.pod(pod)
-        if st is None or st.model != model:
-            st = self.applier.set_pod(pod, model)
+        # the pod's scraped block size (vllm:cache_config_info) interprets its events
+        bs = facts.block_size if facts is not None else None
+        if st is None or st.model != model or (bs and st.block_size != bs):
+            st = self.applier.set_pod(pod, model, bs)
         ops = self.applier.apply_batch(pod, batch)
         check_held(st.gpu_blocks, facts)
         await self._run(ops)

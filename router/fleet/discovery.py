@@ -185,10 +185,25 @@ class K8sDiscoverySettings(BaseModel):
     retry_s: float = Field(default=2.0, gt=0, description="pause after a failed list/watch")
 
 
-class DiscoverySettings(BaseModel):
-    """Where pods come from (nested as ``discovery`` in the router's config)."""
+#: JSON schema: the section a kind reads is present and not null
+_SECTION_REQUIRED: list[Any] = [
+    {
+        "if": {"properties": {"kind": {"const": kind}}, "required": ["kind"]},
+        "then": {"required": [kind], "properties": {kind: {"type": "object"}}},
+    }
+    for kind in ("dns", "k8s")
+]
 
-    model_config = ConfigDict(extra="forbid")
+
+class DiscoverySettings(BaseModel):
+    """Where pods come from (nested as ``discovery`` in the router's config).
+
+    ``kind: dns`` needs the ``dns`` section and ``kind: k8s`` the ``k8s`` one (its
+    ``label_selector`` required): checked by the model, and by the JSON schema generated
+    from it (the Helm chart's ``values.schema.json``), so ``helm install`` refuses such
+    values instead of starting a router that exits."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": _SECTION_REQUIRED})
 
     kind: Literal["static", "dns", "k8s"] = Field(
         default="static", description="where pods come from"

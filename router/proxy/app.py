@@ -34,9 +34,11 @@ from router.decision.request import Kind, parse_body
 from router.errors import RouterError, json_response
 from router.logs import RateLimitedLog
 from router.metrics import CONTENT_TYPE, kvroute_version
+from router.proxy.access_log import Entry
 from router.proxy.gateway import Gateway
 from router.proxy.openapi import openapi_document
 from router.proxy.protocol import ClientLimits
+from router.tenants.auth import TenantContext
 
 log = logging.getLogger(__name__)
 _perf = time.perf_counter
@@ -86,11 +88,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     async def _generate(
         g: Gateway,
+        ctx: TenantContext | None,
         kind: Kind,
         path: str,
         headers: Mapping[str, str],
         raw_headers: list[tuple[bytes, bytes]],
         receive: Receive,
+        entry: Entry | None = None,
     ) -> Response:
         started = _perf()
         if g._api_keys:
@@ -98,11 +102,48 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         raw = await g.receive_body(headers, receive)
         try:
             body = parse_body(raw, g.max_json_depth)
+            if ctx is not None:  # the model check, the request bucket, the cache salt
+                raw = await g.tenants.admit(ctx, kind, body, raw, g.registry.served_models())
         except RouterError as err:
             raise g.router.reject(err) from None
-        routed = await g.router.decide(kind, body, headers)
-        # the original bytes are forwarded: the body is never re-serialised
+        tenant = ctx.name if ctx is not None else None
+        routed = await g.router.decide(kind, body, headers, tenant=tenant)
+        if entry is not None:
+            entry.routed = routed
+        if ctx is not None:
+            try:
+                await g.tenants.admit_tokens(ctx, routed.route.prompt_tokens)
+            except RouterError as err:
+                raise g.router.reject(err) from None
+        # the client's bytes are forwarded, never re-serialised (a tenant's salt is
+        # spliced in by router.rewrite)
         return await g.proxy.forward(routed, path, raw, raw_headers, receive, started)
+
+    async def _serve(
+        g: Gateway,
+        kind: Kind,
+        path: str,
+        headers: Mapping[str, str],
+        raw_headers: list[tuple[bytes, bytes]],
+        receive: Receive,
+        client: Any,
+        entry: Entry | None = None,
+    ) -> Response:
+        """:func:`_generate` with the tenant identified first, errors as the tenant may
+        see them, and the outcome counted per tenant."""
+        gate = g.tenants
+        if not gate.enabled:
+            return await _generate(g, None, kind, path, headers, raw_headers, receive, entry)
+        try:
+            ctx = gate.identify(headers, client)
+        except RouterError as err:
+            return g.router.reject(err).response()
+        try:
+            response = await _generate(g, ctx, kind, path, headers, raw_headers, receive, entry)
+        except RouterError as err:
+            response = gate.public(err, ctx).response()
+        gate.count(ctx, response.status_code)
+        return response
 
     async def _fast(scope: Scope, receive: Receive, send: Send, kind: Kind, path: str) -> None:
         """The generation endpoints straight on ASGI: no Request object, no routing
@@ -110,15 +151,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         in ASGI; a repeated header keeps its last value)."""
         raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
+        g = app.gateway
+        entry = g.access_log.begin(scope, _perf())  # None: not logged
         try:
-            response = await _generate(app.gateway, kind, path, headers, raw_headers, receive)
+            response = await _serve(
+                g, kind, path, headers, raw_headers, receive, scope.get("client"), entry
+            )
         except RouterError as err:
             response = err.response()
         except Exception as exc:
             # a bug: the traceback once per exception type per 10 s, not once a request
             limited.exception(type(exc).__name__, "request failed")
             response = RouterError(500, "internal router error", reason="internal").response()
-        await response(scope, receive, send)
+        if entry is None:
+            await response(scope, receive, send)
+            return
+        try:
+            await response(scope, receive, entry.watch(send))
+        except BaseException as exc:
+            entry.end(exc)
+            raise
+        entry.end()
 
     def _count_refused(reason: str) -> None:
         g = getattr(app, "gateway", None)
@@ -139,8 +192,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.fast_handler = _fast
 
     async def _routed(request: Request, kind: Kind, path: str) -> Response:
-        return await _generate(
-            gw(request), kind, path, request.headers, request.headers.raw, request.receive
+        return await _serve(
+            gw(request),
+            kind,
+            path,
+            request.headers,
+            request.headers.raw,
+            request.receive,
+            request.scope.get("client"),
         )
 
     @app.post("/v1/chat/completions")
@@ -157,13 +216,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     async def _to_owner(request: Request, response_id: str, method: bytes) -> Response:
         g = gw(request)
+        gate = g.tenants
         g.check_api_key(request.headers)
-        body = await g.read_body(request) if method == b"POST" else b""
-        pod = await g.router.owner_of(response_id)
-        target = request.scope.get("raw_path") or request.url.path.encode()
-        query = request.scope.get("query_string") or b""
-        path = (target + (b"?" + query if query else b"")).decode("latin-1")
-        return await g.proxy.relay(pod, method, path, request.headers.raw, body)
+        ctx = gate.identify(request.headers, request.scope.get("client"))
+        try:
+            body = await g.read_body(request) if method == b"POST" else b""
+            # another tenant's response is not found, exactly like an unknown id
+            pod = await g.router.owner_of(response_id, ctx.name if ctx is not None else None)
+            target = request.scope.get("raw_path") or request.url.path.encode()
+            query = request.scope.get("query_string") or b""
+            path = (target + (b"?" + query if query else b"")).decode("latin-1")
+            response = await g.proxy.relay(pod, method, path, request.headers.raw, body)
+        except RouterError as err:
+            response = gate.public(err, ctx).response()
+        gate.count(ctx, response.status_code)
+        return response
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(request: Request, response_id: str) -> Response:
@@ -180,12 +247,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """Explain where a chat (``messages``), completion (``prompt``) or Responses
         (``input``) body would go."""
         g = gw(request)
-        g.check_api_key(request.headers)
+        g.tenants.introspect(settings.security.route_endpoint, request.headers)
+        if not g.tenants.tenancy.guarded:
+            g.check_api_key(request.headers)
         raw = await g.read_body(request)
         try:
             body = parse_body(raw, g.max_json_depth)
         except RouterError as err:
             raise g.router.reject(err) from None
+        # ?tenant=NAME: explain the body as that tenant's (its cache salt)
+        as_tenant = g.tenants.tenancy.context(request.query_params.get("tenant", ""))
+        if as_tenant is not None:
+            body["cache_salt"] = as_tenant.salt
         kind: Kind = "chat" if "messages" in body or "prompt" not in body else "completion"
         if "input" in body and "messages" not in body and "prompt" not in body:
             kind = "responses"
@@ -196,8 +269,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def models(request: Request) -> Response:
         g = gw(request)
         g.check_api_key(request.headers)
+        ctx = g.tenants.identify(request.headers, request.scope.get("client"))
         data = []
         for model in sorted(g.registry.served_models()):
+            if ctx is not None and not ctx.allows(model):
+                continue
             pods = [p.name for p in g.registry.candidates(model)]
             entry: dict[str, Any] = {
                 "id": model,
@@ -217,6 +293,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def openapi(request: Request) -> Response:
         """This API's OpenAPI document, the fast path's endpoints included."""
         g = gw(request)
+        g.tenants.introspect(settings.security.openapi_endpoint, request.headers)
         return json_response(
             openapi_document(
                 app.routes,
@@ -232,12 +309,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/ready")
     async def ready(request: Request) -> Response:
-        ok, per_model = gw(request).ready()
-        return json_response({"ready": ok, "healthy_pods": per_model}, status=200 if ok else 503)
+        g = gw(request)
+        ok, per_model = g.ready()
+        status = 200 if ok else 503
+        if g.tenants.tenancy.guarded and not g.tenants.tenancy.is_admin(request.headers):
+            return json_response({"ready": ok}, status=status)  # no model names to tenants
+        return json_response({"ready": ok, "healthy_pods": per_model}, status=status)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         g = gw(request)
+        g.tenants.introspect(settings.security.metrics_endpoint, request.headers)
         shared = g.shared_metrics
         body = g.metrics.render() if shared is None else shared.render_all()
         return Response(body, media_type=CONTENT_TYPE)

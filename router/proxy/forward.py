@@ -60,7 +60,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -115,6 +115,10 @@ _DROP_REQUEST_B = frozenset(h.encode() for h in _DROP_REQUEST)
 
 #: kinds routed without a prompt to tokenize: no prompt or cached tokens to count
 _NO_PROMPT_KINDS = frozenset({"embedding", "passthrough"})
+
+
+def _as_is(err: RouterError) -> RouterError:
+    return err
 
 
 class _Stalled(Exception):
@@ -173,6 +177,10 @@ class Proxy:
         )
         #: where a created response's owner is recorded (``/v1/responses``)
         self.owners: OwnerStore | None = None
+        #: what a client may see of an upstream error (tenancy strips fleet internals)
+        self.public: Callable[[RouterError], RouterError] = _as_is
+        #: called with (tenant, completion tokens) when an answer ends cleanly (limits)
+        self.on_answer: Callable[[str | None, int | None], Awaitable[None]] | None = None
 
     async def aclose(self) -> None:
         """Close the transport if this proxy made its own."""
@@ -308,7 +316,7 @@ class Proxy:
                     continue
                 self._served(routed, pod, pm)
                 pm.requests(last_error.status).inc()
-                return last_error.response({self.pod_header: pod})
+                return self.public(last_error).response({self.pod_header: pod})
             except httpx.HTTPError as exc:
                 if resp is not None:
                     await resp.stream.aclose()
@@ -318,7 +326,7 @@ class Proxy:
                     continue  # nothing reached the pod: the next-best one may answer
                 self._served(routed, pod, pm)
                 pm.requests(last_error.status).inc()
-                return last_error.response({self.pod_header: pod})
+                return self.public(last_error).response({self.pod_header: pod})
 
             if content is None and resp.status in RETRYABLE_STATUS and not last:
                 await resp.stream.aclose()
@@ -335,7 +343,7 @@ class Proxy:
                 if routed.kind == "responses" and 200 <= resp.status < 300:
                     rid = id_from_body(content)
                     if rid is not None:
-                        await self.remember(rid, pod)
+                        await self.remember(rid, pod, routed.tenant)
                 answer = answers.of_body(m, routed, pod, resp.status, content)
                 if load.local is not None:
                     gauge.dec()
@@ -343,6 +351,8 @@ class Proxy:
                     if answer.ok:
                         self.policy.on_finished(route, pod, answer.output_tokens)
                     self.policy.on_complete(route, pod)
+                    if answer.ok and self.on_answer is not None:
+                        await self.on_answer(routed.tenant, answer.output_tokens)
                 else:
                     await self._complete(load, gauge, routed, pod, answer)
                 pm.requests(resp.status).inc()
@@ -353,7 +363,7 @@ class Proxy:
 
         err = last_error or RouterError(503, "no pod available", reason="no_pod")
         self._count(routed, attempts[-1] if attempts else "none", err.status)
-        return err.response()
+        return self.public(err).response()
 
     def _stall_error(self, pod: str, cause: str) -> RouterError:
         """The OpenAI error for an attempt cancelled before its first byte: 504
@@ -460,7 +470,7 @@ class Proxy:
                     # a follow-up sent as soon as it did finds it; the rest is not read
                     rid = sniff.feed(chunk)
                     if rid is not None:
-                        await self.remember(rid, pod)
+                        await self.remember(rid, pod, routed.tenant)
                     if sniff.done:
                         sniff = None
                 if first and chunk:
@@ -490,13 +500,13 @@ class Proxy:
             await resp.stream.aclose()
             self._count(routed, pod, status)
 
-    async def remember(self, response_id: str, pod: str) -> None:
-        """Record ``pod`` as the owner of ``response_id`` (a failing store is logged,
-        never fails the answer)."""
+    async def remember(self, response_id: str, pod: str, tenant: str | None = None) -> None:
+        """Record ``pod`` (and ``tenant``) as the owner of ``response_id`` (a failing store
+        is logged, never fails the answer)."""
         if self.owners is None:
             return
         try:
-            await self.owners.put(response_id, pod)
+            await self.owners.put(response_id, pod, tenant)
         except Exception as exc:
             self._log.warning(
                 "owner_put", "recording the owner of response %s failed: %r", response_id, exc
@@ -549,3 +559,5 @@ class Proxy:
         if answer.ok:
             self.policy.on_finished(routed.route, pod, answer.output_tokens)
         self.policy.on_complete(routed.route, pod)
+        if answer.ok and self.on_answer is not None:
+            await self.on_answer(routed.tenant, answer.output_tokens)

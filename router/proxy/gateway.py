@@ -1,6 +1,7 @@
 """The proxy front's state: a :class:`~router.core.RouterCore` plus the
 :class:`~router.proxy.forward.Proxy` that forwards decided requests, the router's API
-keys and the request-body reader (413 past ``proxy.max_body_bytes``)."""
+keys or its tenants (:class:`~router.tenants.gate.TenantGate`) and the request-body
+reader (413 past ``proxy.max_body_bytes``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from starlette.types import Receive
 from router.config import Settings
 from router.core import RouterCore
 from router.errors import RouterError
+from router.proxy.access_log import AccessLog
 from router.proxy.forward import Proxy
+from router.tenants.gate import TenantGate
 
 
 class Gateway(RouterCore):
@@ -31,11 +34,23 @@ class Gateway(RouterCore):
             self.metrics,
             policy_name=settings.policy,
             pod_header=settings.pod_header,
-            forward_authorization=not settings.api_keys,
+            forward_authorization=not settings.api_keys and not settings.tenants,
             pending=self.pending,
             transport=self.transport,
         )
         self.proxy.owners = self.owners
+        p = settings.proxy
+        self.access_log = AccessLog(
+            p.access_log == "on",
+            p.access_log_sample,
+            p.access_log_format,
+            pod_header=settings.pod_header,
+        )
+        #: the tenants (router.tenants): keys, salts, limits, what a tenant may see
+        self.tenants = TenantGate(settings, self.metrics.registry, self.redis)
+        if self.tenants.enabled:
+            self.proxy.public = self.tenants.public
+            self.proxy.on_answer = self.tenants.on_answer
         self._api_keys = [k.encode() for k in settings.api_keys]
         self.max_json_depth = settings.proxy.max_json_depth
 

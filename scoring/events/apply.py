@@ -14,10 +14,13 @@ Semantics (the README quotes this):
   first string after the LoRA name, see :mod:`scoring.events.decode`); a chain with a
   known parent continues from the parent's key.  ``model`` is the pod's, given by the
   caller (topic ``kv@<pod>@<model>`` or config).  Block size: the event's
-  ``block_size``, else the pod's configured one; the pod's :attr:`PodEvents.block_size`
-  is learned from the first event, and a different size later is counted
-  (``block_size_mismatches``).  An event whose token count is not
-  ``len(block_hashes) * block_size`` is malformed (counted, skipped).
+  ``block_size``, else the pod's (:attr:`PodEvents.block_size`: given by the caller from
+  the pod's ``vllm:cache_config_info`` or configured, else learned from the pod's first
+  event that names one), else ``fallback_block_size`` (a guess, for engines whose events
+  omit it: never taken for the pod's size).  An event naming a size other than the
+  pod's known one is counted (``block_size_mismatches``); the fallback never is.  An
+  event whose token count is not ``len(block_hashes) * block_size`` is malformed
+  (counted, skipped).
 * **Counting**: the same hash stored twice on a pod counts 2 (vLLM does not dedupe
   physical blocks); ``BlockRemoved`` takes one copy per listed hash; the index sees one
   ``add`` when a (hash, tier) goes 0 -> 1 and one ``remove`` when it goes 1 -> 0.  A
@@ -272,6 +275,7 @@ class KVEventApplier:
         self,
         *,
         block_size: int | None = None,
+        fallback_block_size: int | None = None,
         engine_hasher: EngineHasher | None = None,
         medium_tiers: Mapping[str, str] = DEFAULT_MEDIUM_TIERS,
         max_orphan_blocks: int = 8192,
@@ -279,7 +283,12 @@ class KVEventApplier:
     ) -> None:
         if block_size is not None and block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if fallback_block_size is not None and fallback_block_size <= 0:
+            raise ValueError(f"fallback_block_size must be positive, got {fallback_block_size}")
+        #: every pod's block size, when configured (else each pod's is given or learned)
         self.block_size = block_size
+        #: for an event without ``block_size`` from a pod whose size is unknown
+        self.fallback_block_size = fallback_block_size
         self.hasher = engine_hasher
         self.medium_tiers = dict(medium_tiers)
         self.max_orphan_blocks = max_orphan_blocks
@@ -435,17 +444,19 @@ class KVEventApplier:
         if not tokens:
             self._record_known(st, ev, tier, ops)
             return
-        bs = ev.block_size or st.block_size
+        named = ev.block_size
+        bs = named or st.block_size or self.fallback_block_size
         if not bs or bs <= 0 or len(tokens) != bs * n:
             self._bad(
                 st,
                 f"BlockStored has {n} hashes and {len(tokens)} tokens, not {n} x block_size ({bs})",
             )
             return
-        if st.block_size is None:
-            st.block_size = bs
-        elif bs != st.block_size:
-            self.stats.block_size_mismatches += 1
+        if named:  # only a size the event names is evidence of the pod's
+            if st.block_size is None:
+                st.block_size = named
+            elif named != st.block_size:
+                self.stats.block_size_mismatches += 1
         ph = ev.parent_block_hash
         salt = None
         if ph is None:

@@ -351,6 +351,7 @@ def test_the_alerts_cover_the_failure_modes() -> None:
         "KvrouteKVEventResyncs": "kvroute_event_resyncs_total",
         "KvrouteIndexEmptyWhileServing": "kvroute_index_entries",
         "KvroutePodScrapeFailing": "kvroute_scrape_errors_total",
+        "KvrouteIndexDrift": "kvroute_cache_prediction_error_tokens_total",
     }
     for alert, metric in reads.items():
         assert metric in alerts[alert], alert

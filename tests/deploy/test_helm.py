@@ -368,6 +368,27 @@ def test_an_unknown_config_key_is_rejected_by_settings_when_the_schema_is_bypass
         router_settings(docs, tmp_path / "mounts")
 
 
+@pytest.mark.parametrize("kind", ["k8s", "dns"])
+def test_a_discovery_kind_without_its_section_fails_helm_template(kind: str) -> None:
+    """Settings refuses it (the router would exit at start): so does the chart's schema."""
+    with pytest.raises(ValidationError, match=f"discovery.{kind} is not set"):
+        Settings.model_validate({"discovery": {"kind": kind}})
+    with pytest.raises(helm.HelmValuesError, match=kind):
+        render({"config": {"discovery": {"kind": kind}}})
+    with pytest.raises(helm.HelmValuesError, match=kind):
+        render({"config": {"discovery": {"kind": kind, kind: None}}})
+
+
+def test_kubernetes_discovery_without_a_label_selector_fails_helm_template() -> None:
+    with pytest.raises(helm.HelmValuesError, match="label_selector"):
+        render({"config": {"discovery": {"kind": "k8s", "k8s": {"events_port": 5557}}}})
+
+
+def test_a_bare_yaml_on_turns_the_access_log_on(tmp_path: Path, no_kvroute_env: None) -> None:
+    docs = render({"config": {"proxy": {"access_log": True}}})  # YAML `access_log: on`
+    assert router_settings(docs, tmp_path).proxy.access_log == "on"
+
+
 def test_a_typo_in_a_top_level_value_fails_helm_template() -> None:
     with pytest.raises(helm.HelmValuesError, match="replicaCont"):
         render({"replicaCont": 3})

@@ -226,6 +226,12 @@ async def test_a_fallback_list_is_walked_and_the_endpoint_that_served_is_account
         ) as (server, client, _):
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
             answers = [await client.post("/v1/chat/completions", json=body) for _ in range(4)]
+            served = f'pod="{pods[0].name}",policy="round_robin",status="200"}} 4.0'
+
+            def accounted() -> bool:  # the picker hears of an answer's end after the client
+                return served in server.picker.metrics.render().decode()
+
+            await wait_until(accounted, "the 4 answers accounted at the picker")
             text = server.picker.metrics.render().decode()
     assert [r.status_code for r in answers] == [200] * 4
     assert {r.headers["x-kvroute-pod"] for r in answers} == {pods[0].name}

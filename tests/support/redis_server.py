@@ -44,11 +44,15 @@ def free_port() -> int:
 
 
 def answers_ping(port: int) -> bool:
-    """Whether a server on 127.0.0.1:``port`` answers ``PING`` with ``+PONG``."""
+    """Whether a server on 127.0.0.1:``port`` answers ``PING`` (``+PONG``, or
+    ``-NOAUTH`` when it wants a password first)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
             s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+            reply = s.recv(16)
+            # a server started with --requirepass (or an ACL default user off) answers
+            # NOAUTH: it is up
+            return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
     except OSError:
         return False
 

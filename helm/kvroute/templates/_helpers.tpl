@@ -124,6 +124,15 @@ k8s
 {{- if $url -}}
 {{- $_ := set $config "redis_url" $url -}}
 {{- end -}}
+{{- if .Values.redis.username -}}
+{{- $_ := set $config "redis_username" .Values.redis.username -}}
+{{- end -}}
+{{- if .Values.redis.passwordSecret.name -}}
+{{- $_ := set $config "redis_password_file" "/etc/kvroute-secrets/redis-password" -}}
+{{- end -}}
+{{- if .Values.redis.caSecret.name -}}
+{{- $_ := set $config "redis_ca_file" "/etc/kvroute-secrets/redis-ca.pem" -}}
+{{- end -}}
 {{- if include "kvroute.poolDiscovery" . -}}
 {{- /* epp mode: the InferencePool's pods are the pods kvroute discovers */ -}}
 {{- $discovery := deepCopy ($config.discovery | default dict) -}}
@@ -157,8 +166,71 @@ k8s
       name: {{ .Values.apiKeys.existingSecret }}
       key: {{ .Values.apiKeys.key }}
 {{- end }}
+{{- $tenants := include "kvroute.tenantsSecret" . }}
+{{- if $tenants }}
+- name: KVROUTE_TENANTS
+  valueFrom:
+    secretKeyRef:
+      name: {{ $tenants }}
+      key: tenants.json
+- name: KVROUTE_TENANT_SALT_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ $tenants }}
+      key: salt-secret
+- name: KVROUTE_ADMIN_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ $tenants }}
+      key: admin-keys
+      optional: true
+- name: KVROUTE_ADMIN_KEY_SHA256
+  valueFrom:
+    secretKeyRef:
+      name: {{ $tenants }}
+      key: admin-key-sha256
+      optional: true
+{{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The Secret holding the tenants: tenants.existingSecret, or the rendered one */}}
+{{- define "kvroute.tenantsSecret" -}}
+{{- if .Values.tenants.existingSecret -}}
+{{- .Values.tenants.existingSecret -}}
+{{- else if .Values.tenants.list -}}
+{{- printf "%s-tenants" (include "kvroute.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Secrets mounted as files (Redis password, Redis CA): volumes and mounts */}}
+{{- define "kvroute.secretVolumes" -}}
+{{- if or .Values.redis.passwordSecret.name .Values.redis.caSecret.name }}
+- name: secrets
+  projected:
+    sources:
+      {{- with .Values.redis.passwordSecret.name }}
+      - secret:
+          name: {{ . }}
+          items:
+            - {key: {{ $.Values.redis.passwordSecret.key }}, path: redis-password}
+      {{- end }}
+      {{- with .Values.redis.caSecret.name }}
+      - secret:
+          name: {{ . }}
+          items:
+            - {key: {{ $.Values.redis.caSecret.key }}, path: redis-ca.pem}
+      {{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvroute.secretMounts" -}}
+{{- if or .Values.redis.passwordSecret.name .Values.redis.caSecret.name }}
+- name: secrets
+  mountPath: /etc/kvroute-secrets
+  readOnly: true
 {{- end }}
 {{- end -}}
 
@@ -167,6 +239,9 @@ k8s
 {{- $writer := .Values.config.index_writer | default false -}}
 {{- if and (include "kvroute.epp" .) .Values.epp.inferencePool.create (not .Values.epp.inferencePool.matchLabels) -}}
 {{- fail "mode epp renders an InferencePool: set epp.inferencePool.matchLabels to the model server pods' labels (or epp.inferencePool.create: false)" -}}
+{{- end -}}
+{{- if and .Values.tenants.list (not .Values.tenants.existingSecret) (not .Values.tenants.saltSecret) -}}
+{{- fail "tenants.list needs tenants.saltSecret (>= 32 characters; or use tenants.existingSecret with a salt-secret key)" -}}
 {{- end -}}
 {{- if and .Values.redis.enabled .Values.redis.url -}}
 {{- fail "redis.enabled (the bundled Valkey) and redis.url (an external Redis) are both set: choose one" -}}

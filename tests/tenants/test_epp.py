@@ -1,0 +1,64 @@
+"""The Endpoint Picker front applies the same tenant rules: the key, the model, the
+limits, and the tenant's cache_salt set in the body it sends back to the proxy."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+
+from router.epp import protocol as P
+from tests.epp import client as C
+from tests.epp.fleet import MODEL, running_epp, settings_for, sim_pods
+from tests.tenants.rig import KEY_A, two_tenants
+
+CHAT = "/v1/chat/completions"
+
+
+def body(**kw: object) -> bytes:
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kw}
+    return json.dumps(payload).encode()
+
+
+async def pick(channel: grpc.aio.Channel, raw: bytes, key: str | None) -> tuple[object, bytes]:
+    stream = C.Stream(channel)
+    extra = [("authorization", f"Bearer {key}")] if key else []
+    await stream.send(C.request_headers(CHAT, extra=extra), C.request_body(raw, True))
+    answer, echoed = await stream.read_request_pick()
+    await stream.close()
+    return answer, echoed
+
+
+async def test_the_epp_sets_the_tenants_salt_over_the_clients_and_refuses_bad_keys() -> None:
+    limits = {"requests_per_minute": 2}
+    async with (
+        sim_pods(1) as pods,
+        running_epp(settings_for(pods, **two_tenants(limits=limits, models=[MODEL]))) as (
+            server,
+            channel,
+        ),
+    ):
+        salt = server.picker.tenants.tenancy.context("a").salt  # type: ignore[union-attr]
+        answer, echoed = await pick(channel, body(cache_salt="mine"), KEY_A)
+        assert json.loads(echoed)["cache_salt"] == salt
+        assert C.set_headers(answer)["content-length"] == str(len(echoed))
+        refused, _ = await pick(channel, body(), "wrong-key")
+        assert refused.immediate_response.status.code == 401  # type: ignore[attr-defined]
+        await pick(channel, body(), KEY_A)
+        limited, _ = await pick(channel, body(), KEY_A)
+        imm = limited.immediate_response  # type: ignore[attr-defined]
+        assert imm.status.code == 429
+        assert json.loads(imm.body)["error"]["type"] == "rate_limit_error"
+        assert any(h.header.key == "retry-after" for h in imm.headers.set_headers)
+        assert P.DESTINATION_KEY in C.set_headers(answer)
+
+
+async def test_a_model_the_tenant_may_not_use_is_an_immediate_404() -> None:
+    async with (
+        sim_pods(1, model="other") as pods,
+        running_epp(settings_for(pods, **two_tenants(models=[MODEL]))) as (_server, channel),
+    ):
+        hidden, _ = await pick(channel, body(model="other"), KEY_A)
+        imm = hidden.immediate_response  # type: ignore[attr-defined]
+        assert imm.status.code == 404
+        assert json.loads(imm.body)["error"]["code"] == "model_not_found"
