@@ -181,6 +181,9 @@ class Proxy:
         self.public: Callable[[RouterError], RouterError] = _as_is
         #: called with (tenant, completion tokens) when an answer ends cleanly (limits)
         self.on_answer: Callable[[str | None, int | None], Awaitable[None]] | None = None
+        #: the policy reads the output tokens (``on_finished`` is its own): every answer's
+        #: usage is decoded for it (else only those reporting cached tokens, for metrics)
+        self._policy_wants_output = type(policy).on_finished is not Policy.on_finished
 
     async def aclose(self) -> None:
         """Close the transport if this proxy made its own."""
@@ -344,7 +347,14 @@ class Proxy:
                     rid = id_from_body(content)
                     if rid is not None:
                         await self.remember(rid, pod, routed.tenant)
-                answer = answers.of_body(m, routed, pod, resp.status, content)
+                answer = answers.of_body(
+                    m,
+                    routed,
+                    pod,
+                    resp.status,
+                    content,
+                    self._policy_wants_output or self.on_answer is not None,
+                )
                 if load.local is not None:
                     gauge.dec()
                     load.end_now()
