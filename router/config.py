@@ -37,6 +37,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from router.decision.disagg import PDSettings
 from router.events.settings import EventsSettings
 from router.fleet.discovery import DiscoverySettings
 from router.fleet.health import HealthSettings
@@ -236,6 +237,39 @@ class ScrapeSettings(_Section):
     )
 
 
+class SpeculativeSettings(_Section):
+    """Speculative index entries: pods learned from the requests routed to them where KV
+    events cannot tell (router/decision/learning.py)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="learn pods that publish no KV events, or whose index entries were lost, "
+        "from the requests routed to them",
+    )
+    ttl_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="seconds a routed chain is held for a learning pod, re-armed by every "
+        "request with it (Dynamo's --router-ttl-secs default)",
+    )
+    routed_ttl_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="if > 0: every routed chain is held this long on any pod, covering the "
+        "gap until its BlockStored (llm-d's speculativeTTL: 2 s); 0 = off",
+    )
+    max_entries: int = Field(
+        default=250_000,
+        ge=1,
+        description="max speculative (pod, block) entries; past it the nearest to expiry go",
+    )
+    verify: bool = Field(
+        default=True,
+        description="drop speculative blocks the pod's vllm:prefix_cache_hits_total does not "
+        "show it hit",
+    )
+
+
 class ResponsesSettings(_Section):
     """The Responses API (/v1/responses): which pod owns a stored response."""
 
@@ -430,8 +464,10 @@ class Settings(BaseSettings):
     scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
     responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
+    pd: PDSettings = Field(default_factory=PDSettings)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
     events: EventsSettings = Field(default_factory=EventsSettings)
+    speculative: SpeculativeSettings = Field(default_factory=SpeculativeSettings)
     health: HealthSettings = Field(default_factory=HealthSettings)  # type: ignore[arg-type]
 
     @field_validator("pod_header", "session_header")

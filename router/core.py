@@ -11,7 +11,9 @@ several cores (tests, workers) can live in one process.
 which models the pods serve), the KV-event subscriber (with ``redis_url`` only when
 ``index_writer``: by default a separate `kvroute index` writes), the metrics scraper,
 the index-entries gauge and the writer lease; :meth:`RouterCore.stop` stops them in
-reverse order.
+reverse order.  The :class:`~router.decision.learning.RouteLearner` (speculative
+entries) hears the sink's events, the scraper's samples, the index-gauge loop's counts
+and the fleet's departures; a front tells it what it sends (``RequestRouter.sent``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import httpx
 
 from router.config import Settings
 from router.decision.core import RequestRouter
+from router.decision.learning import RouteLearner
 from router.decision.owners import MemoryOwnerStore, OwnerStore, RedisOwnerStore
 from router.events import KVEventSubscriber
 from router.fleet.discovery import build_discovery
@@ -68,6 +71,13 @@ class RouterCore:
             count_errors(self.redis, self.metrics.registry)
         self.index: BlockIndex = _make_index(settings, self.redis)
         self.load: LoadStore = _make_load_store(settings, self.redis)
+        #: speculative entries: pods learned from the requests routed to them where the
+        #: KV events cannot tell (no events at all: in memory with events off)
+        self.learner = RouteLearner(
+            settings.speculative,
+            events_off=not settings.events.enabled and settings.redis_url is None,
+            tier=self.index.tiers[0],
+        )
         self.scraper = MetricsScraper(
             self.registry,
             self.client,
@@ -75,6 +85,7 @@ class RouterCore:
             timeout_s=settings.scrape.timeout_s,
             stale_after_s=settings.scrape.stale_after_s,
             on_error=lambda pod: self.metrics.scrape_errors.labels(pod).inc(),
+            on_scraped=self.learner.on_scraped if self.learner.enabled else None,
         )
         self.health = HealthChecker(
             self.registry,
@@ -111,7 +122,14 @@ class RouterCore:
             self.tokenizer_for,
             self.metrics,
             self.pending,
+            self.learner,
         )
+        if self.learner.enabled:
+            if self.sink is not None:
+                self.sink.learner = self.learner
+            self.metrics.add_collector(
+                lambda: self.learner.collect(p.name for p in self.registry.all())
+            )
         if self.sink is not None and self.sink.applier.hasher is not None:
             # engine-hash mode, and this process applies events: learn routed chains
             self.router.on_routed = self.sink.learn_later
@@ -139,6 +157,8 @@ class RouterCore:
     def _on_pod(self, name: str, spec: PodSpec | None) -> None:
         if spec is None:
             self.policy.on_pod_removed(name)
+            self.router.pd.on_pod_removed(name)
+            self.learner.gone(name)
             self.scraper.forget(name)
             self.metrics.forget_pod(name)
             self._spawn(self.load.clear_pod(name))
@@ -238,8 +258,13 @@ class RouterCore:
         its old value.  Pods no longer registered get no series (``forget_pod``)."""
         entries = await self.index.pod_entries()
         self.router.views.resident = entries
-        for state in self.registry.all():
-            self.metrics.index_entries.labels(state.name).set(entries.get(state.name, 0))
+        names = [state.name for state in self.registry.all()]
+        for name in names:
+            self.metrics.index_entries.labels(name).set(entries.get(name, 0))
+        if self.learner.enabled:
+            self.learner.index_entries(
+                entries, names, self._capacity_blocks, shared=self.sink is None
+            )
 
     async def _index_gauge_loop(self) -> None:
         while True:
@@ -248,6 +273,10 @@ class RouterCore:
             except Exception as exc:
                 log.debug("index entries gauge: %s", exc)
             await asyncio.sleep(max(self.settings.scrape.interval_s, 1.0))
+
+    def _capacity_blocks(self, pod: str) -> int | None:
+        scraped = self.scraper.get(pod)
+        return scraped.capacity_blocks if scraped is not None else None
 
 
 def _make_index(settings: Settings, redis: RedisGuard | None) -> BlockIndex:

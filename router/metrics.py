@@ -362,6 +362,50 @@ class RouterMetrics:
             ["pod"],
             registry=r,
         )
+        self._pd_metrics(r)
+
+    def _pd_metrics(self, r: CollectorRegistry) -> None:
+        """Prefill/decode disaggregation (router/proxy/disagg.py, docs/pd.md)."""
+        self.pd_decisions = Counter(
+            "kvroute_pd_decisions",
+            "Requests of models whose pods have P/D roles, by model and decision: split "
+            "(prefill pod, then decode pod) or direct (the decode pod computes the prompt) "
+            "because short, local_faster or no_prefill_pod",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.pd_prefill_seconds = self._hot(
+            "histogram",
+            "kvroute_pd_prefill_seconds",
+            "Time of the prefill half of a disaggregated request: sent to the prefill pod "
+            "until its whole answer (with kv_transfer_params) is in, by model and prefill pod",
+            ("model", "pod"),
+            buckets=_TTFT_BUCKETS,
+        )
+        self.pd_prefill_attempts = self._hot(
+            "counter",
+            "kvroute_pd_prefill_attempts",
+            "Prefill halves sent, by prefill pod and outcome: ok (kv_transfer_params "
+            "returned), no_params, status (another non-2xx answer), failed (no answer: "
+            "connect, timeout, 502/503, ejected; the next prefill pod is tried)",
+            ("pod", "outcome"),
+        )
+        self.pd_fallbacks = Counter(
+            "kvroute_pd_fallbacks",
+            "Split requests sent to a decode pod as plain requests (it computes the prompt), "
+            "by model and reason: prefill_failed (no prefill pod answered), no_params, "
+            "prefill_status, decode_retry (a decode pod failed after it got the request, or "
+            "the lease passed)",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.pd_transfers = Counter(
+            "kvroute_pd_transfers",
+            "Decode attempts sent with a prefill pod's kv_transfer_params, by model and "
+            "attempt: first, or retry (another decode pod, the same params, within the lease)",
+            ["model", "attempt"],
+            registry=r,
+        )
 
     def _hot(
         self,
@@ -412,6 +456,8 @@ class RouterMetrics:
             self.upstream_errors,
             self.scrape_errors,
             self.ttft_seconds,
+            self.pd_prefill_seconds,
+            self.pd_prefill_attempts,
         ):
             family.remove_where("pod", pod)
         with contextlib.suppress(KeyError):

@@ -46,8 +46,8 @@ STALE_AFTER_S = 10.0
 
 #: families counted by loops each worker runs on its own over the same inputs
 _PER_WORKER_LOOPS = ("kvroute_event", "kvroute_health_", "kvroute_scrape_errors")
-#: gauges whose per-worker values add up
-_SUM_GAUGES = frozenset({"kvroute_inflight_requests"})
+#: gauges whose per-worker values add up (each worker holds its own speculative entries)
+_SUM_GAUGES = frozenset({"kvroute_inflight_requests", "kvroute_speculative_entries"})
 
 
 def _adds_up(family: Any) -> bool:

@@ -31,6 +31,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from router.config import Settings
+from router.decision.disagg import PDStep
+from router.decision.learning import RouteLearner
 from router.decision.owners import OwnerStore
 from router.decision.plan import Encoding, Planner
 from router.decision.request import (
@@ -73,6 +75,7 @@ class RequestRouter:
         tokenizer_for: Callable[[str], PromptTokenizer],
         metrics: RouterMetrics,
         pending: PendingLoad | None = None,
+        learner: RouteLearner | None = None,
     ) -> None:
         self.settings = settings
         self.registry = registry
@@ -84,7 +87,11 @@ class RequestRouter:
         self.metrics = metrics
         self.pending = pending if pending is not None else PendingLoad()
         self.planner = Planner(settings, registry, scraper, tokenizer_for, metrics)
-        self.views = ViewBuilder(index, load, scraper, self.pending)
+        #: speculative entries: pods learned from the requests sent to them
+        self.learner = learner
+        self.views = ViewBuilder(index, load, scraper, self.pending, learner)
+        #: prefill/decode: decides for models whose pods have roles (none: the policy)
+        self.pd = PDStep(settings.pd, settings.policy, settings.policy_params)
         self._decision_hist = metrics.decision_seconds.labels()
         self._rr = 0
         self._ids = itertools.count()
@@ -310,11 +317,15 @@ class RequestRouter:
         vb = self.views
         lookup_now = vb.lookup_now
         if lookup_now is not None:
-            views = vb.views_now(lookup_now(keys, names) if keys else {}, names)
+            views = vb.views_now(lookup_now(keys, names) if keys else {}, names, keys)
         else:
             views = await vb.views(keys, names)
-        decision = self.policy.pick(route, list(views.values()))
-        ranking = rank(decision, names)
+        pd = self.pd.plan(route, pods, views)
+        if pd is None:  # no roles: the policy over every candidate
+            decision = self.policy.pick(route, list(views.values()))
+            ranking = rank(decision, names)
+        else:
+            decision, ranking = pd.as_decision(), pd.decode_ranking
         self._decision_hist.observe(_perf() - t0)
         if self.on_routed is not None and keys and not enc.approximate:
             salt = body.get("cache_salt")
@@ -340,7 +351,18 @@ class RequestRouter:
             views,
             entry.name,
             enc.approximate,
+            pd=pd,
         )
+
+    def sent(self, routed: Routed, pod: str) -> None:
+        """The front is sending ``routed`` to ``pod`` (each attempt; never for
+        ``/v1/route``): the learner writes the chain of a learning pod."""
+        learner = self.learner
+        if learner is not None and learner.enabled:
+            try:
+                learner.on_sent(routed, pod)
+            except Exception as exc:  # never fails the request
+                log.warning("speculative entries: %s", exc)
 
     def _only_model(self, kind: Kind, model: Any) -> str:
         """The model of a body without one: a passthrough or Responses request

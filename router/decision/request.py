@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
 from router.errors import RouterError, bad_request
 from scoring.policies.base import Decision, PodView, RouteRequest
+
+if TYPE_CHECKING:
+    from router.decision.disagg import PDPlan
 
 Kind = Literal["chat", "completion", "embedding", "passthrough", "responses"]
 
@@ -48,6 +51,8 @@ class Routed:
     approximate: bool = False
     #: the tenant that sent it (None: tenancy off); set by :meth:`RequestRouter.decide`
     tenant: str | None = None
+    #: prefill/decode: the plan of a model whose pods have roles (router.decision.disagg)
+    pd: PDPlan | None = None
 
     def cached_tokens(self, pod: str) -> int:
         """Prompt tokens the index says ``pod`` holds (any tier)."""

@@ -1,6 +1,8 @@
 """One :class:`~scoring.policies.base.PodView` per candidate pod: the index's hits for
-the request's block keys, the router-tracked load (plus the pending overlay of a shared
-store), fresh scraped metrics and how many blocks each pod's cache holds.
+the request's block keys (continued by the speculative entries of
+:class:`~router.decision.learning.RouteLearner`: ``PodView.speculative``), the
+router-tracked load (plus the pending overlay of a shared store), fresh scraped metrics
+and how many blocks each pod's cache holds.
 
 An in-memory index and load store are read without awaiting (no coroutine per request
 for what is a dict lookup): :attr:`ViewBuilder.immediate` says when.
@@ -11,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from router.decision.learning import RouteLearner
 from router.fleet.load import LoadStore, MemoryLoadStore, PendingLoad
 from router.fleet.scrape import MetricsScraper
 from scoring.index.base import BlockIndex
@@ -33,8 +36,12 @@ class ViewBuilder:
         load: LoadStore,
         scraper: MetricsScraper | None,
         pending: PendingLoad,
+        learner: RouteLearner | None = None,
     ) -> None:
         self.index = index
+        #: speculative entries merged into the hits (None or disabled: none)
+        self.learner = learner if learner is not None and learner.enabled else None
+        self._tier = index.tiers[0]
         self.load = load
         self.scraper = scraper
         self.pending = pending
@@ -68,23 +75,27 @@ class ViewBuilder:
             local = getattr(self.load, "local_snapshot", None)
             load = local(names) if local is not None else {}
             overlay = False
-        return self._merge_views(hits, load, names, overlay)
+        return self._merge_views(hits, load, names, keys, overlay)
 
     def views_now(
-        self, hits: Mapping[str, Mapping[str, int]], names: list[str]
+        self,
+        hits: Mapping[str, Mapping[str, int]],
+        names: list[str],
+        keys: Sequence[int] = (),
     ) -> dict[str, PodView]:
         """:meth:`views` for an in-memory index and load store: no awaits (and no
         snapshot: the store's counts are read directly)."""
         local = self._local_load
         assert local is not None
         inflight_of, prefill_of = local.counts()
-        return self._build_views(hits, names, inflight_of, prefill_of, None)
+        return self._build_views(hits, names, inflight_of, prefill_of, None, keys)
 
     def _merge_views(
         self,
         hits: Mapping[str, Mapping[str, int]],
         load: Mapping[str, tuple[int, int]],
         names: list[str],
+        keys: Sequence[int],
         overlay: bool = True,
     ) -> dict[str, PodView]:
         # the pending overlay (read after the awaits) only ever holds anything with a
@@ -96,6 +107,7 @@ class ViewBuilder:
             lambda pod, _: load.get(pod, _NO_LOAD)[0],
             lambda pod, _: load.get(pod, _NO_LOAD)[1],
             pending,
+            keys,
         )
 
     def _build_views(
@@ -105,9 +117,14 @@ class ViewBuilder:
         inflight_of: Callable[[str, int], int],
         prefill_of: Callable[[str, int], int],
         pending: Callable[[str], tuple[int, int]] | None,
+        keys: Sequence[int] = (),
     ) -> dict[str, PodView]:
-        """One view per candidate: index hits, router-tracked load (plus the pending
-        overlay), fresh scraped metrics, and how many blocks its cache holds."""
+        """One view per candidate: index hits (continued by speculative entries),
+        router-tracked load (plus the pending overlay), fresh scraped metrics, and how
+        many blocks its cache holds."""
+        learner = self.learner
+        spec = learner.extend(keys, names, hits) if learner is not None and keys else None
+        tier = self._tier
         scraper = self.scraper
         scraped_of = scraper.fresh() if scraper is not None else None
         resident_of = self._resident_blocks().get
@@ -120,10 +137,21 @@ class ViewBuilder:
                 inflight += p_n
                 prefill += p_tokens
             held = hits.get(name)
+            own = dict(held) if held else {}
+            extra = 0
+            if spec is not None:
+                n = spec.get(name)
+                if n is not None:
+                    # speculative blocks are GPU blocks: servable from every tier's view
+                    extra = n - own.get(tier, 0)
+                    for t, v in own.items():
+                        if v < n:
+                            own[t] = n
+                    own[tier] = n
             scraped = scraped_of(name) if scraped_of is not None else None
             views[name] = PodView(
                 name,
-                dict(held) if held else {},
+                own,
                 inflight,
                 prefill,
                 None if scraped is None else scraped.waiting,
@@ -131,6 +159,7 @@ class ViewBuilder:
                 None if scraped is None else scraped.kv_usage,
                 resident_of(name, 0),
                 None if scraped is None else scraped.capacity_blocks,
+                extra,
             )
         return views
 

@@ -14,7 +14,19 @@ subclass adds what else the subscriber uses when present (see
 * :meth:`extra_stats` / :meth:`gauges` — engine-hash mode counters, exported next to
   the applier's.
 
-and, in engine-hash mode (``events.engine_hash_algo``), :meth:`learn_later`: the router
+With a :class:`~router.decision.learning.RouteLearner` (:attr:`IndexSink.learner`), it
+tells the speculative entries what the events say: each batch's adds confirm, its
+removals drop, an ``AllBlocksCleared`` drops all of the pod's; orphans mark the pod
+incomplete; its leaving drops everything.  A resync (:meth:`clear_pod`: the subscriber
+lost events and has no complete replay) *carries* the pod's GPU entries over into
+speculative ones before the index forgets them -- the pod's cache did not change, only
+our view of it, so its hot prefixes stay visible -- and the pod learns from routed
+requests until its index is whole again.  The carried blocks' engine hashes are kept, so
+a later ``BlockRemoved`` of one of them (which the applier, having forgotten it, ignores)
+still drops its entry.  These are calls the subscriber already makes, so nothing in its
+loop changes.
+
+And, in engine-hash mode (``events.engine_hash_algo``), :meth:`learn_later`: the router
 hands it each routed request's chain; one background task learns the chains
 (``KVEventApplier.learn``, ~2-3 us per block: off the request's path) and applies the
 index writes of the orphans they link.  The queue is bounded: when full, the request is
@@ -30,13 +42,20 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from router.events.guard import PodFacts, check_held
-from scoring.events import EventBatch
 from scoring.events import IndexSink as _ScoringIndexSink
-from scoring.events.apply import IndexOps
+from scoring.events.apply import FAST_TIER, Held, IndexOps
+from scoring.events.decode import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineHash,
+    EventBatch,
+)
 from scoring.events.engine_hash import DEFAULT_SEED, EngineHasher
 
 if TYPE_CHECKING:
     from router.config import Settings
+    from router.decision.learning import RouteLearner
     from router.events.settings import EventsSettings
 
 log = logging.getLogger(__name__)
@@ -90,6 +109,10 @@ class IndexSink(_ScoringIndexSink):
         self._write_order: asyncio.Lock | None = (
             asyncio.Lock() if self.applier.hasher is not None else None
         )
+        #: told what the applied events say (speculative entries); set by the core
+        self.learner: RouteLearner | None = None
+        #: pod -> engine hash -> our key of the GPU blocks carried over at a resync
+        self._carried: dict[str, dict[EngineHash, int]] = {}
 
     async def _run(self, ops: IndexOps) -> None:
         if self._write_order is None:
@@ -113,7 +136,94 @@ class IndexSink(_ScoringIndexSink):
         ops = self.applier.apply_batch(pod, batch)
         check_held(st.gpu_blocks, facts)
         await self._run(ops)
+        self.applied(pod, batch, ops)  # (the speculative entries hear every batch)
         return len(batch.events)
+
+    # -- what the speculative entries hear ----------------------------------------------
+
+    def applied(self, pod: str, batch: EventBatch, ops: IndexOps) -> None:
+        learner = self.learner
+        if learner is None:
+            return
+        learner.published(pod)
+        self._tell(learner, ops)
+        carried = self._carried.get(pod)
+        if carried is not None:
+            self._carried_events(learner, pod, carried, batch)
+        st = self.applier.pod(pod)
+        if st is not None and st.orphans:
+            learner.incomplete(pod)
+
+    def _carried_events(
+        self,
+        learner: RouteLearner,
+        pod: str,
+        carried: dict[EngineHash, int],
+        batch: EventBatch,
+    ) -> None:
+        """Events about blocks carried over at a resync: a removal drops the entry; a
+        store means the engine announces the block again (no longer ours to track)."""
+        gone: list[int] = []
+        for ev in batch.events:
+            if type(ev) is BlockRemoved:
+                if ev.medium is None or ev.medium == FAST_TIER:
+                    for h in ev.block_hashes:
+                        k = carried.pop(h, None)
+                        if k is not None:
+                            gone.append(k)
+            elif type(ev) is BlockStored:
+                for h in ev.block_hashes:
+                    carried.pop(h, None)
+            elif type(ev) is AllBlocksCleared:
+                carried.clear()
+        if gone:
+            learner.removed(pod, gone)
+        if not carried or not learner.index.holds(pod):
+            del self._carried[pod]
+
+    def _tell(self, learner: RouteLearner, ops: IndexOps) -> None:
+        tier = self.index.tiers[0]
+        for kind, p, t, keys in ops.ops:
+            if kind == "add":
+                if t == tier:
+                    learner.stored(p, keys)
+            elif kind == "remove":
+                if t == tier:
+                    learner.removed(p, keys)
+            elif kind == "clear":  # AllBlocksCleared within a batch
+                learner.all_cleared(p)
+
+    async def clear_pod(self, pod: str) -> None:
+        """A resync (the subscriber lost the pod's events or saw it restart): forget its
+        entries, carrying its GPU blocks over into speculative entries (an engine
+        restart is told apart later by the pod's hit counter going back); the pod
+        learns from routed requests until its index is whole again."""
+        learner = self.learner
+        held = self._gpu_blocks(pod) if learner is not None else {}
+        await super().clear_pod(pod)
+        if learner is not None:
+            if held:
+                self._carried.setdefault(pod, {}).update(held)
+            learner.cleared(pod, list(held.values()))
+
+    def _gpu_blocks(self, pod: str) -> dict[EngineHash, int]:
+        """Engine hash -> our key of the blocks the applier knows ``pod`` holds on GPU."""
+        st = self.applier.pod(pod)
+        if st is None:
+            return {}
+        out: dict[EngineHash, int] = {}
+        for h, v in st.blocks.items():
+            if type(v) is int:
+                out[h] = v
+            elif isinstance(v, Held) and v.counts.get(FAST_TIER):
+                out[h] = v.key
+        return out
+
+    async def remove_pod(self, pod: str) -> None:
+        await super().remove_pod(pod)
+        self._carried.pop(pod, None)
+        if self.learner is not None:
+            self.learner.gone(pod)
 
     def lost_events(self, pod: str) -> bool:
         st = self.applier.pod(pod)
@@ -177,6 +287,8 @@ class IndexSink(_ScoringIndexSink):
                 self.learn_requests += 1
                 if ops:
                     await self._run(ops)
+                    if self.learner is not None:
+                        self._tell(self.learner, ops)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -1,7 +1,9 @@
 """The scraped half of the load view: each pod's ``/metrics`` every ``scrape.interval_s``.
 
 ``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``
-(summed / averaged over engines) and ``vllm:cache_config_info{block_size=...}``.  A value
+(summed / averaged over engines), ``vllm:prefix_cache_hits_total`` (summed; what the
+speculative entries are checked against, router/decision/learning.py) and
+``vllm:cache_config_info{block_size=...}``.  A value
 older than ``scrape.stale_after_s`` is reported as unknown (None), never as stale truth.
 ``max_model_len`` is learned from ``GET /v1/models`` on the same loop.
 """
@@ -35,14 +37,16 @@ class Scraped:
     block_size: int | None = None
     #: the KV cache's size in blocks (``num_gpu_blocks``)
     capacity_blocks: int | None = None
+    #: ``vllm:prefix_cache_hits_total``: prompt tokens served from the prefix cache, ever
+    prefix_hits: float | None = None
 
 
 def parse_vllm_metrics(text: str) -> Scraped:
     """Pick the routing-relevant series out of a Prometheus text exposition.
 
-    Sums ``num_requests_waiting/running`` over engines, averages ``kv_cache_usage_perc``
-    (older engines call it ``gpu_cache_usage_perc``), takes ``block_size`` and
-    ``num_gpu_blocks`` (the cache's capacity) from the labels of
+    Sums ``num_requests_waiting/running`` and ``prefix_cache_hits_total`` over engines,
+    averages ``kv_cache_usage_perc`` (older engines call it ``gpu_cache_usage_perc``),
+    takes ``block_size`` and ``num_gpu_blocks`` (the cache's capacity) from the labels of
     ``vllm:cache_config_info`` (summed over engines: data-parallel engines each have
     their own cache).
     """
@@ -51,6 +55,8 @@ def parse_vllm_metrics(text: str) -> Scraped:
     usage: list[float] = []
     block_size: int | None = None
     capacity = 0
+    hits = 0.0
+    seen_h = False
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
@@ -77,6 +83,9 @@ def parse_vllm_metrics(text: str) -> Scraped:
         elif name == "vllm:num_requests_running":
             running += value
             seen_r = True
+        elif name == "vllm:prefix_cache_hits_total":
+            hits += value
+            seen_h = True
         elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
             usage.append(value)
         elif name == "vllm:cache_config_info":
@@ -93,6 +102,7 @@ def parse_vllm_metrics(text: str) -> Scraped:
         kv_usage=(sum(usage) / len(usage)) if usage else None,
         block_size=block_size,
         capacity_blocks=capacity or None,
+        prefix_hits=hits if seen_h else None,
     )
 
 
@@ -121,6 +131,7 @@ class MetricsScraper:
         stale_after_s: float,
         on_error: Callable[[str], None] | None = None,
         models_every: int = 10,
+        on_scraped: Callable[[str, Scraped], None] | None = None,
     ) -> None:
         self.registry = registry
         self.client = client
@@ -128,6 +139,8 @@ class MetricsScraper:
         self.timeout_s = timeout_s
         self.stale_after_s = stale_after_s
         self.on_error = on_error
+        #: called with every successful scrape (the speculative entries' hit check)
+        self.on_scraped = on_scraped
         self.models_every = models_every
         self._log = RateLimitedLog(log)
         self._scraped: dict[str, Scraped] = {}
@@ -241,6 +254,11 @@ class MetricsScraper:
             if self.on_error is not None:
                 self.on_error(pod)
             return
+        if self.on_scraped is not None:
+            try:
+                self.on_scraped(pod, scraped)
+            except Exception:  # a listener's bug is not a failed scrape
+                log.exception("scrape listener failed for %s", pod)
         if with_models or pod not in self.max_model_len:
             await self._scrape_models(pod, url)
 

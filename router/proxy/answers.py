@@ -27,20 +27,23 @@ _USAGE_KINDS = frozenset({"chat", "completion", "responses"})
 class Answer:
     """One relayed answer: whether it ended cleanly, and its usage once known."""
 
-    __slots__ = ("ok", "reader", "usage")
+    __slots__ = ("count", "ok", "reader", "usage")
 
-    def __init__(self, reader: UsageReader | None = None) -> None:
+    def __init__(self, reader: UsageReader | None = None, count: bool = True) -> None:
         self.reader = reader
         self.usage: Usage | None = None
+        #: count the reported cached tokens against the pod's prediction (not for the
+        #: decode half of a split request: its pod reports the pulled blocks as cached)
+        self.count = count
         #: the answer ended cleanly (a 2xx relayed to its end)
         self.ok = False
 
     @classmethod
-    def for_stream(cls, routed: Routed, status: int) -> Answer:
+    def for_stream(cls, routed: Routed, status: int, count: bool = True) -> Answer:
         options = routed.body.get("stream_options")
         wants = isinstance(options, dict) and options.get("include_usage") is True
         ok_kind = routed.kind in _USAGE_KINDS and 200 <= status < 300
-        return cls(UsageReader(event_stream=True) if wants and ok_kind else None)
+        return cls(UsageReader(event_stream=True) if wants and ok_kind else None, count)
 
     @property
     def output_tokens(self) -> int | None:
@@ -55,7 +58,8 @@ class Answer:
         self.ok = True
         if self.reader is not None:
             self.usage = self.reader.usage()
-            count_usage(metrics, routed, pod, self.usage)
+            if self.count:
+                count_usage(metrics, routed, pod, self.usage)
 
 
 #: the member an answer that reports its cached prompt tokens carries
@@ -68,19 +72,21 @@ def of_body(
     pod: str,
     status: int,
     body: bytes,
+    count: bool = True,
     want_output: bool = True,
 ) -> Answer:
-    """A complete (non-streaming) answer: its usage read and counted.  Without
-    ``want_output`` (nobody asks for the output tokens: a policy without
+    """A complete (non-streaming) answer: its usage read and (``count``) counted.
+    Without ``want_output`` (nobody asks for the output tokens: a policy without
     ``on_finished``, no tenants) an answer that reports no cached tokens is not decoded:
     there is nothing to count (vLLM reports them only with
     ``--enable-prompt-tokens-details``), and a substring test costs a fraction of the
     decode."""
-    answer = Answer()
+    answer = Answer(count=count)
     answer.ok = 200 <= status < 300
-    if answer.ok and routed.kind in _USAGE_KINDS and (want_output or _CACHED in body):
+    if answer.ok and routed.kind in _USAGE_KINDS and (want_output or (count and _CACHED in body)):
         answer.usage = usage_of_json(body)
-        count_usage(metrics, routed, pod, answer.usage)
+        if count:
+            count_usage(metrics, routed, pod, answer.usage)
     return answer
 
 

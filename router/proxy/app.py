@@ -115,6 +115,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await g.tenants.admit_tokens(ctx, routed.route.prompt_tokens)
             except RouterError as err:
                 raise g.router.reject(err) from None
+        if routed.pd is not None:  # a model whose pods have P/D roles
+            return await g.disagg.forward(routed, path, raw, raw_headers, receive, started)
         # the client's bytes are forwarded, never re-serialised (a tenant's salt is
         # spliced in by router.rewrite)
         return await g.proxy.forward(routed, path, raw, raw_headers, receive, started)

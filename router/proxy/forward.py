@@ -61,7 +61,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from starlette.responses import Response
@@ -89,6 +89,9 @@ from router.proxy.attempts import (
 from router.proxy.relay import Once, RawResponse, RelayResponse, UpstreamBroken, relay_chunks
 from router.proxy.response_ids import CreatedSniffer, id_from_body
 from scoring.policies.base import Policy
+
+if TYPE_CHECKING:
+    from router.proxy.disagg import DecodeLeg
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +187,9 @@ class Proxy:
         #: the policy reads the output tokens (``on_finished`` is its own): every answer's
         #: usage is decoded for it (else only those reporting cached tokens, for metrics)
         self._policy_wants_output = type(policy).on_finished is not Policy.on_finished
+        #: told of every attempt as it starts, like the policy (the speculative entries,
+        #: ``RequestRouter.sent``)
+        self.on_sent: Callable[[Routed, str], None] | None = None
 
     async def aclose(self) -> None:
         """Close the transport if this proxy made its own."""
@@ -227,10 +233,15 @@ class Proxy:
         headers: list[tuple[bytes, bytes]],
         receive: Receive,
         started: float,
+        leg: DecodeLeg | None = None,
     ) -> Response:
         """Send ``routed`` to its best pod (retrying and failing over as documented) and
-        relay the answer."""
+        relay the answer.  ``leg``: the decode half of a split request
+        (router/proxy/disagg.py) chooses each attempt's body, what is retryable, extra
+        response headers and the answer's edit."""
         tail = self._head_tail(headers, len(raw_body))
+        retryable = RETRYABLE_STATUS if leg is None else leg.retry_status
+        extra = {} if leg is None else leg.header_map
         attempts = routed.ranking[: 1 + self.settings.retries]
         last_error: RouterError | None = None
         failed_over = False
@@ -246,11 +257,16 @@ class Proxy:
             last = i == n_attempts - 1
             if i > 0:
                 m.child(m.retries, last_error.reason if last_error else "unknown").inc()
+            if leg is not None:  # P/D: this attempt's body (with or without the params)
+                raw_body, tokens = leg.attempt(pod, last_error)
+                tail = self._head_tail(headers, len(raw_body))
             pm = m.pod_metrics(routed.model, pod, self.policy_name)
             load = RequestLoad(self.load, pod, tokens)
             # the policy hears of the request now (its in-flight bookkeeping must see it
             # while it runs); the pending overlay covers the shared store's round trip
             self.policy.on_routed(route, pod)
+            if self.on_sent is not None:
+                self.on_sent(routed, pod)
             if load.local is not None:
                 load.begin_now()
             else:
@@ -279,7 +295,7 @@ class Proxy:
                         target.tls,
                     )
                     content: bytes | None = None
-                    if resp.status in RETRYABLE_STATUS and not last:
+                    if resp.status in retryable and not last:
                         pass  # closed below; the next pod is tried
                     elif routed.stream or resp.is_event_stream:
                         await resp.stream.wait_body()
@@ -319,7 +335,7 @@ class Proxy:
                     continue
                 self._served(routed, pod, pm)
                 pm.requests(last_error.status).inc()
-                return self.public(last_error).response({self.pod_header: pod})
+                return self.public(last_error).response({self.pod_header: pod, **extra})
             except httpx.HTTPError as exc:
                 if resp is not None:
                     await resp.stream.aclose()
@@ -329,9 +345,9 @@ class Proxy:
                     continue  # nothing reached the pod: the next-best one may answer
                 self._served(routed, pod, pm)
                 pm.requests(last_error.status).inc()
-                return self.public(last_error).response({self.pod_header: pod})
+                return self.public(last_error).response({self.pod_header: pod, **extra})
 
-            if content is None and resp.status in RETRYABLE_STATUS and not last:
+            if content is None and resp.status in retryable and not last:
                 await resp.stream.aclose()
                 await self._finish(load, gauge, routed, pod)
                 m.child(m.upstream_errors, pod, f"status_{resp.status}").inc()
@@ -347,13 +363,17 @@ class Proxy:
                     rid = id_from_body(content)
                     if rid is not None:
                         await self.remember(rid, pod, routed.tenant)
+                if leg is not None:
+                    content = leg.edit_body(resp.status, content)
+                count = leg is None or leg.count_usage
                 answer = answers.of_body(
                     m,
                     routed,
                     pod,
                     resp.status,
                     content,
-                    self._policy_wants_output or self.on_answer is not None,
+                    count,
+                    want_output=self._policy_wants_output or self.on_answer is not None,
                 )
                 if load.local is not None:
                     gauge.dec()
@@ -366,10 +386,10 @@ class Proxy:
                 else:
                     await self._complete(load, gauge, routed, pod, answer)
                 pm.requests(resp.status).inc()
-                out = self._response_headers(resp, pod)
+                out = self._response_headers(resp, pod, leg)
                 out.append((b"content-length", b"%d" % len(content)))
                 return RawResponse(resp.status, out, content)
-            return self._relay_stream(resp, routed, pod, load, gauge, started)
+            return self._relay_stream(resp, routed, pod, load, gauge, started, leg)
 
         err = last_error or RouterError(503, "no pod available", reason="no_pod")
         self._count(routed, attempts[-1] if attempts else "none", err.status)
@@ -434,8 +454,13 @@ class Proxy:
         else:
             await load.end()
 
-    def _response_headers(self, resp: Upstream, pod: str) -> list[tuple[bytes, bytes]]:
-        return [*resp.relay_headers, (self._pod_header_b, pod.encode("latin-1"))]
+    def _response_headers(
+        self, resp: Upstream, pod: str, leg: DecodeLeg | None = None
+    ) -> list[tuple[bytes, bytes]]:
+        out = [*resp.relay_headers, (self._pod_header_b, pod.encode("latin-1"))]
+        if leg is not None:
+            out.extend(leg.headers)
+        return out
 
     def _relay_stream(
         self,
@@ -445,15 +470,17 @@ class Proxy:
         load: RequestLoad,
         gauge: Any,
         started: float,
+        leg: DecodeLeg | None = None,
     ) -> Response:
-        answer = answers.Answer.for_stream(routed, resp.status)
+        count = leg is None or leg.count_usage
+        answer = answers.Answer.for_stream(routed, resp.status, count)
         done = Once(self._complete, load, gauge, routed, pod, answer)
         relay = RelayResponse(
-            self._stream(resp, routed, pod, load, started, answer),
+            self._stream(resp, routed, pod, load, started, answer, leg),
             status_code=resp.status,
             on_close=done,
         )
-        relay.raw_headers = self._response_headers(resp, pod)
+        relay.raw_headers = self._response_headers(resp, pod, leg)
         return relay
 
     async def _stream(
@@ -464,6 +491,7 @@ class Proxy:
         load: RequestLoad,
         started: float,
         answer: answers.Answer,
+        leg: DecodeLeg | None = None,
     ) -> AsyncIterator[bytes]:
         first = True
         status = resp.status
@@ -474,7 +502,8 @@ class Proxy:
             else None
         )
         try:
-            async for chunk in resp.stream:
+            source = resp.stream if leg is None else leg.wrap(resp.status, resp.stream)
+            async for chunk in source:
                 if sniff is not None:
                     # the owner is recorded before the client sees response.created, so
                     # a follow-up sent as soon as it did finds it; the rest is not read

@@ -16,6 +16,7 @@ from router.config import Settings
 from router.core import RouterCore
 from router.errors import RouterError
 from router.proxy.access_log import AccessLog
+from router.proxy.disagg import Disaggregator
 from router.proxy.forward import Proxy
 from router.tenants.gate import TenantGate
 
@@ -51,6 +52,10 @@ class Gateway(RouterCore):
         if self.tenants.enabled:
             self.proxy.public = self.tenants.public
             self.proxy.on_answer = self.tenants.on_answer
+        #: requests of models whose pods have P/D roles (router/proxy/disagg.py)
+        self.disagg = Disaggregator(self.proxy, self.router.pd, settings.pd)
+        if self.learner.enabled:
+            self.proxy.on_sent = self.router.sent
         self._api_keys = [k.encode() for k in settings.api_keys]
         self.max_json_depth = settings.proxy.max_json_depth
 

@@ -42,8 +42,14 @@ class IndexSink:
         st = self.applier.pod(pod)
         if st is None or st.model != model:
             self.applier.set_pod(pod, model)
-        await self._run(self.applier.apply_batch(pod, batch))
+        ops = self.applier.apply_batch(pod, batch)
+        await self._run(ops)
+        self.applied(pod, batch, ops)
         return len(batch.events)
+
+    def applied(self, pod: str, batch: EventBatch, ops: IndexOps) -> None:
+        """Called with each batch of ``pod``'s events and the index writes it made, once
+        they are applied (a subclass watches them; here nothing)."""
 
     async def clear_pod(self, pod: str) -> None:
         """Forget the pod's entries (index and the applier's engine-hash map)."""

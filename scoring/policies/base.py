@@ -64,6 +64,9 @@ class PodView:
     #: blocks the pod's KV cache can hold (the engine's ``num_gpu_blocks``; None when
     #: unknown): with ``resident_blocks``, its free room
     capacity_blocks: int | None = None
+    #: of ``hits["GPU"]``, the blocks held only by speculative entries: routed to the pod
+    #: but not announced by its KV events (``router/decision/learning.py``)
+    speculative: int = 0
 
     def cached_blocks(self, tier: str = "GPU") -> int:
         return self.hits.get(tier, 0)

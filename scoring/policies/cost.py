@@ -9,23 +9,41 @@ leading blocks servable from tier ``t`` or faster (tiers fastest first)::
                   (cached[t] - cached[faster]) / tier_load_rates_tokens_per_s[t]
     cached      = max(cached[slowest tier with a rate], in-flight hits * B)   (see below)
     uncached    = P - cached
+    evicted     = clamp(hot + new - capacity_blocks, 0, new) * B      (opt-in, below)
     slowdown    = 1 + decode_slowdown_per_running * running
                   (running = scraped ``running``; router ``inflight`` when not scraped)
-    score(pod)  = (queued_tokens + w * uncached) / prefill_rate_tokens_per_s * slowdown
-                  + transfer
+    score(pod)  = (queued_tokens + w * (uncached + evicted)) / prefill_rate_tokens_per_s
+                  * slowdown + transfer
 
 ``queued_tokens`` is the pod's queued prefill work and ``w`` the pod's miss weight,
 both below.  With ``w = 1`` the score is the predicted TTFT: queue wait + own prefill +
 load from slower tiers.
 
+``hot`` is the pod's hot working set as this policy knows it: the distinct blocks it
+routed there in the last ``hot_window_s`` (300 s, the lifetime hosted APIs give an
+unused cached prefix; scoring/policies/hot_set.py), and ``new`` the request's full
+blocks not cached there.  With ``charge_hot_evictions`` (default off), when the hot set
+plus the new blocks overflow the pod's cache, each new block pushes a hot one out
+(vLLM evicts LRU), a miss some later request (the next turn of a conversation in
+progress) pays: ``evicted`` charges it now, at the same price as the request's own
+misses (zero while the hot set fits, or when the capacity is unknown; without the
+option, zero).  It raises hit rates but lengthens TTFT tails on overloaded small-cache
+fleets (scoring/policies/README.md has the numbers), so it is opt-in.
+
 The pod with the smallest score wins.  Pods within ``tie_epsilon_s`` of the minimum
-are tied.  With ``tie_break_by_room`` (default on) and every tied view carrying
-``resident_blocks``, the tie narrows to the pods with the most free room: the most free
-blocks (``capacity_blocks - resident_blocks``) when every tied view knows its capacity
-(a fleet of different cache sizes), else the fewest resident blocks.  A prefix no pod
-holds (the typical tie: same load, nothing cached) starts where it has the most room,
-so new prefix groups spread over the fleet instead of piling onto pods that already
-hold others and evicting them.  Among what remains the winner is chosen by rendezvous
+are tied.  With ``tie_break_by_room`` (default on) the tie narrows to the pods with the
+most room for a new prefix::
+
+    room = min(capacity_blocks * (1 - kv_usage), capacity_blocks - hot)
+
+vLLM's free blocks (blocks no running request holds are free: cached ones are evicted
+LRU when room is needed, so a pod full of old cache is not a full pod), less the hot
+blocks this policy sent there (cached, but about to be reused).  Without ``kv_usage``
+``capacity_blocks - resident_blocks`` stands for vLLM's free blocks; without a
+capacity on every tied pod, the fewest resident blocks win.  A prefix no pod holds
+(the typical tie: same load, nothing cached) starts where it has the most room, so new
+prefix groups spread over the fleet instead of piling onto pods that already hold
+others and evicting them.  Among what remains the winner is chosen by rendezvous
 hashing of the request id (highest ``xxh3(seed, request_id + pod)``): deterministic
 for a request, uniform across pods, with no bias toward the first
 candidate.  ``Decision.scores`` holds each pod's
@@ -83,6 +101,7 @@ from pydantic import Field, field_validator
 
 from scoring.index.base import DEFAULT_TIERS
 from scoring.policies.base import Decision, PodView, Policy, PolicyParams, RouteRequest
+from scoring.policies.hot_set import HotBlocks, evicted_hot, most_room
 from scoring.policies.select import require_candidates
 
 _h64 = xxhash.xxh3_64_intdigest
@@ -125,7 +144,15 @@ class CostParams(PolicyParams):
     )
     tie_epsilon_s: float = Field(default=0.001, ge=0.0, description="predictions this close tie")
     tie_break_by_room: bool = Field(
-        default=True, description="ties go to the pods whose caches hold the fewest blocks"
+        default=True, description="ties go to the pods with the most room for a new prefix"
+    )
+    hot_window_s: float = Field(
+        default=300.0,
+        ge=0.0,
+        description="blocks routed to a pod this recently are hot (room, eviction charge); 0: off",
+    )
+    charge_hot_evictions: bool = Field(
+        default=False, description="charge the hot blocks a miss would evict as misses"
     )
     seed: int = 0
 
@@ -190,25 +217,6 @@ def predict_ttft(
     return work / p.prefill_rate_tokens_per_s * slowdown + transfer, cached
 
 
-def _most_room(tied: Sequence[PodView]) -> list[str]:
-    """The names of the tied pods with the most free room: the most free blocks
-    (capacity - resident) when every tied pod's capacity is known, else the fewest
-    resident blocks (all of them when a tied pod's count is unknown)."""
-    by_free = True
-    for v in tied:
-        if v.resident_blocks is None:
-            return [v.pod for v in tied]
-        if v.capacity_blocks is None:
-            by_free = False
-    # room: free blocks, or minus the resident ones; the largest wins
-    rooms = [
-        (v.capacity_blocks - v.resident_blocks) if by_free else -v.resident_blocks  # type: ignore[operator]
-        for v in tied
-    ]
-    most = max(rooms)
-    return [v.pod for v, room in zip(tied, rooms, strict=True) if room == most]
-
-
 class CostPolicy(Policy):
     name = "cost"
     Params = CostParams
@@ -227,6 +235,14 @@ class CostPolicy(Policy):
         self._live_keys: dict[str, dict[int, int]] = {}
         # pod -> [sum of prompt tokens, sum of predicted uncached tokens] of live requests
         self._ledger: dict[str, list[int]] = {}
+        # pod -> block keys routed there within hot_window_s (see scoring.policies.hot_set)
+        self._hot = HotBlocks(self._p.hot_window_s)
+        # pod -> the capacity (blocks) its last view carried: bounds its hot set
+        self._capacity: dict[str, int] = {}
+
+    def hot_blocks(self, pod: str) -> int:
+        """Distinct blocks routed to ``pod`` within ``hot_window_s`` (0 when off)."""
+        return self._hot.count(pod, self.clock()) if self._p.hot_window_s > 0 else 0
 
     def inflight_hits(self, pod: str, keys: Sequence[int]) -> int:
         """Leading blocks of ``keys`` carried by live requests routed to ``pod``."""
@@ -290,6 +306,11 @@ class CostPolicy(Policy):
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
         weights: dict[str, float] = {}
+        hot: dict[str, int] = {}
+        evicted: dict[str, int] = {}
+        hot_set = self._hot if p.hot_window_s > 0 else None
+        now = self.clock() if hot_set is not None else 0.0
+        charge = p.charge_hot_evictions
         best = None
         for pod, q, uncached in rows:
             name = pod.pod
@@ -308,16 +329,25 @@ class CostPolicy(Policy):
             running = pod.running
             if running is None:
                 running = pod.inflight
-            t = predicted[name] = (q + w * (prompt - c)) / rate * (
-                1.0 + slowdown_per * running
-            ) + transfer
+            miss = prompt - c
+            if hot_set is not None:
+                if pod.capacity_blocks is not None:
+                    self._capacity[name] = pod.capacity_blocks
+                h = hot[name] = hot_set.count(name, now)
+                # hot blocks this request's freshly computed blocks push out: each is
+                # a miss a later request pays (0 while the hot set fits the cache)
+                e = evicted_hot(h, len(keys) - c // bs, pod.capacity_blocks) if charge else 0
+                if e:
+                    evicted[name] = e
+                    miss += e * bs
+            t = predicted[name] = (q + w * miss) / rate * (1.0 + slowdown_per * running) + transfer
             if best is None or t < best:  # min() over the predictions
                 best = t
             cached[name] = c
         limit = best + p.tie_epsilon_s  # type: ignore[operator]
         tied = [name for name, t in predicted.items() if t <= limit]
         if len(tied) > 1 and p.tie_break_by_room:
-            tied = _most_room([v for v in pods if predicted[v.pod] <= limit])
+            tied = most_room([v for v in pods if predicted[v.pod] <= limit], hot)
         chosen = tied[0]
         if len(tied) > 1:  # rendezvous: the highest hash (the first of equal ones) wins
             rid = request.request_id.encode() + b"\x00"
@@ -337,7 +367,12 @@ class CostPolicy(Policy):
             chosen,
             predicted,
             True,
-            {"cached_tokens": cached, "tied": len(tied), "miss_weight": weights},
+            {
+                "cached_tokens": cached,
+                "tied": len(tied),
+                "miss_weight": weights,
+                "evicted_hot_blocks": evicted,
+            },
         )
 
     def on_routed(self, request: RouteRequest, pod: str) -> None:
@@ -361,6 +396,8 @@ class CostPolicy(Policy):
         entry = self._ledger.setdefault(pod, [0, 0])
         entry[0] += prompt
         entry[1] += miss
+        if self._p.hot_window_s > 0:
+            self._hot.routed(pod, request.block_keys, self.clock(), self._capacity.get(pod))
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
         old = self._live.pop(_key(request), None)
@@ -370,6 +407,8 @@ class CostPolicy(Policy):
     def on_pod_removed(self, pod: str) -> None:
         self._ledger.pop(pod, None)
         self._live_keys.pop(pod, None)
+        self._hot.forget(pod)
+        self._capacity.pop(pod, None)
         for rid in [rid for rid, v in self._live.items() if v[0] == pod]:
             del self._live[rid]
 

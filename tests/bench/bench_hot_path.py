@@ -1,6 +1,7 @@
 """Where the router's CPU per request goes, in process (no uvicorn, no client socket).
 
-    python tests/bench/bench_hot_path.py [--requests 30000] [--policy cost]
+    python tests/bench/bench_hot_path.py [--requests 30000] [--policy cost] \
+        [--router-args=--no-events.enabled]
 
 Starts 4 simulated pods (``kvroute sim --time-scale 0``), builds `kvroute serve`'s app
 in this process and reports CPU microseconds per request (``time.process_time``) for:
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -99,13 +101,10 @@ async def cpu_per_request(app: App, n: int, concurrency: int = 32) -> float:
     return 1e6 * used / done
 
 
-async def measure(urls: list[str], n: int, policy_name: str = "cost") -> dict[str, float]:
+async def measure(urls: list[str], n: int, extra: list[str]) -> dict[str, float]:
     static = [{"name": f"sim-{i}", "url": u, "models": ["sim-model"]} for i, u in enumerate(urls)]
     settings = Settings.load(
-        [
-            *("--discovery.static", json.dumps(static), "--log-level", "warning"),
-            *("--policy", policy_name),
-        ]
+        ["--discovery.static", json.dumps(static), "--log-level", "warning", *extra]
     )
     app = create_app(settings)
     inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -144,13 +143,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=30_000)
     ap.add_argument("--pods", type=int, default=4)
+    ap.add_argument(
+        "--router-args",
+        default="",
+        help="more `kvroute serve` flags, e.g. '--speculative.routed-ttl-s 2'",
+    )
     ap.add_argument("--policy", default="cost", help="routing policy (default cost)")
     args = ap.parse_args()
     sims = [overhead.start_sim(i) for i in range(args.pods)]
     try:
         for _, url in sims:
             overhead.wait_completion(int(url.rsplit(":", 1)[1]))
-        result = uvloop.run(measure([u for _, u in sims], args.requests, args.policy))
+        extra = ["--policy", args.policy, *shlex.split(args.router_args)]
+        result = uvloop.run(measure([u for _, u in sims], args.requests, extra))
     finally:
         for proc, _ in sims:
             proc.stop()

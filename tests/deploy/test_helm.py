@@ -82,6 +82,25 @@ K8S_DISCOVERY = {
         "k8s": {"label_selector": "app=vllm", "events_port": 5557, "replay_port": 5657},
     }
 }
+#: prefill/decode pools (docs/deploy.md): static pods with roles, the split's settings
+PD_STATIC_POOLS = {
+    "discovery": {
+        "kind": "static",
+        "static": [
+            {"name": "prefill-0", "url": "http://10.0.1.7:8000", "role": "prefill"},
+            {"name": "decode-0", "url": "http://10.0.2.7:8000", "role": "decode"},
+        ],
+    },
+    "pd": {"prefill_policy": "cost", "params": {"min_uncached_tokens": 512}, "kv_lease_s": 30},
+}
+#: the same pools from pod labels (kvroute.io/role, or llm-d's llm-d.ai/role)
+PD_K8S_POOLS = {
+    "discovery": {
+        "kind": "k8s",
+        "k8s": {"label_selector": "app=vllm", "events_port": 5557, "role": "decode"},
+    },
+    "pd": {"params": {"always_split": False}},
+}
 
 #: each deployment mode the chart supports, as the values a user would pass
 MODES: dict[str, dict[str, Any]] = {
@@ -113,6 +132,8 @@ MODES: dict[str, dict[str, Any]] = {
     "hpa on": {"autoscaling": {"enabled": True}, "redis": {"enabled": True}},
     "pdb on": {"podDisruptionBudget": {"enabled": True}, "replicaCount": 2},
     "dashboards off": {"dashboards": {"enabled": False}},
+    "prefill/decode pools, static": {"config": PD_STATIC_POOLS},
+    "prefill/decode pools, kubernetes labels": {"config": PD_K8S_POOLS},
 }
 
 

@@ -8,7 +8,10 @@ frozen after its first round (both see the idle fleet) so that nothing but the i
 and the body decides.  Then every body is decided by both: the proxy's ``POST
 /v1/route`` (its whole ranking) and an ext_proc stream asking for every pod, best
 first; each EPP stream is completed at once, as if the pod had answered, so the
-policy's bookkeeping returns to where it was.
+policy's bookkeeping returns to where it was.  The cost policy's hot set (the blocks it
+routed to each pod recently, which outlive the request) is turned off: ``/v1/route`` is
+a dry run that routes nothing, while the EPP's streams are routed, so that history
+would differ by construction.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def bodies() -> list[tuple[str, dict[str, Any]]]:
 
 async def test_the_epp_ranks_every_body_as_kvroute_serve_does() -> None:
     async with sim_pods(4) as pods:
-        frozen = {"scrape": {"interval_s": 3600.0}}
+        frozen = {"scrape": {"interval_s": 3600.0}, "policy_params": {"hot_window_s": 0.0}}
         app = create_app(settings_for(pods, **frozen))
         async with (
             RunningServer(app) as proxy,

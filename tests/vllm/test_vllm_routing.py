@@ -77,10 +77,12 @@ def _pods(engines: list[EngineProcess], *, dial: bool = True) -> list[dict[str, 
 
 @contextlib.asynccontextmanager
 async def running_router(
-    pods: list[dict[str, Any]], events: dict[str, Any] | None = None
+    pods: list[dict[str, Any]],
+    events: dict[str, Any] | None = None,
+    policy_params: dict[str, Any] | None = None,
 ) -> AsyncIterator[httpx.AsyncClient]:
-    """``kvroute`` (create_app + uvicorn on a free port) in front of ``pods``; yields a
-    client once /ready answers 200."""
+    """``kvroute`` (create_app + uvicorn on a free port, policy ``cost`` with
+    ``policy_params``) in front of ``pods``; yields a client once /ready answers 200."""
     from router.config import Settings
     from router.proxy.app import create_app
     from router.proxy.serve import RunningServer
@@ -93,6 +95,7 @@ async def running_router(
             "tokenizers": {MODEL: str(VLLM_ROOT / "tiny-llama")},
             "block_size": BLOCK,
             "policy": "cost",
+            "policy_params": policy_params or {},
         }
     )
     server = await RunningServer(create_app(settings)).start()

@@ -1,0 +1,142 @@
+"""``cost``'s room for a new prefix and its charge for evicting hot blocks
+(scoring/policies/hot_set.py): cold cache is free room, what the router sent a pod
+recently is not, and a miss that would push hot blocks out of a full cache pays for them."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from scoring.policies import PodView, RouteRequest, build_policy
+from scoring.policies.cost import CostPolicy
+from scoring.policies.hot_set import HotBlocks, evicted_hot, room
+
+BS = 16
+
+
+def req(rid: str, keys: list[int]) -> RouteRequest:
+    return RouteRequest(
+        request_id=rid, model="m", prompt_tokens=len(keys) * BS, block_keys=keys, block_size=BS
+    )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def policy(**params: object) -> tuple[CostPolicy, Clock]:
+    p = build_policy("cost", params)
+    assert isinstance(p, CostPolicy)
+    clock = Clock()
+    p.clock = clock
+    return p, clock
+
+
+def test_a_pod_full_of_old_cache_no_request_holds_is_not_a_full_pod() -> None:
+    """vLLM evicts cached blocks no running request holds when it needs room: free room
+    is ``capacity * (1 - kv_usage)``, not ``capacity - resident``."""
+    p, _ = policy()
+    views = [
+        PodView(pod="old-cache", resident_blocks=1_000, capacity_blocks=1_000, kv_usage=0.0),
+        PodView(pod="busy", resident_blocks=100, capacity_blocks=1_000, kv_usage=0.5),
+    ]
+    assert {p.pick(req(f"id-{i}", [i]), views).pod for i in range(50)} == {"old-cache"}
+    # without a usage the index's count is all there is: capacity - resident
+    unscraped = [
+        PodView(pod=v.pod, resident_blocks=v.resident_blocks, capacity_blocks=1_000) for v in views
+    ]
+    assert {p.pick(req(f"id-{i}", [i]), unscraped).pod for i in range(50)} == {"busy"}
+
+
+def test_blocks_the_router_sent_a_pod_recently_are_not_room_for_a_new_prefix() -> None:
+    p, _ = policy()
+    views = [
+        PodView(pod=f"p{i}", resident_blocks=0, capacity_blocks=100, kv_usage=0.0) for i in range(2)
+    ]
+    first = req("first", list(range(10)))
+    p.on_routed(first, "p0")  # a conversation in progress: its next turn will reuse these
+    assert p.hot_blocks("p0") == 10 and p.hot_blocks("p1") == 0
+    chosen = Counter(p.pick(req(f"id-{i}", [1000 + i]), views).pod for i in range(50))
+    assert chosen == Counter({"p1": 50})
+
+
+def test_hot_blocks_go_cold_after_the_window() -> None:
+    p, clock = policy(hot_window_s=300.0)
+    p.on_routed(req("a", [1, 2, 3]), "p0")
+    clock.now += 200
+    p.on_routed(req("b", [3, 4]), "p0")  # key 3 routed again: hot from now
+    assert p.hot_blocks("p0") == 4
+    clock.now += 150  # 350 s after "a", 150 s after "b"
+    assert p.hot_blocks("p0") == 2  # keys 3 and 4
+    clock.now += 200
+    assert p.hot_blocks("p0") == 0
+
+
+def test_a_miss_that_would_evict_hot_blocks_goes_where_the_cache_has_room() -> None:
+    """p0 holds the request's first 2 blocks, but its cache (10 blocks) is full of hot
+    blocks: the 4 it would compute push out 4 hot ones, a later miss each.  p1 computes
+    all 6 and evicts nothing hot."""
+    p, _ = policy(charge_hot_evictions=True)
+    p.on_routed(req("warm", list(range(10))), "p0")
+    views = [
+        PodView(pod="p0", hits={"GPU": 2}, resident_blocks=10, capacity_blocks=10, kv_usage=0.0),
+        PodView(pod="p1", resident_blocks=0, capacity_blocks=10, kv_usage=0.0),
+    ]
+    request = req("r", [0, 1, 100, 101, 102, 103])
+    decision = p.pick(request, views)
+    assert decision.pod == "p1"
+    assert decision.detail["evicted_hot_blocks"] == {"p0": 4}
+    # by default (no charge), or with hot tracking off, only the request's own prefill
+    # counts: the hit wins
+    default, _ = policy()
+    off, _ = policy(hot_window_s=0.0, charge_hot_evictions=True)
+    for q in (default, off):
+        q.on_routed(req("warm", list(range(10))), "p0")
+        assert q.pick(request, views).pod == "p0"
+    assert off.hot_blocks("p0") == 0
+
+
+def test_a_hot_set_that_fits_the_cache_costs_nothing() -> None:
+    p, _ = policy(charge_hot_evictions=True)
+    p.on_routed(req("warm", list(range(10))), "p0")
+    views = [
+        PodView(pod="p0", hits={"GPU": 2}, resident_blocks=10, capacity_blocks=100),
+        PodView(pod="p1", resident_blocks=0, capacity_blocks=100),
+    ]
+    decision = p.pick(req("r", [0, 1, 100, 101, 102, 103]), views)
+    assert decision.pod == "p0" and decision.detail["evicted_hot_blocks"] == {}
+
+
+def test_evicted_hot_blocks_are_the_overflow_at_most_the_new_blocks() -> None:
+    assert evicted_hot(hot=90, new=5, capacity=100) == 0
+    assert evicted_hot(hot=98, new=5, capacity=100) == 3
+    assert evicted_hot(hot=500, new=5, capacity=100) == 5  # thrashing: one per new block
+    assert evicted_hot(hot=500, new=0, capacity=100) == 0
+    assert evicted_hot(hot=500, new=5, capacity=None) == 0
+
+
+def test_room_is_the_smaller_of_vllms_free_blocks_and_capacity_less_hot() -> None:
+    view = PodView(pod="p", resident_blocks=80, capacity_blocks=100, kv_usage=0.25)
+    assert room(view, hot=10) == 75.0  # running requests hold more than the hot set
+    assert room(view, hot=40) == 60.0
+    assert room(PodView(pod="p", resident_blocks=80), hot=10) is None  # capacity unknown
+
+
+def test_a_pods_remembered_keys_are_bounded_by_its_capacity() -> None:
+    hot = HotBlocks(window_s=1e9, max_keys=100)
+    hot.routed("p", list(range(250)), now=0.0)
+    assert hot.count("p", now=1.0) == 100
+    hot.routed("p", list(range(250)), now=0.0, capacity=40)
+    assert hot.count("p", now=1.0) == 80  # past twice the cache a hot set says no more
+    hot.forget("p")
+    assert hot.count("p", now=1.0) == 0
+
+
+def test_a_removed_pod_forgets_its_hot_blocks() -> None:
+    p, _ = policy()
+    p.on_routed(req("a", [1, 2, 3]), "p0")
+    p.on_pod_removed("p0")
+    assert p.hot_blocks("p0") == 0
