@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Run kvroute as a Gateway API Inference Extension Endpoint Picker "
         "(Envoy ext_proc over gRPC). Other flags (--config FILE, --discovery.kind k8s, "
         "...) are `kvroute serve` settings.",
+        epilog="example: kvroute epp --grpc-host 0.0.0.0 --config router.yaml "
+        "(discovery kind k8s with the InferencePool's selector; docs/gateway.md has the "
+        "Envoy side; `kvroute serve --help` shows every setting)",
     )
     p.add_argument("--grpc-host", default="127.0.0.1", help="listen address of ext_proc")
     p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc and gRPC health port")

@@ -301,6 +301,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="kvroute index",
         description="Run a KV-event indexer writing into Redis (discovery + subscriber). "
         "Other flags (--config FILE, --events.mode bind, ...) are `kvroute serve` settings.",
+        epilog="example: kvroute index --redis redis://valkey:6379/0 --config router.yaml "
+        "(the same router.yaml as `kvroute serve`: its discovery finds the pods; "
+        "`kvroute serve --help` shows every setting)",
     )
     p.add_argument("--redis", metavar="URL", help="Redis URL (else redis_url from the config)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="listen address of /metrics")

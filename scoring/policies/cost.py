@@ -103,6 +103,7 @@ from scoring.index.base import DEFAULT_TIERS
 from scoring.policies.base import Decision, PodView, Policy, PolicyParams, RouteRequest
 from scoring.policies.hot_set import HotBlocks, evicted_hot, most_room
 from scoring.policies.select import require_candidates
+from scoring.policies.tiers import tier_hits
 
 _h64 = xxhash.xxh3_64_intdigest
 _MAX_SCORED = 65_536
@@ -165,32 +166,6 @@ class CostParams(PolicyParams):
         return v
 
 
-def _tier_hits(hits: dict[str, int], prompt: int, bs: int, p: CostParams) -> tuple[int, float]:
-    """(prompt tokens servable from the fastest tier with a rate, seconds to load the
-    slower tiers' share into GPU memory) for one pod's ``hits``."""
-    cached = 0
-    transfer = 0.0
-    first = True
-    for tier in p.tiers:
-        n = hits.get(tier)
-        if n is None:
-            first = False
-            continue
-        tok = min(n * bs, prompt)
-        if tok > cached:
-            if first:
-                cached = tok
-            else:
-                rate = p.tier_load_rates_tokens_per_s.get(tier)
-                if rate is None:
-                    first = False
-                    continue
-                transfer += (tok - cached) / rate
-                cached = tok
-        first = False
-    return cached, transfer
-
-
 def predict_ttft(
     request: RouteRequest,
     pod: PodView,
@@ -207,7 +182,7 @@ def predict_ttft(
     """
     prompt = request.prompt_tokens
     bs = request.block_size
-    cached, transfer = _tier_hits(pod.hits, prompt, bs, p)
+    cached, transfer = tier_hits(pod.hits, prompt, bs, p.tiers, p.tier_load_rates_tokens_per_s)
     cached = max(cached, min(inflight_blocks * bs, prompt))
     running = pod.running if pod.running is not None else pod.inflight
     slowdown = 1.0 + p.decode_slowdown_per_running * running
@@ -302,6 +277,7 @@ class CostPolicy(Policy):
         backlog_weight = p.backlog_weight
         slowdown_per = p.decode_slowdown_per_running
         rate = p.prefill_rate_tokens_per_s
+        tiers, rates = p.tiers, p.tier_load_rates_tokens_per_s
         live_keys = self._live_keys if p.count_inflight_prefixes and keys else None
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
@@ -321,7 +297,7 @@ class CostPolicy(Policy):
             w = weights[name] = miss_weight + backlog_weight * b / size
             hits = pod.hits
             if hits:
-                c, transfer = _tier_hits(hits, prompt, bs, p)
+                c, transfer = tier_hits(hits, prompt, bs, tiers, rates)
             else:
                 c, transfer = 0, 0.0
             if live_keys is not None:

@@ -62,6 +62,7 @@ from scoring.index.base import DEFAULT_TIERS
 from scoring.policies.base import Decision, PodView, Policy, PolicyParams, RouteRequest
 from scoring.policies.pod_rates import Calibration, PodRates, Priors, valid_observation
 from scoring.policies.select import require_candidates
+from scoring.policies.tiers import tier_hits
 
 _h64 = xxhash.xxh3_64_intdigest
 _MAX_SCORED = 65_536
@@ -120,32 +121,6 @@ class _PodBook:
     queued_prompt: int = 0  # own live requests not past their first token
     queued_uncached: int = 0
     decoding: int = 0  # own live requests past their first token
-
-
-def _tier_hits(hits: dict[str, int], prompt: int, bs: int, p: MeasuredParams) -> tuple[int, float]:
-    """(prompt tokens servable from the fastest tier with a rate, seconds to load the
-    slower tiers' share into GPU memory), as ``cost`` computes them."""
-    cached = 0
-    transfer = 0.0
-    first = True
-    for tier in p.tiers:
-        n = hits.get(tier)
-        if n is None:
-            first = False
-            continue
-        tok = min(n * bs, prompt)
-        if tok > cached:
-            if first:
-                cached = tok
-            else:
-                rate = p.tier_load_rates_tokens_per_s.get(tier)
-                if rate is None:
-                    first = False
-                    continue
-                transfer += (tok - cached) / rate
-                cached = tok
-        first = False
-    return cached, transfer
 
 
 def free_blocks(view: PodView) -> float | None:
@@ -239,11 +214,15 @@ class MeasuredPolicy(Policy):
         cached: dict[str, int] = {}
         running_of: dict[str, int] = {}
         best = math.inf
+        tiers, load_rates = p.tiers, p.tier_load_rates_tokens_per_s
         for view in pods:
             name = view.pod
             rates = self.pod_rates(name)
             book = self._books.get(name)
-            c, transfer = _tier_hits(view.hits, prompt, bs, p) if view.hits else (0, 0.0)
+            if view.hits:
+                c, transfer = tier_hits(view.hits, prompt, bs, tiers, load_rates)
+            else:
+                c, transfer = 0, 0.0
             if p.count_inflight_prefixes and keys:
                 live = self._live_keys.get(name)
                 if live:
