@@ -11,6 +11,7 @@ the request asked ``stream_options.include_usage``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -19,7 +20,19 @@ JSON_LIMIT = 1 << 20
 #: bytes of a stream's end kept to find its last usage event
 SSE_TAIL = 1 << 14
 
-_decode = msgspec.json.decode
+
+class _Answer(msgspec.Struct):
+    """The two members of an answer (or event) that can hold its usage; msgspec skips
+    the others without building them (the choices, the text: most of the bytes)."""
+
+    usage: Any = None
+    #: a Responses API event's response object (its usage inside)
+    response: Any = None
+
+
+#: decodes an answer into :class:`_Answer`; a JSON value that is not an object raises
+#: ValidationError (a DecodeError)
+_decode = msgspec.json.Decoder(_Answer).decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,12 +43,10 @@ class Usage:
     cached_tokens: int | None = None
 
 
-def _usage_of(obj: object) -> Usage | None:
-    if not isinstance(obj, dict):
-        return None
-    usage = obj.get("usage")
-    if usage is None and isinstance(obj.get("response"), dict):  # Responses API events
-        usage = obj["response"].get("usage")
+def _usage_of(answer: _Answer) -> Usage | None:
+    usage = answer.usage
+    if usage is None and isinstance(answer.response, dict):  # Responses API events
+        usage = answer.response.get("usage")
     if not isinstance(usage, dict):
         return None
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))

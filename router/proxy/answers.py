@@ -62,6 +62,10 @@ class Answer:
                 count_usage(metrics, routed, pod, self.usage)
 
 
+#: the member an answer that reports its cached prompt tokens carries
+_CACHED = b'"cached_tokens"'
+
+
 def of_body(
     metrics: RouterMetrics,
     routed: Routed,
@@ -69,11 +73,17 @@ def of_body(
     status: int,
     body: bytes,
     count: bool = True,
+    want_output: bool = True,
 ) -> Answer:
-    """A complete (non-streaming) answer: its usage read and (``count``) counted."""
+    """A complete (non-streaming) answer: its usage read and (``count``) counted.
+    Without ``want_output`` (nobody asks for the output tokens: a policy without
+    ``on_finished``, no tenants) an answer that reports no cached tokens is not decoded:
+    there is nothing to count (vLLM reports them only with
+    ``--enable-prompt-tokens-details``), and a substring test costs a fraction of the
+    decode."""
     answer = Answer(count=count)
     answer.ok = 200 <= status < 300
-    if answer.ok and routed.kind in _USAGE_KINDS:
+    if answer.ok and routed.kind in _USAGE_KINDS and (want_output or (count and _CACHED in body)):
         answer.usage = usage_of_json(body)
         if count:
             count_usage(metrics, routed, pod, answer.usage)

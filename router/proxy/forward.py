@@ -184,6 +184,9 @@ class Proxy:
         self.public: Callable[[RouterError], RouterError] = _as_is
         #: called with (tenant, completion tokens) when an answer ends cleanly (limits)
         self.on_answer: Callable[[str | None, int | None], Awaitable[None]] | None = None
+        #: the policy reads the output tokens (``on_finished`` is its own): every answer's
+        #: usage is decoded for it (else only those reporting cached tokens, for metrics)
+        self._policy_wants_output = type(policy).on_finished is not Policy.on_finished
         #: told of every attempt as it starts, like the policy (the speculative entries,
         #: ``RequestRouter.sent``)
         self.on_sent: Callable[[Routed, str], None] | None = None
@@ -363,7 +366,15 @@ class Proxy:
                 if leg is not None:
                     content = leg.edit_body(resp.status, content)
                 count = leg is None or leg.count_usage
-                answer = answers.of_body(m, routed, pod, resp.status, content, count)
+                answer = answers.of_body(
+                    m,
+                    routed,
+                    pod,
+                    resp.status,
+                    content,
+                    count,
+                    want_output=self._policy_wants_output or self.on_answer is not None,
+                )
                 if load.local is not None:
                     gauge.dec()
                     load.end_now()

@@ -4,9 +4,15 @@ tokens a learning policy is told of."""
 
 from __future__ import annotations
 
+import json
 import re
 
-from scoring.policies.base import RouteRequest
+from prometheus_client import generate_latest
+
+from router.decision.request import Routed
+from router.metrics import RouterMetrics
+from router.proxy import answers
+from scoring.policies.base import Decision, PodView, RouteRequest
 from tests.router.test_app import MODEL, running, sim
 from tests.support.aio import wait_until
 
@@ -95,3 +101,40 @@ async def test_a_learning_policy_hears_the_output_tokens_of_each_answer() -> Non
             assert r.json()["usage"]["completion_tokens"] == 8
         after = policy.expected_output(probe)  # type: ignore[attr-defined]
         assert after < before  # moved from its prior toward the 8 tokens each answer had
+
+
+def _routed(pod: str) -> Routed:
+    route = RouteRequest("r1", MODEL, 40, [1, 2], 16)
+    view = PodView(pod, {"GPU": 2})
+    return Routed("completion", {}, MODEL, False, route, Decision(pod, {}), [pod], {pod: view})
+
+
+def _completion(usage: dict[str, object]) -> bytes:
+    return json.dumps({"id": "c1", "choices": [{"text": "ok"}], "usage": usage}).encode()
+
+
+def test_an_answer_reporting_cached_tokens_is_counted_whether_or_not_output_is_wanted() -> None:
+    body = _completion(
+        {
+            "prompt_tokens": 40,
+            "completion_tokens": 3,
+            "prompt_tokens_details": {"cached_tokens": 16},
+        }
+    )
+    for want in (True, False):
+        metrics = RouterMetrics()
+        answer = answers.of_body(metrics, _routed("p0"), "p0", 200, body, want_output=want)
+        assert answer.ok and answer.output_tokens == 3
+        text = generate_latest(metrics.registry).decode()
+        assert _counter(text, "kvroute_engine_cached_tokens_total", pod="p0") == 16
+        # the index predicted 2 blocks (32 tokens), the pod served 16 from its cache
+        over = _counter(text, "kvroute_cache_prediction_error_tokens_total", direction="over")
+        assert over == 16
+
+
+def test_the_output_tokens_of_an_answer_without_cached_tokens_are_read_only_when_wanted() -> None:
+    body = _completion({"prompt_tokens": 40, "completion_tokens": 3})
+    wanted = answers.of_body(RouterMetrics(), _routed("p0"), "p0", 200, body, want_output=True)
+    assert wanted.ok and wanted.output_tokens == 3
+    unwanted = answers.of_body(RouterMetrics(), _routed("p0"), "p0", 200, body, want_output=False)
+    assert unwanted.ok and unwanted.output_tokens is None  # nothing to count: not decoded

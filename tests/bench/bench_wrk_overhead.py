@@ -1,0 +1,568 @@
+"""Router overhead as users measure it: ``wrk`` against FastAPI backends, all targets in one run.
+
+    python tests/bench/bench_wrk_overhead.py [--seconds 10] [--rounds 3] [--backends 4]
+    python tests/bench/bench_wrk_overhead.py --scaling      # req/s by workers / cores
+
+An independent harness beside bench_router_overhead.py (whose load client and simulated
+pods are kvroute's own): the load generator is ``wrk`` (Debian: ``apt-get install wrk``)
+with a Lua script for the POST body and a JSON summary, and the backends are
+tests/bench/fake_backend.py, FastAPI + uvicorn with pydantic-validated bodies, answering
+at once, so each backend request costs about what a real OpenAI server's HTTP layer
+costs.  The targets, every one in front of the same ``--backends`` backends:
+
+* ``direct``                — wrk to backend 0 (no router);
+* ``kvroute cost``          — ``kvroute serve``, the default policy, with static pods
+                              and no KV events (the backends publish none);
+* ``kvroute round_robin``   — ``--policy round_robin``;
+* ``sglang cache_aware / round_robin``      — sglang-router (its default: cache_aware);
+* ``vllm-router cache_aware / round_robin`` — vllm-router (its default: cache_aware).
+
+The peers are found in ``--peer-python`` (default: this interpreter; PEERS.md: a venv
+with ``pip install sglang-router==0.3.2 vllm-router==0.1.17``) and started with
+``HF_HUB_OFFLINE=1 HF_ENDPOINT=http://127.0.0.1:9``; a peer that is not installed is
+skipped with a note.
+
+Per target and round (targets interleaved, the order reversed every other round, the
+table showing medians over rounds):
+
+* ``c32``: ``wrk -t2 -c32 -d<seconds>`` -> req/s, and CPU per request, from
+  /proc/<pid>/stat (user + system, the router's whole process tree: workers included),
+  of the router, of the backends, and of the whole box (/proc/stat, non-idle): on a
+  small box all of them share, req/s ~ cores / box us per request;
+* ``c1``: ``wrk -t1 -c1 -d<seconds>`` -> latency p50 / p99, and the p50 *added* over
+  direct's;
+* ``router cores``: the router's CPU over the c32 run's wall time (cores it kept busy);
+  ``threads``: its threads at the end (a Rust router sizes its pool to its CPUs);
+* ``TTFT``: sequential streaming completions (a small raw-socket client, TCP_NODELAY)
+  -> time to the first body chunk, p50.
+
+Isolation: the run re-executes itself inside a loopback-only network namespace
+(``ip netns add``; nothing but ``lo`` exists there) when it can (root, ``ip``), and
+deletes the namespace at the end; otherwise it runs on 127.0.0.1 and says so.  A
+quiet-machine gate waits (up to ``--gate-wait`` s) for the 1-minute load average to fall
+below ``--max-load`` before starting, and the table reports the load at each round.
+
+``--baseline DIR``: also run kvroute ``cost`` from the source tree DIR (``kvroute cost
+(baseline)``), interleaved with this tree's, so an optimisation's before and after come
+from the same run.
+
+``--scaling``: kvroute ``cost`` with ``--workers 1 / 2 / 4`` and the Rust routers
+(whose thread pools size themselves to the CPUs they may use), each pinned with
+``taskset -c 0`` and ``taskset -c 0,1`` (the backends and wrk are not pinned).  On a
+2-core box the router shares those cores with the backends and wrk, so read the
+router's us/req (its cost per request) with the req/s: one core holds about
+1e6 / us-per-request requests a second of that router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_router_overhead import Proc, _proc_tree, cpu_seconds, free_port, wait_http  # noqa: E402
+
+MODEL = "fake-model"
+#: the prompt every request sends (one identical prompt, as the users' run did)
+PROMPT = "Summarise the plot of a short story about a lighthouse keeper in two sentences."
+BODY = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+STREAM_BODY = {**BODY, "max_tokens": 8, "stream": True}
+PEER_ENV = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+NETNS_ENV = "KVROUTE_BENCH_NETNS"
+
+#: wrk's Lua: the POST body, and one JSON line of results at the end
+WRK_LUA = """
+wrk.method = "POST"
+wrk.body = %s
+wrk.headers["Content-Type"] = "application/json"
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'WRKJSON {"requests": %%d, "duration_us": %%d, "errors": %%d, "non2xx": %%d, ' ..
+    '"p50_us": %%d, "p99_us": %%d, "mean_us": %%.1f}\\n',
+    summary.requests, summary.duration, e.connect + e.read + e.write + e.timeout, e.status,
+    latency:percentile(50), latency:percentile(99), latency.mean))
+end
+"""
+
+
+# -- the namespace and the gate ------------------------------------------------------------
+
+
+def run_in_netns(argv: list[str]) -> int | None:
+    """Re-run this script in a fresh loopback-only network namespace; None if that
+    cannot be done here (then the caller runs on 127.0.0.1)."""
+    if os.environ.get(NETNS_ENV) or os.geteuid() != 0 or shutil.which("ip") is None:
+        return None
+    name = f"kvroute-bench-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        print(f"# no network namespace ({made.stderr.strip()}): 127.0.0.1", file=sys.stderr)
+        return None
+    try:
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
+        child = subprocess.Popen(
+            ["ip", "netns", "exec", name, sys.executable, *argv],
+            env={**os.environ, NETNS_ENV: name},
+        )
+        try:
+            return child.wait()
+        except KeyboardInterrupt:
+            child.send_signal(signal.SIGINT)
+            return child.wait()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def wait_quiet(max_load: float, wait_s: float) -> float:
+    """Wait until the 1-minute load average is below ``max_load`` (at most ``wait_s``);
+    the load it starts at."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        load = os.getloadavg()[0]
+        if load < max_load or time.monotonic() >= deadline:
+            if load >= max_load:
+                print(f"# machine not quiet: load {load:.2f} >= {max_load}", file=sys.stderr)
+            return load
+        print(f"# waiting for a quiet machine: load {load:.2f}", file=sys.stderr)
+        time.sleep(10)
+
+
+def box_busy_seconds() -> float:
+    """CPU seconds the whole machine spent not idle (all cores, /proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+# -- processes -----------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    name: str
+    port: int
+    pids: list[int] = field(default_factory=list)
+
+    def threads(self) -> int:
+        """Threads of the target's processes (a Rust router sizes its pool to its CPUs)."""
+        n = 0
+        for pid in self.pids:
+            for p in _proc_tree(pid):
+                with contextlib.suppress(OSError), open(f"/proc/{p}/status") as f:
+                    n += next(int(x.split()[1]) for x in f if x.startswith("Threads:"))
+        return n
+
+
+def pinned(cmd: list[str], cpus: str | None) -> list[str]:
+    return cmd if cpus is None else ["taskset", "-c", cpus, *cmd]
+
+
+def start_backend(i: int) -> tuple[Proc, str]:
+    p = subprocess.Popen(
+        [sys.executable, str(HERE / "fake_backend.py"), "--name", f"b{i}", "--model", MODEL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert p.stdout is not None
+    url = str(json.loads(p.stdout.readline())["url"])
+    wait_http(int(url.rsplit(":", 1)[1]))
+    return Proc(f"backend-{i}", p), url
+
+
+def completion_ok(port: int) -> bool:
+    data = json.dumps(BODY).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(head + data)
+            return s.recv(64).startswith(b"HTTP/1.1 200")
+    except OSError:
+        return False
+
+
+def wait_completion(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode} before answering")
+        if completion_ok(port):
+            return
+        time.sleep(0.3)
+    raise RuntimeError(f"port {port} never answered a completion")
+
+
+def start_kvroute(
+    urls: list[str],
+    policy: str,
+    workers: int = 1,
+    cpus: str | None = None,
+    tree: str | None = None,
+) -> tuple[Proc, int]:
+    """``tree``: run the kvroute of that source tree (PYTHONPATH) instead of this one."""
+    port = free_port()
+    static = [{"name": f"b{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    if tree is not None:
+        env["PYTHONPATH"] = tree
+    cmd = [
+        sys.executable,
+        *f"-m router.cli serve --port {port} --workers {workers} --policy {policy}".split(),
+        *["--log-level", "warning", "--discovery.static", json.dumps(static)],
+    ]
+    p = subprocess.Popen(
+        pinned(cmd, cpus), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_completion(port, p)
+    return Proc(f"kvroute {policy}", p), port
+
+
+def start_sglang(
+    py: str, urls: list[str], policy: str, cpus: str | None = None
+) -> tuple[Proc, int]:
+    port, mport = free_port(), free_port()
+    cmd = [
+        *[py, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"],
+        *f"--port {port} --policy {policy} --prometheus-host 127.0.0.1".split(),
+        *["--prometheus-port", str(mport), "--worker-urls", *urls],
+    ]
+    p = subprocess.Popen(
+        pinned(cmd, cpus),
+        env={**os.environ, **PEER_ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_completion(port, p)
+    return Proc(f"sglang {policy}", p), port
+
+
+def start_vllm_router(
+    exe: str, urls: list[str], policy: str, cpus: str | None = None
+) -> tuple[Proc, int]:
+    port, mport = free_port(), free_port()
+    cmd = [
+        *[exe, *f"--host 127.0.0.1 --port {port} --policy {policy}".split()],
+        *["--prometheus-port", str(mport), "--worker-urls", *urls],
+    ]
+    p = subprocess.Popen(
+        pinned(cmd, cpus),
+        env={**os.environ, **PEER_ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_completion(port, p)
+    return Proc(f"vllm-router {policy}", p), port
+
+
+def peer_tools(py: str) -> tuple[str | None, str | None]:
+    """(python with sglang_router, vllm-router executable) found from ``py``."""
+    has_sglang = subprocess.run([py, "-c", "import sglang_router"], capture_output=True)
+    sglang = py if has_sglang.returncode == 0 else None
+    beside = Path(py).parent / "vllm-router"
+    vllm = str(beside) if beside.exists() else shutil.which("vllm-router")
+    return sglang, vllm
+
+
+# -- measurements --------------------------------------------------------------------------
+
+
+@dataclass
+class Wrk:
+    requests: int
+    seconds: float
+    errors: int
+    non2xx: int
+    p50_ms: float
+    p99_ms: float
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+
+def run_wrk(script: Path, port: int, threads: int, conns: int, seconds: float) -> Wrk:
+    out = subprocess.run(
+        [
+            *["wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds:g}s", "--timeout", "10s"],
+            *["-s", str(script), f"http://127.0.0.1:{port}/v1/completions"],
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    line = next(x for x in out.splitlines() if x.startswith("WRKJSON "))
+    d = json.loads(line[len("WRKJSON ") :])
+    return Wrk(
+        d["requests"],
+        d["duration_us"] / 1e6,
+        d["errors"],
+        d["non2xx"],
+        d["p50_us"] / 1e3,
+        d["p99_us"] / 1e3,
+    )
+
+
+async def _ttft(port: int, n: int) -> list[float]:
+    data = json.dumps(STREAM_BODY).encode()
+    req = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    ).encode() + data
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    out = []
+    for i in range(n + 10):
+        t0 = time.perf_counter()
+        writer.write(req)
+        head = await reader.readuntil(b"\r\n\r\n")
+        if b"chunked" not in head.lower():
+            raise RuntimeError(f"expected a chunked stream from port {port}: {head[:200]!r}")
+        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+        await reader.readexactly(size + 2)
+        if i >= 10:  # warm-up excluded
+            out.append(time.perf_counter() - t0)
+        while size:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            await reader.readexactly(size + 2)
+    writer.close()
+    return out
+
+
+def run_ttft(port: int, n: int) -> float:
+    """p50 time to the first body chunk of a streaming completion, in ms."""
+    return statistics.median(asyncio.run(_ttft(port, n))) * 1e3
+
+
+@dataclass
+class Sample:
+    c32: Wrk
+    c1: Wrk | None
+    ttft_ms: float
+    router_us: float
+    backends_us: float
+    box_us: float
+    load: float
+
+
+def measure(
+    target: Target,
+    backend_pids: list[int],
+    script: Path,
+    seconds: float,
+    ttft_n: int,
+    c1: bool = True,
+) -> Sample:
+    load = os.getloadavg()[0]
+    r0, b0, x0 = cpu_seconds(target.pids), cpu_seconds(backend_pids), box_busy_seconds()
+    c32 = run_wrk(script, target.port, 2, 32, seconds)
+    r1, b1, x1 = cpu_seconds(target.pids), cpu_seconds(backend_pids), box_busy_seconds()
+    n = max(1, c32.requests)
+    seq = run_wrk(script, target.port, 1, 1, seconds) if c1 else None
+    ttft = run_ttft(target.port, ttft_n) if ttft_n else float("nan")
+    return Sample(
+        c32, seq, ttft, (r1 - r0) / n * 1e6, (b1 - b0) / n * 1e6, (x1 - x0) / n * 1e6, load
+    )
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+Starter = Callable[[], tuple[Proc, int]]
+
+
+def default_targets(
+    urls: list[str], peer_py: str, baseline: str | None = None
+) -> Iterator[tuple[str, Starter | None]]:
+    yield "kvroute cost", partial(start_kvroute, urls, "cost")
+    if baseline is not None:
+        yield "kvroute cost (baseline)", partial(start_kvroute, urls, "cost", tree=baseline)
+    yield "kvroute round_robin", partial(start_kvroute, urls, "round_robin")
+    sglang, vllm = peer_tools(peer_py)
+    for policy in ("cache_aware", "round_robin"):
+        yield (
+            f"sglang {policy}",
+            None if sglang is None else partial(start_sglang, sglang, urls, policy),
+        )
+    for policy in ("cache_aware", "round_robin"):
+        yield (
+            f"vllm-router {policy}",
+            None if vllm is None else partial(start_vllm_router, vllm, urls, policy),
+        )
+
+
+def scaling_targets(urls: list[str], peer_py: str) -> Iterator[tuple[str, Starter | None]]:
+    sglang, vllm = peer_tools(peer_py)
+    for cpus in ("0", "0,1"):
+        for w in (1, 2, 4):
+            yield f"kvroute cost w{w} cpus {cpus}", partial(start_kvroute, urls, "cost", w, cpus)
+        yield (
+            f"sglang cache_aware cpus {cpus}",
+            None if sglang is None else partial(start_sglang, sglang, urls, "cache_aware", cpus),
+        )
+        yield (
+            f"vllm-router round_robin cpus {cpus}",
+            None if vllm is None else partial(start_vllm_router, vllm, urls, "round_robin", cpus),
+        )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--backends", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=10.0, help="per wrk run (c32, then c1)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ttft-requests", type=int, default=200, help="0: skip TTFT")
+    ap.add_argument("--max-load", type=float, default=0.5, help="quiet-machine gate")
+    ap.add_argument("--gate-wait", type=float, default=300.0, help="longest wait for the gate")
+    ap.add_argument("--peer-python", default=sys.executable, help="python with the peers")
+    ap.add_argument("--only", nargs="*", default=None, help="target names (substrings)")
+    ap.add_argument("--scaling", action="store_true", help="workers x cores instead")
+    ap.add_argument(
+        "--baseline",
+        default=None,
+        help="another kvroute source tree (e.g. a `git archive` of main): its kvroute "
+        "targets run beside this tree's, for before/after numbers from one run",
+    )
+    ap.add_argument("--no-netns", action="store_true", help="run on 127.0.0.1 as it is")
+    args = ap.parse_args()
+
+    if not args.no_netns and NETNS_ENV not in os.environ:
+        rc = run_in_netns(sys.argv)
+        if rc is not None:
+            return rc
+    where = os.environ.get(NETNS_ENV)
+    if shutil.which("wrk") is None:
+        print("wrk is not installed (Debian: apt-get install wrk)", file=sys.stderr)
+        return 2
+
+    start_load = wait_quiet(args.max_load, args.gate_wait)
+    procs: list[Proc] = []
+    tmp = tempfile.TemporaryDirectory(prefix="kvroute-wrk-")
+    script = Path(tmp.name) / "post.lua"
+    script.write_text(WRK_LUA % json.dumps(json.dumps(BODY)))
+    try:
+        urls = []
+        for i in range(args.backends):
+            proc, url = start_backend(i)
+            procs.append(proc)
+            urls.append(url)
+        backend_pids = [p.popen.pid for p in procs]
+        targets = [Target("direct", int(urls[0].rsplit(":", 1)[1]))]
+        starters = (
+            scaling_targets(urls, args.peer_python)
+            if args.scaling
+            else default_targets(urls, args.peer_python, args.baseline)
+        )
+        for name, starter in starters:
+            if args.only is not None and not any(s in name for s in args.only):
+                continue
+            if starter is None:
+                print(f"# skipped {name}: not installed", file=sys.stderr)
+                continue
+            try:
+                proc, port = starter()
+            except RuntimeError as exc:
+                print(f"# skipped {name}: {exc}", file=sys.stderr)
+                continue
+            proc.name = name
+            procs.append(proc)
+            targets.append(Target(name, port, [proc.popen.pid]))
+        for t in targets:  # warm-up: connections, caches, the peers' lazy state
+            run_wrk(script, t.port, 2, 32, 1)
+        samples: dict[str, list[Sample]] = {t.name: [] for t in targets}
+        for r in range(args.rounds):
+            order = targets if r % 2 == 0 else targets[::-1]
+            for t in order:
+                samples[t.name].append(
+                    measure(
+                        t,
+                        backend_pids,
+                        script,
+                        args.seconds,
+                        0 if args.scaling else args.ttft_requests,
+                        c1=not args.scaling,
+                    )
+                )
+                print(f"# round {r + 1}: {t.name} done", file=sys.stderr)
+        threads = {t.name: t.threads() for t in targets if t.pids}
+        print_table(samples, threads, args, where, start_load)
+    finally:
+        for p in reversed(procs):
+            with contextlib.suppress(Exception):
+                p.stop()
+        tmp.cleanup()
+    return 0
+
+
+def print_table(
+    samples: dict[str, list[Sample]],
+    threads: dict[str, int],
+    args: argparse.Namespace,
+    where: str | None,
+    load: float,
+) -> None:
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs) if xs else float("nan")
+
+    def ms(x: float, fmt: str = ".3f") -> str:
+        return "" if math.isnan(x) else format(x, fmt)
+
+    loads = [s.load for ss in samples.values() for s in ss]
+    c1_part = "" if args.scaling else " / -t1 -c1"
+    print(
+        f"# wrk -t2 -c32{c1_part}, {args.seconds:g} s each, {args.rounds} rounds (medians), "
+        f"{args.backends} FastAPI backends, "
+        + (f"network namespace {where} (lo only)" if where else "127.0.0.1 (no namespace)")
+        + f"; load at start {load:.2f}, during {min(loads):.2f}-{max(loads):.2f}"
+    )
+    print(
+        "| target | c32 req/s | c32 p99 ms | c1 p50 ms | c1 p50 added | c1 p99 ms "
+        "| TTFT p50 ms | router us/req | router cores | threads | backends us/req "
+        "| box us/req | errors |"
+    )
+    print("|---|" + "---:|" * 12)
+    direct_p50 = med([s.c1.p50_ms for s in samples["direct"] if s.c1 is not None])
+    for name, ss in samples.items():
+        c1s = [s.c1 for s in ss if s.c1 is not None]
+        p50 = med([c.p50_ms for c in c1s])
+        added = "" if name == "direct" or not c1s else f"{p50 - direct_p50:+.3f}"
+        router = cores = ""
+        if name != "direct":
+            router = f"{med([s.router_us for s in ss]):.0f}"
+            cores = f"{med([s.router_us * s.c32.rps / 1e6 for s in ss]):.2f}"
+        errors = sum(s.c32.errors + s.c32.non2xx for s in ss)
+        errors += sum(c.errors + c.non2xx for c in c1s)
+        print(
+            f"| {name} | {med([s.c32.rps for s in ss]):,.0f}"
+            f" | {med([s.c32.p99_ms for s in ss]):.2f}"
+            f" | {ms(p50)} | {added} | {ms(med([c.p99_ms for c in c1s]))}"
+            f" | {ms(med([s.ttft_ms for s in ss]))} | {router} | {cores}"
+            f" | {threads.get(name, '')} | {med([s.backends_us for s in ss]):.0f}"
+            f" | {med([s.box_us for s in ss]):.0f} | {errors} |"
+        )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
