@@ -53,15 +53,18 @@ Semantics:
 * **TLS** — an ``https`` pod is dialled with the one :class:`PodTLS` context; the
   handshake is part of connecting, so a refused certificate is a connect failure
   (retried on the next pod, then 502), logged once per pod and cause.
+
+The attempt loop is here (:class:`Proxy`); beside it: the answer's relay
+(:mod:`.streaming`), the failures' errors and the pod hooks (:mod:`.failures`), the
+load and policy bookkeeping (:mod:`.bookkeeping`) and the forwarded head (:mod:`.head`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import httpx
 from starlette.responses import Response
@@ -76,64 +79,34 @@ from router.fleet.pods import PodRegistry
 from router.fleet.tls import PodTLS
 from router.fleet.transport import PodTarget, PodTransport, Upstream
 from router.logs import RateLimitedLog
-from router.metrics import PodMetrics, RouterMetrics
+from router.metrics import RouterMetrics
 from router.proxy import answers
-from router.proxy.attempts import (
-    CLIENT_DISCONNECTED,
-    FIRST_BYTE_TIMEOUT,
-    POD_EJECTED,
-    POD_REMOVED,
-    AttemptWatch,
-    Disconnected,
-)
-from router.proxy.relay import Once, RawResponse, RelayResponse, UpstreamBroken, relay_chunks
-from router.proxy.response_ids import CreatedSniffer, id_from_body
+from router.proxy.attempts import CLIENT_DISCONNECTED, AttemptWatch, Disconnected
+from router.proxy.failures import RETRYABLE_STATUS, Stalled
+from router.proxy.head import DROP_REQUEST_B, head_tail
+from router.proxy.relay import RawResponse
+from router.proxy.response_ids import id_from_body
+from router.proxy.streaming import StreamRelay
 from scoring.policies.base import Policy
 
 if TYPE_CHECKING:
     from router.proxy.disagg import DecodeLeg
 
+__all__ = ["RETRYABLE_STATUS", "Proxy"]
+
 log = logging.getLogger(__name__)
-
-RETRYABLE_STATUS = frozenset({502, 503})
-
-#: request headers not forwarded (hop-by-hop, or recomputed by the client)
-_DROP_REQUEST = frozenset(
-    {
-        "host",
-        "content-length",
-        "connection",
-        "keep-alive",
-        "transfer-encoding",
-        "te",
-        "upgrade",
-        "proxy-authorization",
-        "proxy-connection",
-        "accept-encoding",
-        "expect",
-    }
-)
-_DROP_REQUEST_B = frozenset(h.encode() for h in _DROP_REQUEST)
-
-
-#: kinds routed without a prompt to tokenize: no prompt or cached tokens to count
-_NO_PROMPT_KINDS = frozenset({"embedding", "passthrough"})
 
 
 def _as_is(err: RouterError) -> RouterError:
     return err
 
 
-class _Stalled(Exception):
-    """An attempt cancelled before its first byte: its pod was ejected or removed, or
-    its first-byte deadline passed (``cause``)."""
+class Proxy(StreamRelay):
+    """Forwards decided requests to their pods: the attempt loop (retry, failover), with
+    the answer's relay (:class:`~router.proxy.streaming.StreamRelay`), the attempts'
+    errors (:class:`~router.proxy.failures.Failures`) and their bookkeeping
+    (:class:`~router.proxy.bookkeeping.Bookkeeping`) as its bases."""
 
-    def __init__(self, cause: str) -> None:
-        super().__init__(cause)
-        self.cause = cause
-
-
-class Proxy:
     def __init__(
         self,
         client: httpx.AsyncClient,
@@ -175,7 +148,7 @@ class Proxy:
         self._first_byte_timeout = settings.first_byte_timeout_s
         registry.subscribe_health(self._on_health)
         registry.subscribe(self._on_pod)
-        self._drop = _DROP_REQUEST_B | (
+        self._drop = DROP_REQUEST_B | (
             frozenset() if forward_authorization else frozenset({b"authorization"})
         )
         #: where a created response's owner is recorded (``/v1/responses``)
@@ -199,10 +172,7 @@ class Proxy:
     def _head_tail(self, incoming: list[tuple[bytes, bytes]], length: int) -> bytes:
         """The forwarded headers (hop-by-hop and Host dropped), Content-Length, identity
         encoding and the blank line: everything of the head after the Host line."""
-        drop = self._drop
-        parts = [k + b": " + v for k, v in incoming if k.lower() not in drop]
-        parts.append(b"content-length: %d\r\naccept-encoding: identity\r\n\r\n" % length)
-        return b"\r\n".join(parts)
+        return head_tail(incoming, self._drop, length)
 
     def _target(self, url: str, path: str) -> PodTarget:
         key = (url, path)
@@ -212,18 +182,6 @@ class Proxy:
                 self._targets.clear()
             target = self._targets[key] = PodTarget(url, path)
         return target
-
-    def _count(self, routed: Routed, pod: str, status: int) -> None:
-        self.metrics.pod_metrics(routed.model, pod, self.policy_name).requests(status).inc()
-
-    def _served(self, routed: Routed, pod: str, pm: PodMetrics | None = None) -> None:
-        """Prompt tokens and predicted cached tokens, labelled with the pod the request
-        was finally sent to (after a retry: the retry's pod, not the first choice)."""
-        if routed.kind in _NO_PROMPT_KINDS or pod not in routed.views:
-            return
-        if pm is None:
-            pm = self.metrics.pod_metrics(routed.model, pod, self.policy_name)
-        pm.served(routed.route.prompt_tokens, routed.cached_tokens(pod))
 
     async def forward(
         self,
@@ -312,7 +270,7 @@ class Proxy:
                     if cause == CLIENT_DISCONNECTED:
                         raise Disconnected() from None
                     if cause is not None:
-                        raise _Stalled(cause) from None
+                        raise Stalled(cause) from None
                     raise
                 finally:
                     self._watch.end(attempt)
@@ -321,7 +279,7 @@ class Proxy:
                 self._served(routed, pod, pm)
                 pm.requests(499).inc()
                 return Response(status_code=499)
-            except _Stalled as stalled:
+            except Stalled as stalled:
                 await self._finish(load, gauge, routed, pod)
                 last_error = self._stall_error(pod, stalled.cause)
                 if not failed_over and not last:
@@ -394,209 +352,3 @@ class Proxy:
         err = last_error or RouterError(503, "no pod available", reason="no_pod")
         self._count(routed, attempts[-1] if attempts else "none", err.status)
         return self.public(err).response()
-
-    def _stall_error(self, pod: str, cause: str) -> RouterError:
-        """The OpenAI error for an attempt cancelled before its first byte: 504
-        ``first_byte_timeout``, 502 ``pod_ejected`` / ``pod_removed``; counted by pod and
-        reason (except for a removed pod: its series were just dropped from /metrics)."""
-        if cause != POD_REMOVED:
-            m = self.metrics
-            m.child(m.upstream_errors, pod, cause).inc()
-        if cause == FIRST_BYTE_TIMEOUT:
-            return RouterError(
-                504,
-                f"pod {pod} sent no first byte within {self._first_byte_timeout:g} s "
-                "(proxy.first_byte_timeout_s)",
-                reason=cause,
-            )
-        what = "was ejected by health checks" if cause == POD_EJECTED else "left the fleet"
-        return RouterError(502, f"pod {pod} {what} while the request waited for it", reason=cause)
-
-    def _on_health(self, pod: str, healthy: bool) -> None:
-        if not healthy:
-            self._fail_pod(pod, POD_EJECTED)
-
-    def _on_pod(self, pod: str, spec: object) -> None:
-        if spec is None:
-            self._fail_pod(pod, POD_REMOVED)
-
-    def _fail_pod(self, pod: str, cause: str) -> None:
-        n = self._watch.fail_pod(pod, cause)
-        if n:
-            self._log.warning(
-                ("fail_pod", pod, cause),
-                "pod %s %s: %d requests still waiting for its first byte are cancelled there "
-                "and failed over",
-                pod,
-                "ejected" if cause == POD_EJECTED else "removed",
-                n,
-            )
-
-    def _upstream_error(self, pod: str, exc: httpx.HTTPError) -> RouterError:
-        """The OpenAI error for a failed exchange with ``pod`` (counted by reason):
-        502 ``connect`` (nothing was sent), 504 ``upstream_timeout``, 502 ``transport``."""
-        m = self.metrics
-        if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)):
-            m.child(m.upstream_errors, pod, "connect").inc()
-            return RouterError(502, f"cannot connect to pod {pod}: {exc!r}", reason="connect")
-        if isinstance(exc, httpx.TimeoutException):
-            m.child(m.upstream_errors, pod, "timeout").inc()
-            return RouterError(504, f"pod {pod} did not answer in time", reason="upstream_timeout")
-        m.child(m.upstream_errors, pod, "transport").inc()
-        return RouterError(502, f"pod {pod} failed: {exc!r}", reason="transport")
-
-    async def _finish(self, load: RequestLoad, gauge: Any, routed: Routed, pod: str) -> None:
-        """An attempt that failed before relaying: undo its load and bookkeeping."""
-        gauge.dec()
-        self.policy.on_complete(routed.route, pod)
-        if load.local is not None:
-            load.end_now()
-        else:
-            await load.end()
-
-    def _response_headers(
-        self, resp: Upstream, pod: str, leg: DecodeLeg | None = None
-    ) -> list[tuple[bytes, bytes]]:
-        out = [*resp.relay_headers, (self._pod_header_b, pod.encode("latin-1"))]
-        if leg is not None:
-            out.extend(leg.headers)
-        return out
-
-    def _relay_stream(
-        self,
-        resp: Upstream,
-        routed: Routed,
-        pod: str,
-        load: RequestLoad,
-        gauge: Any,
-        started: float,
-        leg: DecodeLeg | None = None,
-    ) -> Response:
-        count = leg is None or leg.count_usage
-        answer = answers.Answer.for_stream(routed, resp.status, count)
-        done = Once(self._complete, load, gauge, routed, pod, answer)
-        relay = RelayResponse(
-            self._stream(resp, routed, pod, load, started, answer, leg),
-            status_code=resp.status,
-            on_close=done,
-        )
-        relay.raw_headers = self._response_headers(resp, pod, leg)
-        return relay
-
-    async def _stream(
-        self,
-        resp: Upstream,
-        routed: Routed,
-        pod: str,
-        load: RequestLoad,
-        started: float,
-        answer: answers.Answer,
-        leg: DecodeLeg | None = None,
-    ) -> AsyncIterator[bytes]:
-        first = True
-        status = resp.status
-        m = self.metrics
-        sniff = (
-            CreatedSniffer()
-            if routed.kind == "responses" and 200 <= status < 300 and self.owners is not None
-            else None
-        )
-        try:
-            source = resp.stream if leg is None else leg.wrap(resp.status, resp.stream)
-            async for chunk in source:
-                if sniff is not None:
-                    # the owner is recorded before the client sees response.created, so
-                    # a follow-up sent as soon as it did finds it; the rest is not read
-                    rid = sniff.feed(chunk)
-                    if rid is not None:
-                        await self.remember(rid, pod, routed.tenant)
-                    if sniff.done:
-                        sniff = None
-                if first and chunk:
-                    first = False
-                    ttft = time.perf_counter() - started
-                    m.child(m.ttft_seconds, routed.model, pod).observe(ttft)
-                    self.policy.on_first_token(routed.route, pod, ttft)
-                    if load.local is not None:
-                        load.first_token_now()
-                    else:
-                        await load.first_token()
-                answer.feed(chunk)
-                yield chunk
-            if 200 <= status < 300:
-                answer.finish(m, routed, pod)
-        except httpx.HTTPError as exc:
-            # bytes may already be out: no retry, no JSON error.  Re-raise so the server
-            # aborts the client connection too (no clean end: the client sees truncation)
-            status = 502
-            m.child(m.upstream_errors, pod, "stream_broken").inc()
-            self._log.warning(("stream_broken", pod), "stream from %s broke: %r", pod, exc)
-            raise UpstreamBroken(f"stream from pod {pod} broke: {exc!r}") from None
-        except asyncio.CancelledError:
-            status = 499
-            raise
-        finally:
-            await resp.stream.aclose()
-            self._count(routed, pod, status)
-
-    async def remember(self, response_id: str, pod: str, tenant: str | None = None) -> None:
-        """Record ``pod`` (and ``tenant``) as the owner of ``response_id`` (a failing store
-        is logged, never fails the answer)."""
-        if self.owners is None:
-            return
-        try:
-            await self.owners.put(response_id, pod, tenant)
-        except Exception as exc:
-            self._log.warning(
-                "owner_put", "recording the owner of response %s failed: %r", response_id, exc
-            )
-
-    async def relay(
-        self,
-        pod: str,
-        method: bytes,
-        target: str,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes = b"",
-    ) -> Response:
-        """Send one request as it is to ``pod`` (``target``: path and query) and relay
-        the answer: ``GET /v1/responses/{id}`` (JSON, or SSE with ``stream=true``) and
-        ``POST .../cancel``.  No retry elsewhere: only this pod holds the response."""
-        state = self.registry.get(pod)
-        if state is None:
-            raise RouterError(502, f"pod {pod} is gone", reason="no_pod")
-        t = PodTarget(state.spec.url, target, method)
-        head = t.lead + self._head_tail(headers, len(body))
-        try:
-            resp = await self.transport.send_raw(
-                t.host, t.port, head, body, self._connect_timeout, self._read_timeout, t.tls
-            )
-        except httpx.HTTPError as exc:
-            raise self._upstream_error(pod, exc) from None
-        out = self._response_headers(resp, pod)
-        if resp.is_event_stream:
-            relay = RelayResponse(
-                relay_chunks(resp), status_code=resp.status, on_close=Once(resp.stream.aclose)
-            )
-            relay.raw_headers = out
-            return relay
-        try:
-            content = await resp.stream.read_all()
-        finally:
-            await resp.stream.aclose()
-        out.append((b"content-length", b"%d" % len(content)))
-        return RawResponse(resp.status, out, content)
-
-    async def _complete(
-        self, load: RequestLoad, gauge: Any, routed: Routed, pod: str, answer: answers.Answer
-    ) -> None:
-        gauge.dec()
-        if load.local is not None:
-            load.end_now()
-        else:
-            await load.end()
-        if answer.ok:
-            self.policy.on_finished(routed.route, pod, answer.output_tokens)
-        self.policy.on_complete(routed.route, pod)
-        if answer.ok and self.on_answer is not None:
-            await self.on_answer(routed.tenant, answer.output_tokens)
