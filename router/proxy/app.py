@@ -103,7 +103,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             body = parse_body(raw, g.max_json_depth)
             if ctx is not None:  # the model check, the request bucket, the cache salt
-                raw = await g.tenants.admit(ctx, kind, body, raw, g.registry.served_models())
+                raw = await g.tenants.admit(
+                    ctx, kind, body, raw, g.registry.served_models(), ask_usage=True
+                )
         except RouterError as err:
             raise g.router.reject(err) from None
         tenant = ctx.name if ctx is not None else None

@@ -184,6 +184,8 @@ class Proxy:
         self.public: Callable[[RouterError], RouterError] = _as_is
         #: called with (tenant, completion tokens) when an answer ends cleanly (limits)
         self.on_answer: Callable[[str | None, int | None], Awaitable[None]] | None = None
+        #: told of a stream's time to first token by tenant (the tenants' dashboard row)
+        self.on_ttft: Callable[[str | None, float], None] | None = None
         #: the policy reads the output tokens (``on_finished`` is its own): every answer's
         #: usage is decoded for it (else only those reporting cached tokens, for metrics)
         self._policy_wants_output = type(policy).on_finished is not Policy.on_finished
@@ -502,7 +504,7 @@ class Proxy:
             else None
         )
         try:
-            source = resp.stream if leg is None else leg.wrap(resp.status, resp.stream)
+            source = answer.wrap(resp.stream if leg is None else leg.wrap(resp.status, resp.stream))
             async for chunk in source:
                 if sniff is not None:
                     # the owner is recorded before the client sees response.created, so
@@ -516,6 +518,8 @@ class Proxy:
                     first = False
                     ttft = time.perf_counter() - started
                     m.child(m.ttft_seconds, routed.model, pod).observe(ttft)
+                    if self.on_ttft is not None:
+                        self.on_ttft(routed.tenant, ttft)
                     self.policy.on_first_token(routed.route, pod, ttft)
                     if load.local is not None:
                         load.first_token_now()

@@ -52,6 +52,7 @@ class Gateway(RouterCore):
         if self.tenants.enabled:
             self.proxy.public = self.tenants.public
             self.proxy.on_answer = self.tenants.on_answer
+            self.proxy.on_ttft = self.tenants.observe_ttft
         #: requests of models whose pods have P/D roles (router/proxy/disagg.py)
         self.disagg = Disaggregator(self.proxy, self.router.pd, settings.pd)
         if self.learner.enabled:
