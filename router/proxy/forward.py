@@ -182,6 +182,9 @@ class Proxy:
         self.owners: OwnerStore | None = None
         #: what a client may see of an upstream error (tenancy strips fleet internals)
         self.public: Callable[[RouterError], RouterError] = _as_is
+        #: a pod's own 5xx body is not relayed but replaced by :attr:`public`'s error
+        #: (tenants: it may name the fleet's internals; it is logged instead)
+        self.hide_pod_errors = False
         #: called with (tenant, completion tokens) when an answer ends cleanly (limits)
         self.on_answer: Callable[[str | None, int | None], Awaitable[None]] | None = None
         #: told of a stream's time to first token by tenant (the tenants' dashboard row)
@@ -359,6 +362,8 @@ class Proxy:
                     reason=f"status_{resp.status}",
                 )
                 continue
+            if self.hide_pod_errors and resp.status >= 500:
+                return await self._pod_error(resp, content, load, gauge, routed, pod, extra)
             self._served(routed, pod, pm)
             if content is not None:
                 if routed.kind == "responses" and 200 <= resp.status < 300:
@@ -396,6 +401,31 @@ class Proxy:
         err = last_error or RouterError(503, "no pod available", reason="no_pod")
         self._count(routed, attempts[-1] if attempts else "none", err.status)
         return self.public(err).response()
+
+    async def _pod_error(
+        self,
+        resp: Upstream,
+        content: bytes | None,
+        load: RequestLoad,
+        gauge: Any,
+        routed: Routed,
+        pod: str,
+        extra: dict[str, str],
+    ) -> Response:
+        """A pod's 5xx answer, not relayed (:attr:`hide_pod_errors`): its body is
+        logged and the client gets the public form of ``status_<code>``."""
+        if content is None:
+            content = await resp.stream.read_all() if not resp.is_event_stream else b""
+            await resp.stream.aclose()
+        await self._finish(load, gauge, routed, pod)
+        self._served(routed, pod)
+        self._count(routed, pod, resp.status)
+        err = RouterError(
+            resp.status,
+            f"pod {pod} answered {resp.status}: {content[:512]!r}",
+            reason=f"status_{resp.status}",
+        )
+        return self.public(err).response({self.pod_header: pod, **extra})
 
     def _stall_error(self, pod: str, cause: str) -> RouterError:
         """The OpenAI error for an attempt cancelled before its first byte: 504

@@ -51,6 +51,7 @@ class Gateway(RouterCore):
         self.tenants = TenantGate(settings, self.metrics.registry, self.redis)
         if self.tenants.enabled:
             self.proxy.public = self.tenants.public
+            self.proxy.hide_pod_errors = True
             self.proxy.on_answer = self.tenants.on_answer
             self.proxy.on_ttft = self.tenants.observe_ttft
         #: requests of models whose pods have P/D roles (router/proxy/disagg.py)
