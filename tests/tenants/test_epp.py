@@ -9,7 +9,8 @@ import grpc
 
 from router.epp import protocol as P
 from tests.epp import client as C
-from tests.epp.fleet import MODEL, running_epp, settings_for, sim_pods
+from tests.epp.fleet import MODEL, endpoint, running_epp, settings_for, sim_pods
+from tests.support.aio import wait_until
 from tests.tenants.rig import KEY_A, two_tenants
 
 CHAT = "/v1/chat/completions"
@@ -62,3 +63,29 @@ async def test_a_model_the_tenant_may_not_use_is_an_immediate_404() -> None:
         imm = hidden.immediate_response  # type: ignore[attr-defined]
         assert imm.status.code == 404
         assert json.loads(imm.body)["error"]["code"] == "model_not_found"
+
+
+async def test_no_healthy_pod_is_an_immediate_503_that_names_no_pod_address() -> None:
+    health = {"enabled": True, "interval_s": 0.1, "timeout_s": 0.2, "failure_threshold": 1}
+    async with sim_pods(1) as pods:
+        url = pods[0].url
+        # named by its address, as DNS discovery names pods: a name in a message leaks it
+        static = [{"name": endpoint(pods[0]), "url": url, "models": [MODEL]}]
+        settings = settings_for(pods, health=health, **two_tenants())
+        settings = settings.model_copy(
+            update={"discovery": settings.discovery.model_validate({"static": static})}
+        )
+        await pods[0].stop()  # its health checks now fail: ejected
+        async with running_epp(settings) as (server, channel):
+
+            async def ejected() -> bool:
+                return not any(p.healthy for p in server.picker.registry.all())
+
+            await wait_until(ejected, timeout=10)
+            answer, _ = await pick(channel, body(), KEY_A)
+    imm = answer.immediate_response  # type: ignore[attr-defined]
+    assert imm.status.code == 503
+    error = json.loads(imm.body)["error"]
+    assert error["code"] == "no_healthy_pod"
+    text = imm.body.decode()
+    assert "127.0.0.1:" not in text and url not in text, text
