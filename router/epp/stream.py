@@ -15,7 +15,11 @@ the same way here), headers and trailers ``SEND``:
 3. **response headers** — the served endpoint (metadata), the status; answered with
    the pod's name in ``pod_header`` (``x-kvroute-pod``).
 4. **response body chunks** — each sent back as it arrives (a stream is never held);
-   the first one is the time to first token; the usage is read on the way.
+   the first one is the time to first token; the usage is read on the way.  A tenant's
+   stream whose client did not ask for its usage was asked for it (see below): its
+   usage event is taken back out (:class:`router.proxy.hidden_usage.HiddenUsage`: the
+   bytes sent back for a chunk are the complete events it ends, the terminal chunk
+   held until the usage event; an answer may then carry no bytes).
 5. the response's end of stream (or trailers) completes the request; a stream that
    ends before it (client gone, proxy reset) completes it as 499.
 
@@ -24,8 +28,10 @@ the status and OpenAI error JSON `kvroute serve` would answer.
 
 With tenants (:mod:`router.tenants`) the same rules as `kvroute serve` apply before the
 pick: the key (401), the model (404), the request and token buckets (429), and the
-tenant's ``cache_salt`` set in the body sent on (its Content-Length follows); the
-error messages are the tenant-facing ones.  The trusted tenant header is not honoured
+tenant's ``cache_salt`` set in the body sent on (its Content-Length follows), and
+``stream_options.include_usage`` on a chat or completion stream whose client did not
+ask, so that its completion tokens are charged; the error messages are the
+tenant-facing ones.  The trusted tenant header is not honoured
 here (the gRPC peer is the proxy, not a gateway in front of it).
 """
 
@@ -41,6 +47,7 @@ from router.epp import protocol as P
 from router.epp.accounting import Accounting
 from router.epp.picker import EndpointPicker, route_path
 from router.errors import RouterError, error_body
+from router.proxy.hidden_usage import HiddenUsage
 from router.proxy.response_ids import CreatedSniffer, id_from_body
 from router.tenants.auth import TenantContext
 from router.usage import UsageReader
@@ -65,6 +72,10 @@ class ExtProcStream:
         self._decided = False
         self.accounting: Accounting | None = None
         self._reader: UsageReader | None = None
+        #: the usage event the EPP asked for, taken out of the client's stream
+        self._hidden: HiddenUsage | None = None
+        #: the body sent on asks for the usage its client did not (tenants)
+        self._asked_usage = False
         self._sniffer: CreatedSniffer | None = None
         self._responses = False
         #: the request's tenant (None: tenancy off, or not yet known)
@@ -134,7 +145,7 @@ class ExtProcStream:
         path = route_path(self.headers.get(":path", "/"))
         body = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
         try:
-            sent, self.tenant = await picker.admit(path, body, self.headers)
+            sent, self.tenant, self._asked_usage = await picker.admit(path, body, self.headers)
             if sent is not body:  # the tenant's cache_salt: the body sent on changed
                 body, self._chunks, self._size = sent, [sent], len(sent)
             decision = await picker.decide(path, body, self.headers, self.subset, self.tenant)
@@ -194,7 +205,10 @@ class ExtProcStream:
         if accounting is not None:
             await accounting.served(pod, status)
             extra[picker.settings.pod_header] = accounting.pod
-            self._reader = UsageReader(event_stream)
+            if event_stream and 200 <= status < 300 and self._asked_usage:
+                self._hidden = HiddenUsage()
+            else:
+                self._reader = UsageReader(event_stream)
             if self._responses and 200 <= status < 300 and event_stream:
                 self._sniffer = CreatedSniffer()
         elif pod is not None:
@@ -217,6 +231,9 @@ class ExtProcStream:
                     await self._remember(rid)
                 if self._sniffer.done:
                     self._sniffer = None
+        hidden = self._hidden
+        if hidden is not None:
+            chunk = hidden.feed(chunk) + (hidden.flush() if body.end_of_stream else b"")
         out = list(P.body_responses(False, chunk, body.end_of_stream))
         if body.end_of_stream:
             await self._complete()
@@ -228,6 +245,8 @@ class ExtProcStream:
             return
         reader = self._reader
         usage = reader.usage() if reader is not None and accounting.status != 499 else None
+        if self._hidden is not None and accounting.status != 499:
+            usage = self._hidden.usage
         if (
             self._responses
             and reader is not None

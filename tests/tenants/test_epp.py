@@ -4,8 +4,10 @@ limits, and the tenant's cache_salt set in the body it sends back to the proxy."
 from __future__ import annotations
 
 import json
+import re
 
 import grpc
+import httpx
 
 from router.epp import protocol as P
 from tests.epp import client as C
@@ -89,3 +91,44 @@ async def test_no_healthy_pod_is_an_immediate_503_that_names_no_pod_address() ->
     assert error["code"] == "no_healthy_pod"
     text = imm.body.decode()
     assert "127.0.0.1:" not in text and url not in text, text
+
+
+async def test_a_tenant_stream_without_include_usage_is_charged_and_relayed_as_it_would_be() -> (
+    None
+):
+    """Envoy's part played here: the body the EPP sends on goes to a real sim pod, whose
+    stream is fed back chunk by chunk; what the EPP sends back is what the pod sends a
+    client that did not ask for usage, and the completion tokens are counted."""
+    chat_body = body(max_tokens=24, stream=True)
+    async with (
+        sim_pods(1) as pods,
+        running_epp(settings_for(pods, **two_tenants())) as (server, channel),
+        httpx.AsyncClient(timeout=30) as direct,
+    ):
+        plain = await direct.post(pods[0].url + CHAT, content=chat_body)
+        stream = C.Stream(channel)
+        extra = [("authorization", f"Bearer {KEY_A}")]
+        await stream.send(C.request_headers(CHAT, extra=extra), C.request_body(chat_body, True))
+        _, sent = await stream.read_request_pick()
+        assert json.loads(sent)["stream_options"] == {"include_usage": True}
+        asked = await direct.post(pods[0].url + CHAT, content=sent)
+        assert b'"usage"' in asked.content
+        pieces = C.chunks(asked.content, 100)
+        await stream.send(C.response_headers(200, "text/event-stream"))
+        await stream.read(1)
+        relayed = b""
+        for i, piece in enumerate(pieces):
+            await stream.send(C.response_body(piece, i == len(pieces) - 1))
+            [answer] = await stream.read(1)
+            relayed += answer.response_body.response.body_mutation.streamed_response.body
+        await stream.close()
+        registry = server.picker.metrics.registry
+
+        async def charged() -> bool:
+            labels = {"tenant": "a", "kind": "completion"}
+            return registry.get_sample_value("kvroute_tenant_tokens_total", labels) == 24
+
+        await wait_until(charged, timeout=5)
+    volatile = re.compile(rb'"(id|created)":("[^"]*"|\d+)')
+    assert b'"usage"' not in relayed
+    assert volatile.sub(b"", relayed) == volatile.sub(b"", plain.content)
