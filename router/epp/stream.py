@@ -19,7 +19,9 @@ the same way here), headers and trailers ``SEND``:
    stream whose client did not ask for its usage was asked for it (see below): its
    usage event is taken back out (:class:`router.proxy.hidden_usage.HiddenUsage`: the
    bytes sent back for a chunk are the complete events it ends, the terminal chunk
-   held until the usage event; an answer may then carry no bytes).
+   held until the usage event; an answer may then carry no bytes.  A pod that ignores
+   the option and ends its stream with trailers instead of a last body chunk would
+   leave the held terminal chunk unsent: vLLM sends the usage event and no trailers).
 5. the response's end of stream (or trailers) completes the request; a stream that
    ends before it (client gone, proxy reset) completes it as 499.
 
