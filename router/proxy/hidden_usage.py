@@ -22,14 +22,16 @@ have had without the router's question:
   as it came, the held events at its end.
 
 Events are relayed as they came, byte for byte; only their split into chunks follows
-the event boundaries (``\\n\\n``, what vLLM and the sim send) instead of the pod's
-writes.  Not hidden: a pod started with ``--enable-force-include-usage`` sends usage
-on every chunk to every client anyway; the router cannot tell it from its own question,
-and the client gets what that pod sends to everyone, minus the final usage event.
+the event boundaries (a blank line: ``\\n\\n`` as vLLM and the sim send it, or with
+``\\r\\n`` line ends) instead of the pod's writes.  Not hidden: a pod started with
+``--enable-force-include-usage`` sends usage on every chunk to every client anyway; the
+router cannot tell it from its own question, and the client gets what that pod sends to
+everyone, minus the final usage event.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import Any
 
@@ -40,7 +42,8 @@ from router.usage import Usage, usage_from
 #: the request kinds whose streams end with a usage event when asked
 KINDS = frozenset({"chat", "completion"})
 
-_SEP = b"\n\n"
+#: the end of an event: a blank line, in any of the line ends SSE allows
+_SEP = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _TERMINAL = b'"finish_reason":"'
 _NO_CHOICES = b'"choices":[]'
 _USAGE = b'"usage":'
@@ -113,19 +116,13 @@ class HiddenUsage:
 
     def feed(self, chunk: bytes) -> bytes:
         """The bytes to send on after ``chunk`` (complete events only)."""
-        data = self._rest + chunk
-        end = data.rfind(_SEP)
-        if end < 0:
-            self._rest = data
-            return b""
-        end += len(_SEP)
-        self._rest = data[end:]
+        data = self._rest + chunk if self._rest else chunk
         out: list[bytes] = []
         start = 0
-        while start < end:
-            stop = data.index(_SEP, start) + len(_SEP)
-            self._event(data[start:stop], out)
-            start = stop
+        for sep in _SEP.finditer(data):
+            self._event(data[start : sep.end()], out)
+            start = sep.end()
+        self._rest = data[start:]
         return b"".join(out)
 
     def flush(self) -> bytes:

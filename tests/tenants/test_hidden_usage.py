@@ -72,6 +72,13 @@ def test_the_usage_event_is_removed_and_the_fingerprint_goes_back_on_the_termina
             assert hidden.usage is not None and hidden.usage.completion_tokens == 3 * n
 
 
+def test_events_with_crlf_line_ends_are_found_too() -> None:
+    crlf = vllm_stream(True).replace(b"\n\n", b"\r\n\r\n")
+    out, hidden = relay_in_pieces(crlf, 3)
+    assert out == vllm_stream(False).replace(b"\n\n", b"\r\n\r\n")
+    assert hidden.usage is not None
+
+
 def test_a_stream_without_a_usage_event_is_relayed_as_it_came() -> None:
     plain = vllm_stream(False)
     for size in (1, 5, len(plain)):
