@@ -8,8 +8,10 @@ minute's worth through at once, and over any long stretch the rate is the limit.
 * ``requests``: each request needs 1 and takes 1.
 * ``tokens``: a request needs its prompt tokens (or a full bucket, for a prompt larger
   than the bucket) and takes them on admission; the completion tokens of its answer
-  (the pod's ``usage``) are taken when the answer ends, without a check: the bucket
-  may go below zero, and the tenant's next requests wait until it refilled.
+  (the pod's ``usage``; for a stream whose client did not ask for it, the usage the
+  router asked for, :mod:`router.proxy.hidden_usage`) are taken when the answer ends,
+  without a check: the bucket may go below zero, and the tenant's next requests wait
+  until it refilled.
 
 A refused request gets 429 with ``Retry-After`` (whole seconds until the bucket holds
 what it needs).
