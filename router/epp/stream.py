@@ -33,8 +33,10 @@ pick: the key (401), the model (404), the request and token buckets (429), and t
 tenant's ``cache_salt`` set in the body sent on (its Content-Length follows), and
 ``stream_options.include_usage`` on a chat or completion stream whose client did not
 ask, so that its completion tokens are charged; the error messages are the
-tenant-facing ones.  The trusted tenant header is not honoured
-here (the gRPC peer is the proxy, not a gateway in front of it).
+tenant-facing ones, and a pod's own 5xx body is replaced by one (its Content-Length and
+Content-Type set; the pod's body is logged), as `kvroute serve` does.  The trusted
+tenant header is not honoured here (the gRPC peer is the proxy, not a gateway in front
+of it).
 """
 
 from __future__ import annotations
@@ -49,12 +51,15 @@ from router.epp import protocol as P
 from router.epp.accounting import Accounting
 from router.epp.picker import EndpointPicker, route_path
 from router.errors import RouterError, error_body
+from router.logs import RateLimitedLog
 from router.proxy.hidden_usage import HiddenUsage
 from router.proxy.response_ids import CreatedSniffer, id_from_body
 from router.tenants.auth import TenantContext
 from router.usage import UsageReader
 
 log = logging.getLogger(__name__)
+#: per-request warnings: one line per cause per 10 s
+_LOG = RateLimitedLog(log)
 
 _perf = time.perf_counter
 _JSON_ERROR = (("content-type", "application/json"),)
@@ -78,6 +83,9 @@ class ExtProcStream:
         self._hidden: HiddenUsage | None = None
         #: the body sent on asks for the usage its client did not (tenants)
         self._asked_usage = False
+        #: a pod's 5xx body is replaced by this tenant-facing error (tenants)
+        self._replaced: bytes | None = None
+        self._pod_body = b""
         self._sniffer: CreatedSniffer | None = None
         self._responses = False
         #: the request's tenant (None: tenancy off, or not yet known)
@@ -215,6 +223,23 @@ class ExtProcStream:
                 self._sniffer = CreatedSniffer()
         elif pod is not None:
             extra[picker.settings.pod_header] = pod
+        if (
+            accounting is not None
+            and status >= 500
+            and picker.tenants.enabled
+            and not req.response_headers.end_of_stream
+        ):
+            self._reader = None
+            err = RouterError(
+                status, f"pod {accounting.pod} answered {status}", reason=f"status_{status}"
+            )
+            public = picker.tenants.public(err)
+            self._replaced = P.json_bytes(
+                error_body(public.message, public.type, None, public.reason)
+            )
+            extra.update(
+                {"content-type": "application/json", "content-length": str(len(self._replaced))}
+            )
         out = [P.headers_response(False, extra)]
         if req.response_headers.end_of_stream:
             await self._complete()
@@ -236,6 +261,18 @@ class ExtProcStream:
         hidden = self._hidden
         if hidden is not None:
             chunk = hidden.feed(chunk) + (hidden.flush() if body.end_of_stream else b"")
+        elif self._replaced is not None:  # the pod's 5xx body: logged, never sent on
+            if len(self._pod_body) < 512:
+                self._pod_body += chunk[: 512 - len(self._pod_body)]
+            chunk, self._replaced = self._replaced, b""
+            if body.end_of_stream and self._pod_body and accounting is not None:
+                _LOG.warning(
+                    ("pod_5xx", accounting.pod),
+                    "pod %s answered %d, not shown to the tenant: %r",
+                    accounting.pod,
+                    accounting.status,
+                    self._pod_body,
+                )
         out = list(P.body_responses(False, chunk, body.end_of_stream))
         if body.end_of_stream:
             await self._complete()

@@ -132,3 +132,29 @@ async def test_a_tenant_stream_without_include_usage_is_charged_and_relayed_as_i
     volatile = re.compile(rb'"(id|created)":("[^"]*"|\d+)')
     assert b'"usage"' not in relayed
     assert volatile.sub(b"", relayed) == volatile.sub(b"", plain.content)
+
+
+async def test_a_pods_5xx_body_is_replaced_by_an_error_that_names_no_pod_address() -> None:
+    async with (
+        sim_pods(1) as pods,
+        running_epp(settings_for(pods, **two_tenants())) as (_server, channel),
+    ):
+        stream = C.Stream(channel)
+        extra = [("authorization", f"Bearer {KEY_A}")]
+        await stream.send(C.request_headers(CHAT, extra=extra), C.request_body(body(), True))
+        await stream.read_request_pick()
+        pod_body = json.dumps({"error": f"engine at {pods[0].url} crashed"}).encode()
+        await stream.send(C.response_headers(500, "application/json"))
+        [head] = await stream.read(1)
+        relayed = b""
+        for i, piece in enumerate(pieces := C.chunks(pod_body, 20)):
+            await stream.send(C.response_body(piece, i == len(pieces) - 1))
+            [answer] = await stream.read(1)
+            relayed += answer.response_body.response.body_mutation.streamed_response.body
+        await stream.close()
+    headers = C.set_headers(head, "response_headers")
+    assert headers["content-length"] == str(len(relayed))
+    assert headers["content-type"] == "application/json"
+    error = json.loads(relayed)["error"]
+    assert error["code"] == "status_500"
+    assert "127.0.0.1:" not in relayed.decode() and "crashed" not in relayed.decode()
