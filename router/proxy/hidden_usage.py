@@ -1,9 +1,10 @@
 """The usage the router asks a pod for and the client did not (tenants' token limits).
 
 A stream's completion tokens are known only from the pod's usage event, which vLLM sends
-only when the request asked ``stream_options.include_usage``.  So with tenants, the
-proxy front asks for it on every chat or completion stream whose client did not
-(:func:`usage_options`, applied by :class:`router.tenants.gate.TenantGate` through
+only when the request asked ``stream_options.include_usage``.  So with tenants, both
+fronts (`kvroute serve`, :mod:`router.proxy.answers`; `kvroute epp`,
+:mod:`router.epp.stream`) ask for it on every chat or completion stream whose client did
+not (:func:`usage_options`, applied by :class:`router.tenants.gate.TenantGate` through
 :func:`router.rewrite.rewrite_body`), and :class:`HiddenUsage` takes the usage event
 back out of what the client receives, so that the client's stream is the one it would
 have had without the router's question:
