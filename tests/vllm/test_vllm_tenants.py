@@ -206,12 +206,12 @@ async def test_no_cross_tenant_hit_and_a_same_tenant_hit_on_real_engines(
         # B sends A's first prompt to the very engine that holds it: no hit at all
         assert await _cached_blocks(router, chat(first), "b", pod) == 0
         rid = await _request_id_ranking_first(router, chat(first), "b", pod)
-        before = [await _hits(e) for e in engines]
+        before_all = [await _hits(e) for e in engines]
         rb = await router.post(
             "/v1/chat/completions", json=chat(first), headers={**auth(KEY_B), "x-request-id": rid}
         )
         assert rb.status_code == 200 and rb.headers["x-kvroute-pod"] == pod
-        cross = [await _hits(e) - b for e, b in zip(engines, before, strict=True)]
+        cross = [await _hits(e) - b for e, b in zip(engines, before_all, strict=True)]
         assert cross == [0.0, 0.0]
 
         # B's repeat hits B's own cache: the referee counts hits when there are some
