@@ -212,16 +212,19 @@ class ExtProcStream:
             picker.epp.protocol_errors.labels("unknown_served_endpoint").inc()
         accounting = self.accounting
         extra: dict[str, str] = {}
+        # with tenants an error names no pod (a pod's name is its address under DNS)
+        named = not (picker.tenants.enabled and status >= 400)
         if accounting is not None:
             await accounting.served(pod, status)
-            extra[picker.settings.pod_header] = accounting.pod
+            if named:
+                extra[picker.settings.pod_header] = accounting.pod
             if event_stream and 200 <= status < 300 and self._asked_usage:
                 self._hidden = HiddenUsage()
             else:
                 self._reader = UsageReader(event_stream)
             if self._responses and 200 <= status < 300 and event_stream:
                 self._sniffer = CreatedSniffer()
-        elif pod is not None:
+        elif pod is not None and named:
             extra[picker.settings.pod_header] = pod
         if (
             accounting is not None

@@ -147,7 +147,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except RouterError as err:
             response = gate.public(err, ctx).response()
         gate.count(ctx, response.status_code)
-        return response
+        return gate.facing(response, g.pod_header_b)
 
     async def _fast(scope: Scope, receive: Receive, send: Send, kind: Kind, path: str) -> None:
         """The generation endpoints straight on ASGI: no Request object, no routing
@@ -234,7 +234,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except RouterError as err:
             response = gate.public(err, ctx).response()
         gate.count(ctx, response.status_code)
-        return response
+        return gate.facing(response, g.pod_header_b)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(request: Request, response_id: str) -> Response:

@@ -124,6 +124,23 @@ def _as_is(err: RouterError) -> RouterError:
     return err
 
 
+async def _pod_5xx(resp: Upstream, content: bytes | None, pod: str) -> RouterError:
+    """The error for a pod's 5xx answer whose body is not relayed (its start in the
+    message, which only the log shows); the upstream is closed."""
+    if content is None:
+        try:
+            content = b"" if resp.is_event_stream else await resp.stream.read_all()
+        except httpx.HTTPError as exc:  # the status is what the client learns anyway
+            content = repr(exc).encode()
+        finally:
+            await resp.stream.aclose()
+    return RouterError(
+        resp.status,
+        f"pod {pod} answered {resp.status}: {content[:512]!r}",
+        reason=f"status_{resp.status}",
+    )
+
+
 class _Stalled(Exception):
     """An attempt cancelled before its first byte: its pod was ejected or removed, or
     its first-byte deadline passed (``cause``)."""
@@ -414,17 +431,10 @@ class Proxy:
     ) -> Response:
         """A pod's 5xx answer, not relayed (:attr:`hide_pod_errors`): its body is
         logged and the client gets the public form of ``status_<code>``."""
-        if content is None:
-            content = await resp.stream.read_all() if not resp.is_event_stream else b""
-            await resp.stream.aclose()
+        err = await _pod_5xx(resp, content, pod)
         await self._finish(load, gauge, routed, pod)
         self._served(routed, pod)
         self._count(routed, pod, resp.status)
-        err = RouterError(
-            resp.status,
-            f"pod {pod} answered {resp.status}: {content[:512]!r}",
-            reason=f"status_{resp.status}",
-        )
         return self.public(err).response({self.pod_header: pod, **extra})
 
     def _stall_error(self, pod: str, cause: str) -> RouterError:
@@ -607,6 +617,8 @@ class Proxy:
             )
         except httpx.HTTPError as exc:
             raise self._upstream_error(pod, exc) from None
+        if self.hide_pod_errors and resp.status >= 500:
+            raise await _pod_5xx(resp, None, pod)
         out = self._response_headers(resp, pod)
         if resp.is_event_stream:
             relay = RelayResponse(

@@ -47,6 +47,7 @@ class Gateway(RouterCore):
             p.access_log_format,
             pod_header=settings.pod_header,
         )
+        self.pod_header_b = settings.pod_header.lower().encode("latin-1")
         #: the tenants (router.tenants): keys, salts, limits, what a tenant may see
         self.tenants = TenantGate(settings, self.metrics.registry, self.redis)
         if self.tenants.enabled:

@@ -21,7 +21,9 @@ tenant (``kvroute_tenant_tokens_total``, ``kvroute_tenant_ttft_seconds``).
 
 :meth:`TenantGate.public` turns an error into what a tenant may see: no pod problems
 (which name pod URLs and addresses), no discovery hints, no models of other tenants.
-The full message goes to the log (rate limited) instead.
+The full message goes to the log (rate limited) instead.  :meth:`TenantGate.facing`
+drops the pod header from error responses (a pod's 5xx body is replaced by the fronts:
+``Proxy.hide_pod_errors``, the EPP's response body).
 """
 
 from __future__ import annotations
@@ -175,6 +177,14 @@ class TenantGate:
         return RouterError(
             err.status, generic, reason=err.reason, type=err.type, headers=err.headers
         )
+
+    def facing(self, response: Any, pod_header: bytes) -> Any:
+        """A tenant-facing ``response`` (a Starlette response): an error (status >= 400)
+        carries no ``pod_header`` (a pod's name is its address under DNS discovery; the
+        log has the pod).  Unchanged with tenancy off."""
+        if self.enabled and response.status_code >= 400:
+            response.raw_headers = [h for h in response.raw_headers if h[0] != pod_header]
+        return response
 
     def count(self, ctx: TenantContext | None, status: int) -> None:
         if self.enabled:

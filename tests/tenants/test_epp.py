@@ -153,6 +153,7 @@ async def test_a_pods_5xx_body_is_replaced_by_an_error_that_names_no_pod_address
             relayed += answer.response_body.response.body_mutation.streamed_response.body
         await stream.close()
     headers = C.set_headers(head, "response_headers")
+    assert "x-kvroute-pod" not in headers  # an error names no pod
     assert headers["content-length"] == str(len(relayed))
     assert headers["content-type"] == "application/json"
     error = json.loads(relayed)["error"]

@@ -1,7 +1,8 @@
 """With tenants, no failure of the fleet shows a tenant where the fleet is: every kind
-of upstream failure answers an OpenAI error whose body names no pod address or URL
-(the detail goes to the log).  Without tenants the operator's own errors keep naming
-the pod (a single-operator deployment debugs with them).
+of upstream failure answers an OpenAI error whose body and headers name no pod address
+or URL (no ``x-kvroute-pod`` on an error; the detail goes to the log).  Without
+tenants the operator's own errors keep naming the pod (a single-operator deployment
+debugs with them).
 
 The pods here are real sockets on 127.0.0.1 that fail in one way each: a closed port
 (connect refused), a server that answers 500 with its own address in the body, one
@@ -28,7 +29,8 @@ from tests.tenants.rig import KEY_A, MODEL, auth, router, two_tenants
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-async def _read_request(reader: asyncio.StreamReader) -> None:
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    """One request read whole; its head."""
     head = await reader.readuntil(b"\r\n\r\n")
     length = 0
     for line in head.split(b"\r\n"):
@@ -36,6 +38,7 @@ async def _read_request(reader: asyncio.StreamReader) -> None:
         if name.strip().lower() == b"content-length":
             length = int(value)
     await reader.readexactly(length)
+    return head
 
 
 def answers_500(url: str) -> Handler:
@@ -139,6 +142,7 @@ async def test_a_tenant_facing_error_names_no_pod_address(kind: str, caplog: Any
         error = r.json()["error"]
         assert error["code"] == code
         assert not leaks(r.text, url), r.text
+        assert not leaks(str(r.headers), url), r.headers  # no x-kvroute-pod either
     # the operator keeps the detail: the pod is named in the log
     assert any(url.split("//", 1)[1] in rec.getMessage() for rec in caplog.records)
 
@@ -156,6 +160,7 @@ async def test_no_healthy_pod_is_a_503_that_names_no_pod_address() -> None:
         r = await client.post("/v1/completions", json=body, headers=auth(KEY_A))
         assert r.json()["error"]["code"] == "no_healthy_pod"
         assert not leaks(r.text, url), r.text
+        assert not leaks(str(r.headers), url), r.headers
 
 
 async def test_without_tenants_the_operators_errors_still_name_the_pod() -> None:
@@ -185,3 +190,33 @@ async def test_a_pods_4xx_body_reaches_the_tenant_as_the_pod_wrote_it() -> None:
     ):
         r = await client.post("/v1/completions", json=completion(False), headers=auth(KEY_A))
         assert r.status_code == 400 and "max_tokens is too large" in r.text
+
+
+def stores_then_fails(url: str) -> Handler:
+    """Creates a response (POST /v1/responses), then answers 500 to everything else."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            head = await _read_request(reader)
+            if head.startswith(b"POST /v1/responses "):
+                status, body = b"200 OK", json.dumps({"id": "resp_kept", "object": "response"})
+            else:
+                status, body = b"500 Internal Server Error", json.dumps({"error": f"{url} down"})
+            writer.write(
+                b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (status, len(body), body.encode())
+            )
+            await writer.drain()
+        writer.close()
+
+    return handle
+
+
+async def test_a_stored_responses_pod_failing_with_5xx_names_no_address() -> None:
+    async with failing_pod(stores_then_fails) as url, router(settings(url, True)) as client:
+        body = {"model": MODEL, "input": "hello", "max_output_tokens": 4}
+        created = await client.post("/v1/responses", json=body, headers=auth(KEY_A))
+        assert created.status_code == 200 and created.json()["id"] == "resp_kept"
+        r = await client.get("/v1/responses/resp_kept", headers=auth(KEY_A))
+        assert r.status_code == 500 and r.json()["error"]["code"] == "status_500"
+        assert not leaks(r.text, url) and not leaks(str(r.headers), url), (r.text, r.headers)
