@@ -86,7 +86,14 @@ from router.proxy.attempts import (
     AttemptWatch,
     Disconnected,
 )
-from router.proxy.relay import Once, RawResponse, RelayResponse, UpstreamBroken, relay_chunks
+from router.proxy.relay import (
+    Once,
+    RawResponse,
+    RelayResponse,
+    UpstreamBroken,
+    pod_5xx_error,
+    relay_chunks,
+)
 from router.proxy.response_ids import CreatedSniffer, id_from_body
 from scoring.policies.base import Policy
 
@@ -122,23 +129,6 @@ _NO_PROMPT_KINDS = frozenset({"embedding", "passthrough"})
 
 def _as_is(err: RouterError) -> RouterError:
     return err
-
-
-async def _pod_5xx(resp: Upstream, content: bytes | None, pod: str) -> RouterError:
-    """The error for a pod's 5xx answer whose body is not relayed (its start in the
-    message, which only the log shows); the upstream is closed."""
-    if content is None:
-        try:
-            content = b"" if resp.is_event_stream else await resp.stream.read_all()
-        except httpx.HTTPError as exc:  # the status is what the client learns anyway
-            content = repr(exc).encode()
-        finally:
-            await resp.stream.aclose()
-    return RouterError(
-        resp.status,
-        f"pod {pod} answered {resp.status}: {content[:512]!r}",
-        reason=f"status_{resp.status}",
-    )
 
 
 class _Stalled(Exception):
@@ -431,7 +421,7 @@ class Proxy:
     ) -> Response:
         """A pod's 5xx answer, not relayed (:attr:`hide_pod_errors`): its body is
         logged and the client gets the public form of ``status_<code>``."""
-        err = await _pod_5xx(resp, content, pod)
+        err = await pod_5xx_error(resp, content, pod)
         await self._finish(load, gauge, routed, pod)
         self._served(routed, pod)
         self._count(routed, pod, resp.status)
@@ -618,7 +608,7 @@ class Proxy:
         except httpx.HTTPError as exc:
             raise self._upstream_error(pod, exc) from None
         if self.hide_pod_errors and resp.status >= 500:
-            raise await _pod_5xx(resp, None, pod)
+            raise await pod_5xx_error(resp, None, pod)
         out = self._response_headers(resp, pod)
         if resp.is_event_stream:
             relay = RelayResponse(
