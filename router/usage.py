@@ -47,6 +47,11 @@ def _usage_of(answer: _Answer) -> Usage | None:
     usage = answer.usage
     if usage is None and isinstance(answer.response, dict):  # Responses API events
         usage = answer.response.get("usage")
+    return usage_from(usage)
+
+
+def usage_from(usage: Any) -> Usage | None:
+    """A decoded ``usage`` object as :class:`Usage` (None: not one)."""
     if not isinstance(usage, dict):
         return None
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))

@@ -140,8 +140,9 @@ class EngineProcess:
         reason = missing_engine_reason(self.config.model)
         if reason:
             raise EngineStartError(reason)
-        self.http_port = free_port()
-        self.zmq_port = free_port(with_offset=100)
+        # ports given by the caller (a reserved range) are kept; else the OS picks
+        self.http_port = self.http_port or free_port()
+        self.zmq_port = self.zmq_port or free_port(with_offset=100)
         env = dict(os.environ)
         env.pop("PYTHONHASHSEED", None)
         if self.config.python_hash_seed is not None:

@@ -121,6 +121,7 @@ class Accounting:
         m = self._core.metrics
         ttft = time.perf_counter() - self.started
         m.child(m.ttft_seconds, self.routed.model, self.pod).observe(ttft)
+        self._core.tenants.observe_ttft(self.routed.tenant, ttft)
         self._core.policy.on_first_token(self.routed.route, self.pod, ttft)
         load = self._load
         if load.local is not None:

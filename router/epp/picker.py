@@ -32,6 +32,7 @@ from router.epp.endpoints import Endpoints
 from router.epp.metrics import EppMetrics
 from router.errors import RouterError
 from router.fleet.pods import PodSpec
+from router.proxy.hidden_usage import asks_for_usage
 from router.tenants.auth import TenantContext
 from router.tenants.gate import TenantGate
 
@@ -77,24 +78,28 @@ class EndpointPicker(RouterCore):
 
     async def admit(
         self, path: str, body: bytes, headers: Mapping[str, str]
-    ) -> tuple[bytes, TenantContext | None]:
+    ) -> tuple[bytes, TenantContext | None, bool]:
         """With tenants: the request's tenant (401), and for a generation path its
         model (404), request bucket (429) and cache salt; returns the body to send on
-        (the client's bytes, or with the tenant's ``cache_salt``) and the tenant."""
+        (the client's bytes, or with the tenant's ``cache_salt``, and for a stream
+        whose client did not ask for its usage, ``include_usage``), the tenant, and
+        whether the usage was asked for on the client's behalf (then hidden from it)."""
         gate = self.tenants
         if not gate.enabled:
-            return body, None
+            return body, None, False
         try:
             ctx = gate.identify(headers, None)  # the peer is the proxy: keys only
             assert ctx is not None
             kind = ROUTED_PATHS.get(path)
             if kind is None:
-                return body, ctx
+                return body, ctx, False
             parsed = parse_body(body)
-            out = await gate.admit(ctx, kind, parsed, body, self.registry.served_models())
+            asked = asks_for_usage(kind, parsed)
+            served = self.registry.served_models()
+            out = await gate.admit(ctx, kind, parsed, body, served, ask_usage=True)
         except RouterError as err:
             raise self.router.reject(err) from None
-        return out, ctx
+        return out, ctx, asked
 
     async def decide(
         self,

@@ -15,7 +15,13 @@ the same way here), headers and trailers ``SEND``:
 3. **response headers** — the served endpoint (metadata), the status; answered with
    the pod's name in ``pod_header`` (``x-kvroute-pod``).
 4. **response body chunks** — each sent back as it arrives (a stream is never held);
-   the first one is the time to first token; the usage is read on the way.
+   the first one is the time to first token; the usage is read on the way.  A tenant's
+   stream whose client did not ask for its usage was asked for it (see below): its
+   usage event is taken back out (:class:`router.proxy.hidden_usage.HiddenUsage`: the
+   bytes sent back for a chunk are the complete events it ends, the terminal chunk
+   held until the usage event; an answer may then carry no bytes.  A pod that ignores
+   the option and ends its stream with trailers instead of a last body chunk would
+   leave the held terminal chunk unsent: vLLM sends the usage event and no trailers).
 5. the response's end of stream (or trailers) completes the request; a stream that
    ends before it (client gone, proxy reset) completes it as 499.
 
@@ -24,9 +30,13 @@ the status and OpenAI error JSON `kvroute serve` would answer.
 
 With tenants (:mod:`router.tenants`) the same rules as `kvroute serve` apply before the
 pick: the key (401), the model (404), the request and token buckets (429), and the
-tenant's ``cache_salt`` set in the body sent on (its Content-Length follows); the
-error messages are the tenant-facing ones.  The trusted tenant header is not honoured
-here (the gRPC peer is the proxy, not a gateway in front of it).
+tenant's ``cache_salt`` set in the body sent on (its Content-Length follows), and
+``stream_options.include_usage`` on a chat or completion stream whose client did not
+ask, so that its completion tokens are charged; the error messages are the
+tenant-facing ones, and a pod's own 5xx body is replaced by one (its Content-Length and
+Content-Type set; the pod's body is logged), as `kvroute serve` does.  The trusted
+tenant header is not honoured here (the gRPC peer is the proxy, not a gateway in front
+of it).
 """
 
 from __future__ import annotations
@@ -41,11 +51,15 @@ from router.epp import protocol as P
 from router.epp.accounting import Accounting
 from router.epp.picker import EndpointPicker, route_path
 from router.errors import RouterError, error_body
+from router.logs import RateLimitedLog
+from router.proxy.hidden_usage import HiddenUsage
 from router.proxy.response_ids import CreatedSniffer, id_from_body
 from router.tenants.auth import TenantContext
 from router.usage import UsageReader
 
 log = logging.getLogger(__name__)
+#: per-request warnings: one line per cause per 10 s
+_LOG = RateLimitedLog(log)
 
 _perf = time.perf_counter
 _JSON_ERROR = (("content-type", "application/json"),)
@@ -65,6 +79,13 @@ class ExtProcStream:
         self._decided = False
         self.accounting: Accounting | None = None
         self._reader: UsageReader | None = None
+        #: the usage event the EPP asked for, taken out of the client's stream
+        self._hidden: HiddenUsage | None = None
+        #: the body sent on asks for the usage its client did not (tenants)
+        self._asked_usage = False
+        #: a pod's 5xx body is replaced by this tenant-facing error (tenants)
+        self._replaced: bytes | None = None
+        self._pod_body = b""
         self._sniffer: CreatedSniffer | None = None
         self._responses = False
         #: the request's tenant (None: tenancy off, or not yet known)
@@ -134,7 +155,7 @@ class ExtProcStream:
         path = route_path(self.headers.get(":path", "/"))
         body = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
         try:
-            sent, self.tenant = await picker.admit(path, body, self.headers)
+            sent, self.tenant, self._asked_usage = await picker.admit(path, body, self.headers)
             if sent is not body:  # the tenant's cache_salt: the body sent on changed
                 body, self._chunks, self._size = sent, [sent], len(sent)
             decision = await picker.decide(path, body, self.headers, self.subset, self.tenant)
@@ -191,14 +212,37 @@ class ExtProcStream:
             picker.epp.protocol_errors.labels("unknown_served_endpoint").inc()
         accounting = self.accounting
         extra: dict[str, str] = {}
+        # with tenants an error names no pod (a pod's name is its address under DNS)
+        named = not (picker.tenants.enabled and status >= 400)
         if accounting is not None:
             await accounting.served(pod, status)
-            extra[picker.settings.pod_header] = accounting.pod
-            self._reader = UsageReader(event_stream)
+            if named:
+                extra[picker.settings.pod_header] = accounting.pod
+            if event_stream and 200 <= status < 300 and self._asked_usage:
+                self._hidden = HiddenUsage()
+            else:
+                self._reader = UsageReader(event_stream)
             if self._responses and 200 <= status < 300 and event_stream:
                 self._sniffer = CreatedSniffer()
-        elif pod is not None:
+        elif pod is not None and named:
             extra[picker.settings.pod_header] = pod
+        if (
+            accounting is not None
+            and status >= 500
+            and picker.tenants.enabled
+            and not req.response_headers.end_of_stream
+        ):
+            self._reader = None
+            err = RouterError(
+                status, f"pod {accounting.pod} answered {status}", reason=f"status_{status}"
+            )
+            public = picker.tenants.public(err)
+            self._replaced = P.json_bytes(
+                error_body(public.message, public.type, None, public.reason)
+            )
+            extra.update(
+                {"content-type": "application/json", "content-length": str(len(self._replaced))}
+            )
         out = [P.headers_response(False, extra)]
         if req.response_headers.end_of_stream:
             await self._complete()
@@ -217,6 +261,21 @@ class ExtProcStream:
                     await self._remember(rid)
                 if self._sniffer.done:
                     self._sniffer = None
+        hidden = self._hidden
+        if hidden is not None:
+            chunk = hidden.feed(chunk) + (hidden.flush() if body.end_of_stream else b"")
+        elif self._replaced is not None:  # the pod's 5xx body: logged, never sent on
+            if len(self._pod_body) < 512:
+                self._pod_body += chunk[: 512 - len(self._pod_body)]
+            chunk, self._replaced = self._replaced, b""
+            if body.end_of_stream and self._pod_body and accounting is not None:
+                _LOG.warning(
+                    ("pod_5xx", accounting.pod),
+                    "pod %s answered %d, not shown to the tenant: %r",
+                    accounting.pod,
+                    accounting.status,
+                    self._pod_body,
+                )
         out = list(P.body_responses(False, chunk, body.end_of_stream))
         if body.end_of_stream:
             await self._complete()
@@ -228,6 +287,8 @@ class ExtProcStream:
             return
         reader = self._reader
         usage = reader.usage() if reader is not None and accounting.status != 499 else None
+        if self._hidden is not None and accounting.status != 499:
+            usage = self._hidden.usage
         if (
             self._responses
             and reader is not None

@@ -11,13 +11,18 @@
 
 A non-streaming answer is already in memory (its JSON is decoded once more for the
 usage); a stream keeps only its tail, and only when the request asked for a usage
-event (``stream_options.include_usage``).
+event (``stream_options.include_usage``).  A tenant's stream whose client did not ask
+was asked for it by the router (:mod:`router.proxy.hidden_usage`): its usage event is
+read, and removed from what the client receives.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable
+
 from router.decision.request import Routed
 from router.metrics import RouterMetrics
+from router.proxy.hidden_usage import HiddenUsage, asks_for_usage
 from router.usage import Usage, UsageReader, usage_of_json
 
 #: kinds whose answers carry a prompt's usage
@@ -27,10 +32,17 @@ _USAGE_KINDS = frozenset({"chat", "completion", "responses"})
 class Answer:
     """One relayed answer: whether it ended cleanly, and its usage once known."""
 
-    __slots__ = ("count", "ok", "reader", "usage")
+    __slots__ = ("count", "hidden", "ok", "reader", "usage")
 
-    def __init__(self, reader: UsageReader | None = None, count: bool = True) -> None:
+    def __init__(
+        self,
+        reader: UsageReader | None = None,
+        count: bool = True,
+        hidden: HiddenUsage | None = None,
+    ) -> None:
         self.reader = reader
+        #: the usage event the router asked for, taken out of the client's stream
+        self.hidden = hidden
         self.usage: Usage | None = None
         #: count the reported cached tokens against the pod's prediction (not for the
         #: decode half of a split request: its pod reports the pulled blocks as cached)
@@ -43,7 +55,15 @@ class Answer:
         options = routed.body.get("stream_options")
         wants = isinstance(options, dict) and options.get("include_usage") is True
         ok_kind = routed.kind in _USAGE_KINDS and 200 <= status < 300
+        if ok_kind and routed.tenant is not None and asks_for_usage(routed.kind, routed.body):
+            # the proxy front asked for the usage of every tenant's stream (TenantGate)
+            return cls(None, count, HiddenUsage())
         return cls(UsageReader(event_stream=True) if wants and ok_kind else None, count)
+
+    def wrap(self, source: AsyncIterable[bytes]) -> AsyncIterable[bytes]:
+        """What the client receives of ``source``: as it is, or without the usage
+        event the router asked for."""
+        return source if self.hidden is None else self.hidden.relay(source)
 
     @property
     def output_tokens(self) -> int | None:
@@ -56,7 +76,11 @@ class Answer:
     def finish(self, metrics: RouterMetrics, routed: Routed, pod: str) -> None:
         """The stream ended cleanly: read its usage and count it."""
         self.ok = True
-        if self.reader is not None:
+        if self.hidden is not None:
+            self.usage = self.hidden.usage
+            if self.count:
+                count_usage(metrics, routed, pod, self.usage)
+        elif self.reader is not None:
             self.usage = self.reader.usage()
             if self.count:
                 count_usage(metrics, routed, pod, self.usage)

@@ -103,7 +103,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             body = parse_body(raw, g.max_json_depth)
             if ctx is not None:  # the model check, the request bucket, the cache salt
-                raw = await g.tenants.admit(ctx, kind, body, raw, g.registry.served_models())
+                raw = await g.tenants.admit(
+                    ctx, kind, body, raw, g.registry.served_models(), ask_usage=True
+                )
         except RouterError as err:
             raise g.router.reject(err) from None
         tenant = ctx.name if ctx is not None else None
@@ -145,7 +147,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except RouterError as err:
             response = gate.public(err, ctx).response()
         gate.count(ctx, response.status_code)
-        return response
+        return gate.facing(response, g.pod_header_b)
 
     async def _fast(scope: Scope, receive: Receive, send: Send, kind: Kind, path: str) -> None:
         """The generation endpoints straight on ASGI: no Request object, no routing
@@ -232,7 +234,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except RouterError as err:
             response = gate.public(err, ctx).response()
         gate.count(ctx, response.status_code)
-        return response
+        return gate.facing(response, g.pod_header_b)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(request: Request, response_id: str) -> Response:

@@ -64,7 +64,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from starlette.responses import Response
@@ -84,7 +84,7 @@ from router.proxy import answers
 from router.proxy.attempts import CLIENT_DISCONNECTED, AttemptWatch, Disconnected
 from router.proxy.failures import RETRYABLE_STATUS, Stalled
 from router.proxy.head import DROP_REQUEST_B, head_tail
-from router.proxy.relay import RawResponse
+from router.proxy.relay import RawResponse, pod_5xx_error
 from router.proxy.response_ids import id_from_body
 from router.proxy.streaming import StreamRelay
 from scoring.policies.base import Policy
@@ -156,7 +156,12 @@ class Proxy(StreamRelay):
         #: what a client may see of an upstream error (tenancy strips fleet internals)
         self.public: Callable[[RouterError], RouterError] = _as_is
         #: called with (tenant, completion tokens) when an answer ends cleanly (limits)
+        #: a pod's own 5xx body is not relayed but replaced by :attr:`public`'s error
+        #: (tenants: it may name the fleet's internals; it is logged instead)
+        self.hide_pod_errors = False
         self.on_answer: Callable[[str | None, int | None], Awaitable[None]] | None = None
+        #: told of a stream's time to first token by tenant (the tenants' dashboard row)
+        self.on_ttft: Callable[[str | None, float], None] | None = None
         #: the policy reads the output tokens (``on_finished`` is its own): every answer's
         #: usage is decoded for it (else only those reporting cached tokens, for metrics)
         self._policy_wants_output = type(policy).on_finished is not Policy.on_finished
@@ -315,6 +320,8 @@ class Proxy(StreamRelay):
                     reason=f"status_{resp.status}",
                 )
                 continue
+            if self.hide_pod_errors and resp.status >= 500:
+                return await self._pod_error(resp, content, load, gauge, routed, pod, extra)
             self._served(routed, pod, pm)
             if content is not None:
                 if routed.kind == "responses" and 200 <= resp.status < 300:
@@ -352,3 +359,21 @@ class Proxy(StreamRelay):
         err = last_error or RouterError(503, "no pod available", reason="no_pod")
         self._count(routed, attempts[-1] if attempts else "none", err.status)
         return self.public(err).response()
+
+    async def _pod_error(
+        self,
+        resp: Upstream,
+        content: bytes | None,
+        load: RequestLoad,
+        gauge: Any,
+        routed: Routed,
+        pod: str,
+        extra: dict[str, str],
+    ) -> Response:
+        """A pod's 5xx answer, not relayed (:attr:`hide_pod_errors`): its body is
+        logged and the client gets the public form of ``status_<code>``."""
+        err = await pod_5xx_error(resp, content, pod)
+        await self._finish(load, gauge, routed, pod)
+        self._served(routed, pod)
+        self._count(routed, pod, resp.status)
+        return self.public(err).response({self.pod_header: pod, **extra})

@@ -47,11 +47,14 @@ class Gateway(RouterCore):
             p.access_log_format,
             pod_header=settings.pod_header,
         )
+        self.pod_header_b = settings.pod_header.lower().encode("latin-1")
         #: the tenants (router.tenants): keys, salts, limits, what a tenant may see
         self.tenants = TenantGate(settings, self.metrics.registry, self.redis)
         if self.tenants.enabled:
             self.proxy.public = self.tenants.public
+            self.proxy.hide_pod_errors = True
             self.proxy.on_answer = self.tenants.on_answer
+            self.proxy.on_ttft = self.tenants.observe_ttft
         #: requests of models whose pods have P/D roles (router/proxy/disagg.py)
         self.disagg = Disaggregator(self.proxy, self.router.pd, settings.pd)
         if self.learner.enabled:

@@ -1,5 +1,6 @@
-"""The responses the proxy sends back: a complete answer with pre-built raw headers, and a
-streaming relay that always runs its ``on_close`` callback once."""
+"""The responses the proxy sends back: a complete answer with pre-built raw headers, a
+streaming relay that always runs its ``on_close`` callback once, and the error that
+stands for a pod's 5xx answer when its body is not relayed (tenants)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import httpx
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from router.errors import RouterError
 from router.fleet.transport import Upstream
 
 
@@ -73,3 +76,20 @@ async def relay_chunks(resp: Upstream) -> AsyncIterator[bytes]:
             yield chunk
     finally:
         await resp.stream.aclose()
+
+
+async def pod_5xx_error(resp: Upstream, content: bytes | None, pod: str) -> RouterError:
+    """The error for a pod's 5xx answer whose body is not relayed (its start in the
+    message, which only the log shows); the upstream is closed."""
+    if content is None:
+        try:
+            content = b"" if resp.is_event_stream else await resp.stream.read_all()
+        except httpx.HTTPError as exc:  # the status is what the client learns anyway
+            content = repr(exc).encode()
+        finally:
+            await resp.stream.aclose()
+    return RouterError(
+        resp.status,
+        f"pod {pod} answered {resp.status}: {content[:512]!r}",
+        reason=f"status_{resp.status}",
+    )

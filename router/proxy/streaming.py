@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -25,7 +25,14 @@ from router.proxy import answers
 from router.proxy.bookkeeping import Bookkeeping
 from router.proxy.failures import Failures
 from router.proxy.head import head_tail
-from router.proxy.relay import Once, RawResponse, RelayResponse, UpstreamBroken, relay_chunks
+from router.proxy.relay import (
+    Once,
+    RawResponse,
+    RelayResponse,
+    UpstreamBroken,
+    pod_5xx_error,
+    relay_chunks,
+)
 from router.proxy.response_ids import CreatedSniffer
 
 if TYPE_CHECKING:
@@ -44,6 +51,8 @@ class StreamRelay(Bookkeeping, Failures):
     _drop: frozenset[bytes]
     _connect_timeout: float
     _read_timeout: float
+    hide_pod_errors: bool
+    on_ttft: Callable[[str | None, float], None] | None
 
     def _response_headers(
         self, resp: Upstream, pod: str, leg: DecodeLeg | None = None
@@ -93,7 +102,7 @@ class StreamRelay(Bookkeeping, Failures):
             else None
         )
         try:
-            source = resp.stream if leg is None else leg.wrap(resp.status, resp.stream)
+            source = answer.wrap(resp.stream if leg is None else leg.wrap(resp.status, resp.stream))
             async for chunk in source:
                 if sniff is not None:
                     # the owner is recorded before the client sees response.created, so
@@ -107,6 +116,8 @@ class StreamRelay(Bookkeeping, Failures):
                     first = False
                     ttft = time.perf_counter() - started
                     m.child(m.ttft_seconds, routed.model, pod).observe(ttft)
+                    if self.on_ttft is not None:
+                        self.on_ttft(routed.tenant, ttft)
                     self.policy.on_first_token(routed.route, pod, ttft)
                     if load.local is not None:
                         load.first_token_now()
@@ -164,6 +175,8 @@ class StreamRelay(Bookkeeping, Failures):
             )
         except httpx.HTTPError as exc:
             raise self._upstream_error(pod, exc) from None
+        if self.hide_pod_errors and resp.status >= 500:
+            raise await pod_5xx_error(resp, None, pod)
         out = self._response_headers(resp, pod)
         if resp.is_event_stream:
             relay = RelayResponse(

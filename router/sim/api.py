@@ -74,6 +74,7 @@ def _sse(obj: Mapping[str, Any]) -> bytes:
 
 
 _DONE = b"data: [DONE]\n\n"
+_FP = f"vllm-{VLLM_VERSION}-sim"
 
 
 def _sse_event(obj: Mapping[str, Any]) -> bytes:
@@ -448,7 +449,12 @@ class SimAPI:
                         }
                     if last:
                         choice["stop_reason"] = None
-                    yield chunk(choice)
+                    if last and not usage:
+                        # vLLM 0.32 stamps the fingerprint on the terminal chunk when no
+                        # usage event follows (on the usage event when one does)
+                        yield _sse({**head, "choices": [choice], "system_fingerprint": _FP})
+                    else:
+                        yield chunk(choice)
                     i += 1
             if usage:
                 yield _sse(
@@ -456,7 +462,7 @@ class SimAPI:
                         **head,
                         "choices": [],
                         "usage": self._usage(req),
-                        "system_fingerprint": f"vllm-{VLLM_VERSION}-sim",
+                        "system_fingerprint": _FP,
                     }
                 )
             yield _DONE

@@ -8,13 +8,22 @@ In order, for a generation request (chat, completion, embeddings, responses):
    one that does not exist, so the fleet's other models stay unnamed), its request
    bucket must hold a request (else 429), and the body's ``cache_salt`` is set to the
    tenant's salt, over whatever the client sent (:func:`router.rewrite.rewrite_body`);
+   with ``ask_usage`` (the proxy front) a chat or completion stream whose client did not
+   ask for its usage gets ``stream_options.include_usage`` too, so that its completion
+   tokens are known (:mod:`router.proxy.hidden_usage` takes the usage event back out of
+   the client's stream);
 3. :meth:`TenantGate.admit_tokens` -- after the decision, the prompt's tokens are taken
    from the tenant's token bucket (else 429);
 4. :meth:`TenantGate.on_answer` -- the answer's completion tokens are taken too.
 
+The prompt and completion tokens and the streams' time to first token are counted per
+tenant (``kvroute_tenant_tokens_total``, ``kvroute_tenant_ttft_seconds``).
+
 :meth:`TenantGate.public` turns an error into what a tenant may see: no pod problems
 (which name pod URLs and addresses), no discovery hints, no models of other tenants.
-The full message goes to the log (rate limited) instead.
+The full message goes to the log (rate limited) instead.  :meth:`TenantGate.facing`
+drops the pod header from error responses (a pod's 5xx body is replaced by the fronts:
+``Proxy.hide_pod_errors``, the EPP's response body).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from prometheus_client import CollectorRegistry
 
 from router.errors import RouterError
 from router.logs import RateLimitedLog
+from router.proxy.hidden_usage import asks_for_usage, usage_options
 from router.rewrite import rewrite_body
 from router.tenants.auth import Tenancy, TenantContext
 from router.tenants.limits import Limiter, RedisBuckets, TenantMetrics
@@ -114,25 +124,39 @@ class TenantGate:
         body: dict[str, Any],
         raw: bytes,
         served: Collection[str],
+        ask_usage: bool = False,
     ) -> bytes:
         """The model check and the request bucket; ``body`` gets the tenant's salt (in
-        place) and the bytes to forward are returned."""
+        place) and the bytes to forward are returned.  ``ask_usage``: a stream whose
+        client did not ask for its usage asks for it (in the bytes only: ``body`` keeps
+        the client's ``stream_options``, which is how the relay knows to hide it)."""
         self.check_model(ctx, body.get("model"), served)
         await self.limiter.admit_request(ctx.tenant)
         if kind not in SALTED_KINDS:
             return raw
-        out = rewrite_body(raw, body, set_fields={"cache_salt": ctx.salt})
+        sets: dict[str, Any] = {"cache_salt": ctx.salt}
+        if ask_usage and asks_for_usage(kind, body):
+            sets["stream_options"] = usage_options(body)
+        out = rewrite_body(raw, body, set_fields=sets)
         body["cache_salt"] = ctx.salt
         return out
 
     async def admit_tokens(self, ctx: TenantContext, prompt_tokens: int) -> None:
         await self.limiter.admit_tokens(ctx.tenant, prompt_tokens)
+        self.metrics.tokens.labels(ctx.name, "prompt").inc(prompt_tokens)
+
+    def observe_ttft(self, tenant: str | None, ttft: float) -> None:
+        """A stream's time to first token, counted for its tenant."""
+        if tenant is not None and self.tenancy.context(tenant) is not None:
+            self.metrics.ttft.labels(tenant).observe(ttft)
 
     async def on_answer(self, tenant: str | None, completion_tokens: int | None) -> None:
-        """An answer ended: its completion tokens are taken from the tenant's bucket."""
+        """An answer ended: its completion tokens are counted and taken from the
+        tenant's bucket."""
         ctx = self.tenancy.context(tenant) if tenant is not None else None
         if ctx is None or not completion_tokens:
             return
+        self.metrics.tokens.labels(ctx.name, "completion").inc(completion_tokens)
         try:
             await self.limiter.charge_tokens(ctx.tenant, completion_tokens)
         except Exception as exc:  # never fails an answer already sent
@@ -153,6 +177,14 @@ class TenantGate:
         return RouterError(
             err.status, generic, reason=err.reason, type=err.type, headers=err.headers
         )
+
+    def facing(self, response: Any, pod_header: bytes) -> Any:
+        """A tenant-facing ``response`` (a Starlette response): an error (status >= 400)
+        carries no ``pod_header`` (a pod's name is its address under DNS discovery; the
+        log has the pod).  Unchanged with tenancy off."""
+        if self.enabled and response.status_code >= 400:
+            response.raw_headers = [h for h in response.raw_headers if h[0] != pod_header]
+        return response
 
     def count(self, ctx: TenantContext | None, status: int) -> None:
         if self.enabled:

@@ -8,8 +8,10 @@ minute's worth through at once, and over any long stretch the rate is the limit.
 * ``requests``: each request needs 1 and takes 1.
 * ``tokens``: a request needs its prompt tokens (or a full bucket, for a prompt larger
   than the bucket) and takes them on admission; the completion tokens of its answer
-  (the pod's ``usage``) are taken when the answer ends, without a check: the bucket
-  may go below zero, and the tenant's next requests wait until it refilled.
+  (the pod's ``usage``; for a stream whose client did not ask for it, the usage the
+  router asked for, :mod:`router.proxy.hidden_usage`) are taken when the answer ends,
+  without a check: the bucket may go below zero, and the tenant's next requests wait
+  until it refilled.
 
 A refused request gets 429 with ``Retry-After`` (whole seconds until the bucket holds
 what it needs).
@@ -31,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from router.errors import RouterError
 from router.logs import RateLimitedLog
@@ -118,9 +120,15 @@ class RedisBuckets:
         return 0.0 if int(ok) == 1 else max(int(wait_ms), 1) / 1000.0
 
 
+#: the buckets of kvroute_ttft_seconds (router/metrics.py), so the two compare
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
 class TenantMetrics:
     """``kvroute_tenant_requests_total{tenant,status}``, ``kvroute_tenant_limited_total
-    {tenant,limit}``, ``kvroute_tenant_limit_degraded_total``."""
+    {tenant,limit}``, ``kvroute_tenant_tokens_total{tenant,kind}``,
+    ``kvroute_tenant_ttft_seconds{tenant}``, ``kvroute_tenant_limit_degraded_total``.
+    The tenant label takes the configured names (and ``unauthenticated``): bounded."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
@@ -133,6 +141,20 @@ class TenantMetrics:
             "kvroute_tenant_limited",
             "Requests refused with 429 per tenant, by the limit that refused them",
             ["tenant", "limit"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "kvroute_tenant_tokens",
+            "Tokens per tenant: kind prompt (admitted requests' prompts, as the router "
+            "tokenized them) and completion (the pods' usage of answers that ended)",
+            ["tenant", "kind"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "kvroute_tenant_ttft_seconds",
+            "Time to first token of streamed answers per tenant (as kvroute_ttft_seconds)",
+            ["tenant"],
+            buckets=TTFT_BUCKETS,
             registry=registry,
         )
         self.degraded = Counter(

@@ -39,7 +39,8 @@ class TenantLimits(_Section):
         default=None,
         gt=0,
         description="prompt + completion tokens per minute (null: no limit); the prompt is "
-        "charged on admission, the completion when the answer's usage arrives",
+        "charged on admission, the completion when the answer's usage arrives (streams "
+        "too: the router asks for a stream's usage and hides it from a client that did not)",
     )
 
 

@@ -9,20 +9,24 @@
   ``running_stack(routers=2)`` starts two such routers, replicas that share nothing but
   the pods (each its own index, health checks and scrapes);
 
-then sends chat completions through the router.  Every process is stopped by PID at the
-end, whatever happens.  The repository root is put first on ``PYTHONPATH`` so the
-subprocesses run this checkout's code.
+with tenants (:data:`TENANTS`: ``team-a`` and ``team-b`` unlimited, ``capped`` at two
+requests a minute; ``/metrics`` open, as a Prometheus-only network would have it), then
+sends chat completions through the router, alternately as ``team-a`` and ``team-b``.
+Every process is stopped by PID at the end, whatever happens.  The repository root is
+put first on ``PYTHONPATH`` so the subprocesses run this checkout's code.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import queue
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -55,6 +59,29 @@ TEMPLATE_VALUES = {
     "pod": ".*",
     "model": ".*",
 }
+#: the routers' tenants (name -> key): the traffic of the Tenants row
+TENANT_KEYS = {
+    "team-a": "deploy-test-key-team-a-0123",
+    "team-b": "deploy-test-key-team-b-0123",
+    "capped": "deploy-test-key-capped-0123",
+}
+#: ``capped`` gets 429s once the live test's traffic has sent it a few requests
+TENANTS = [
+    {"name": name, "key_sha256": hashlib.sha256(key.encode()).hexdigest()}
+    | ({"limits": {"requests_per_minute": 2}} if name == "capped" else {})
+    for name, key in TENANT_KEYS.items()
+]
+TENANCY = {
+    "tenants": TENANTS,
+    "tenant_salt_secret": "deploy-test-salt-secret-0123456789abcdef",
+    "security": {"metrics_endpoint": "open"},
+}
+
+
+def tenant_auth(tenant: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {TENANT_KEYS[tenant]}"}
+
+
 #: the overview is the router's dashboard: its $namespace is the router's
 DASHBOARD_VALUES = {"kvroute-overview.json": {"namespace": ROUTER_NAMESPACE}}
 
@@ -193,10 +220,11 @@ class Stack:
         """The first router replica."""
         return self.router_urls[0]
 
-    def chat(self, i: int, router: str | None = None) -> int:
+    def chat(self, i: int, router: str | None = None, tenant: str | None = None) -> int:
         """One completion: even ``i`` chat with one of three long system prompts (prefix
         hits), odd ``i`` are text completions starting with text of their own (a miss on
-        every pod, which the policy spreads by its tie-break: every live pod gets some)."""
+        every pod, which the policy spreads by its tie-break: every live pod gets some);
+        as ``tenant`` (default: ``team-a`` and ``team-b`` by turns of two, so both chat)."""
         if i % 2 == 0:
             system = f"You are assistant number {i % 3}. " + "Answer briefly and precisely. " * 8
             messages = [
@@ -212,7 +240,10 @@ class Stack:
                 "prompt": f"{i * 7919} {i} is a prompt of its own",
                 "max_tokens": 4,
             }
-        r = httpx.post(f"{router or self.router_url}{path}", json=body, timeout=30.0)
+        who = tenant or ("team-a", "team-b")[i // 2 % 2]
+        r = httpx.post(
+            f"{router or self.router_url}{path}", json=body, headers=tenant_auth(who), timeout=30.0
+        )
         return r.status_code
 
     def traffic(self, n: int, router: str | None = None) -> list[int]:
@@ -238,6 +269,7 @@ def start_sim(name: str, *extra: str) -> tuple[subprocess.Popen[bytes], dict[str
 @contextlib.contextmanager
 def running_stack(routers: int = 1) -> Iterator[Stack]:
     procs: list[subprocess.Popen[bytes]] = []
+    cleanup: list[Path] = []
     try:
         static = []
         sims = {}
@@ -254,10 +286,15 @@ def running_stack(routers: int = 1) -> Iterator[Stack]:
             {"name": "dead-0", "url": f"http://127.0.0.1:{free_port()}", "models": [MODEL]}
         )
         urls = []
+        fd, config_path = tempfile.mkstemp(prefix="kvroute-stack-", suffix=".yaml")
+        with os.fdopen(fd, "w") as config:
+            yaml.safe_dump(TENANCY, config)
+        cleanup.append(Path(config_path))
         for _ in range(routers):
             port = free_port()
             cmd = [
-                sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1",
+                sys.executable, "-m", "router.cli", "serve", "--config", config_path,
+                "--host", "127.0.0.1",
                 "--port", str(port), "--discovery.static", json.dumps(static),
                 "--health.interval-s", "0.5", "--health.failure-threshold", "2",
                 "--log-level", "warning",
@@ -278,6 +315,8 @@ def running_stack(routers: int = 1) -> Iterator[Stack]:
     finally:
         for proc in reversed(procs):
             stop(proc)
+        for path in cleanup:
+            path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

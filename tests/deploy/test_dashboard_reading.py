@@ -43,7 +43,7 @@ QUERIES = dashboard_queries()
 #: counters of things going wrong: per pod or reason they are all-zero series but for the
 #: few that moved, so their panels draw only those (and 0 while none did)
 FAILURE_COUNTER = re.compile(
-    r"kvroute_(bad_requests|retries|upstream_errors|scrape_errors"
+    r"kvroute_(bad_requests|retries|upstream_errors|scrape_errors|tenant_limited"
     r"|health_(failures|ejections|readmissions)"
     r"|event_(gaps|missed_batches|replayed_batches|replay_failures|resyncs"
     r"|decode_errors|apply_errors|malformed_frames|queue_dropped))_total"

@@ -75,9 +75,10 @@ def labels_from_code() -> dict[str, set[str]]:
     from router.events.stats import EventStats, register_event_stats
     from router.fleet.health import _HealthCollector
     from router.metrics import RouterMetrics
+    from router.tenants.limits import TenantMetrics
 
     m = RouterMetrics()
-    for family in vars(m).values():
+    for family in [*vars(m).values(), *vars(TenantMetrics(m.registry)).values()]:
         names = getattr(family, "labelnames", None) or getattr(family, "_labelnames", None)
         if names:
             family.labels(*["x"] * len(names))

@@ -46,6 +46,7 @@ from tests.deploy.conftest import (
     stop,
     substitute,
     template_values,
+    tenant_auth,
     wait_http,
     warm_stack,
 )
@@ -57,6 +58,8 @@ pytestmark = [
 ]
 
 ROUTERS = 2
+#: the tenant of the traffic's other requests
+KEY = tenant_auth("team-a")
 #: the window a panel's rate() reads
 WINDOW = TEMPLATE_VALUES["__rate_interval"]
 REAL_VLLM_ONLY = "Real vLLM only"
@@ -96,9 +99,10 @@ ALERTS_QUIET = {
 class Traffic:
     """Chat completions through the routers from a thread, until stopped, ten to one
     replica then ten to the next; of each ten, one asks for a model nobody serves (a 404
-    counted in kvroute_bad_requests_total) and one is a Responses API round: a response
+    counted in kvroute_bad_requests_total), one is a Responses API round: a response
     (with a function-call item: unscored), a follow-up naming it (its owner is known)
-    and one naming a response nobody stored."""
+    and one naming a response nobody stored, and one is the ``capped`` tenant's (two
+    requests a minute: 429s once its bucket is empty)."""
 
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
@@ -115,10 +119,12 @@ class Traffic:
                 if i % 10 == 9:
                     messages = [{"role": "user", "content": "x"}]
                     body = {"model": "no-such-model", "messages": messages}
-                    r = client.post(f"{router}/v1/chat/completions", json=body)
+                    r = client.post(f"{router}/v1/chat/completions", json=body, headers=KEY)
                     status = r.status_code
                 elif i % 10 == 4:
                     status = self._responses(client, router, i)
+                elif i % 10 == 7:
+                    status = self.stack.chat(1000 + i, router, tenant="capped")
                 else:
                     status = self.stack.chat(1000 + i, router)
                 self.statuses[status] = self.statuses.get(status, 0) + 1
@@ -128,12 +134,15 @@ class Traffic:
     def _responses(self, client: httpx.Client, router: str, i: int) -> int:
         url = f"{router}/v1/responses"
         call = {"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"}
-        first = client.post(url, json={"model": MODEL, "input": [call], "max_output_tokens": 4})
+        body = {"model": MODEL, "input": [call], "max_output_tokens": 4}
+        first = client.post(url, json=body, headers=KEY)
         if first.status_code != 200:
             return first.status_code
         follow = {"model": MODEL, "input": "and then?", "max_output_tokens": 4}
-        known = client.post(url, json={**follow, "previous_response_id": first.json()["id"]})
-        client.post(url, json={**follow, "previous_response_id": f"resp_never_stored_{i}"})
+        named = {**follow, "previous_response_id": first.json()["id"]}
+        known = client.post(url, json=named, headers=KEY)
+        never = {**follow, "previous_response_id": f"resp_never_stored_{i}"}
+        client.post(url, json=never, headers=KEY)
         return known.status_code
 
     def __enter__(self) -> Traffic:
@@ -264,6 +273,8 @@ def wait_for_data(prom: Prometheus, stack: Stack, timeout: float = 90.0) -> None
         f'rate(kvroute_requests_total{{pod="{stack.quiet_pod}"}}[1m]) > 0',
         f"rate(vllm:prefix_cache_hits_total[{window}]) > 0",
         f"rate(kvroute_bad_requests_total[{window}]) > 0",
+        f"rate(kvroute_tenant_limited_total[{window}]) > 0",
+        f"rate(kvroute_tenant_ttft_seconds_count[{window}]) > 0",
         "kvroute_health_failures_total",
     )
     deadline = time.monotonic() + timeout
