@@ -15,6 +15,8 @@ For each request kind the test checks, from the engines' own counters:
 * the answer (temperature 0) is the one the prefill engine gives to the same request
   sent to it directly after ``POST /reset_prefix_cache`` (a full local computation).
 
+The kinds: chat, streamed chat, completion, and a new ``/v1/responses`` request.
+
 Skipped when the engine, the model or the ``nixl`` package in the engine's venv is
 missing.
 """
@@ -122,6 +124,14 @@ async def _reference(engine: EngineProcess, path: str, body: dict[str, Any]) -> 
 
 
 def _text(answer: dict[str, Any]) -> str:
+    if answer.get("object") == "response":
+        return "".join(
+            part["text"]
+            for item in answer["output"]
+            if item["type"] == "message"
+            for part in item["content"]
+            if part["type"] == "output_text"
+        )
     choice = answer["choices"][0]
     return str(choice["message"]["content"] if "message" in choice else choice["text"])
 
@@ -151,6 +161,7 @@ CASES = [
     pytest.param(
         "/v1/completions", {"prompt": "Notes: " + _doc("charlie")}, False, id="completion"
     ),
+    pytest.param("/v1/responses", {"input": "Summarise: " + _doc("delta")}, False, id="responses"),
 ]
 
 
@@ -163,7 +174,8 @@ async def test_a_long_prompt_is_prefilled_on_one_engine_and_decoded_on_the_other
     stream: bool,
 ) -> None:
     prefill, decode = engines
-    request = {"model": MODEL, "max_tokens": 12, "temperature": 0, **body}
+    cap = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+    request = {"model": MODEL, cap: 12, "temperature": 0, **body}
     plan = (await router.post("/v1/route", json=request)).json()["pd"]
     assert (plan["reason"], plan["prefill_pod"]) == ("split", "vllm-p"), plan  # default rule
     prompt_tokens = int(plan["predicted"]["uncached_decode_tokens"])
