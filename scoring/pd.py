@@ -36,13 +36,19 @@ For one request with ``P`` prompt tokens, block size ``B``:
 
        uncached_d = P - min(hits(D) * B, P - 1)         # what D would compute locally
        direct ("short") if uncached_d < min_uncached_tokens
-       hop   = Pp.outstanding_prefill_tokens / rate     # the prefill pod's queue
+       hop   = queued(Pp) / rate                        # the prefill pod's queue
                + (uncached_p - uncached_d) / rate       # what Pp computes that D would not
                + pull_blocks * transfer_s_per_block + hop_overhead_s
        local = D.outstanding_prefill_tokens / rate + T_d
                + itl_weight * batch(D) * T_d
        direct ("local_faster") if hop > local, else split (prefill on Pp, decode on D)
 
+   ``queued(Pp)`` is the prefill policy's prediction of the uncached tokens queued on
+   Pp when it keeps one (``cost``: ``outstanding_prefill_tokens`` scaled by the miss
+   share it predicted for the requests it sent there, which have mostly cached prompts
+   in multi-turn and agentic traffic), else ``outstanding_prefill_tokens`` (whole
+   prompts, cached parts included).  D's queue is its ``outstanding_prefill_tokens``:
+   whole prompts for direct requests, only the uncomputed tail for pulled ones.
    ``hop`` is everything a split adds beyond the prefill computation a local prefill
    needs too: the prefill pod's queue, the part of the prompt its cache lacks that D's
    holds (negative when Pp holds more), the pull of the
@@ -76,7 +82,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import xxhash
 from pydantic import Field
@@ -86,6 +92,13 @@ from scoring.policies.base import Decision, PodView, Policy, PolicyParams, Route
 _h64 = xxhash.xxh3_64_intdigest
 
 Reason = Literal["split", "short", "local_faster", "no_prefill_pod"]
+
+
+@runtime_checkable
+class QueuePredictor(Protocol):
+    """A prefill policy that predicts a pod's queued uncached prompt tokens."""
+
+    def queued_tokens(self, pod: PodView) -> float: ...
 
 
 class PDParams(PolicyParams):
@@ -209,7 +222,7 @@ class PDRouter:
         pull_blocks = max(0, math.ceil(n / bs) - d.best_cached_blocks())
         t_d = uncached_d / rate
         local = d.outstanding_prefill_tokens / rate + t_d + p.itl_weight * _batch(d) * t_d
-        hop = (pp.outstanding_prefill_tokens + uncached_p - uncached_d) / rate
+        hop = (self.queued_tokens(pp) + uncached_p - uncached_d) / rate
         hop += pull_blocks * p.transfer_s_per_block + p.hop_overhead_s
         predicted.update(
             uncached_prefill_tokens=float(uncached_p),
@@ -220,6 +233,14 @@ class PDRouter:
         if hop > local and not p.always_split:
             return PDDecision(d.pod, None, "local_faster", scores, prefill, predicted)
         return PDDecision(d.pod, pp.pod, "split", scores, prefill, predicted)
+
+    def queued_tokens(self, view: PodView) -> float:
+        """The prefill pod's predicted queue in uncached tokens: the prefill policy's
+        estimate when it keeps one (``cost``: its outstanding prompts scaled by the miss
+        share it predicted for them), else every outstanding prompt token."""
+        if isinstance(self.prefill_policy, QueuePredictor):
+            return self.prefill_policy.queued_tokens(view)
+        return float(view.outstanding_prefill_tokens)
 
     def on_routed(self, request: RouteRequest, decision: PDDecision) -> None:
         """The request was sent as decided: the prefill policy hears its half."""

@@ -143,3 +143,19 @@ def test_pd_params_reject_unknown_fields() -> None:
 def test_no_decode_pod_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="no decode-capable pod"):
         router().pick(req(100), [view("p0")], [])
+
+
+def test_a_prefill_queue_of_predicted_cache_hits_is_not_counted_as_backlog() -> None:
+    # the cost policy sent p0 a request whose 8,192 tokens it holds but for 192: 40,000
+    # outstanding prompt tokens there weigh as ~940 queued tokens (0.19 s), not 8 s
+    warm = req(8192, rid="warm")
+    cost = router()
+    first = cost.pick(warm, [view("p0", gpu_blocks=500)], [view("d0")])
+    assert first.prefill_pod == "p0"
+    cost.on_routed(warm, first)
+    busy = [view("p0", gpu_blocks=500, outstanding_prefill_tokens=40_000)]
+    assert cost.queued_tokens(busy[0]) == pytest.approx(40_000 * 192 / 8192)
+    assert cost.pick(req(8192, rid="next"), busy, [view("d0")]).reason == "split"
+    # a prefill policy without a queue prediction counts every outstanding prompt token
+    rr = PDRouter(RoundRobinPolicy(), PDParams())
+    assert rr.pick(req(8192, rid="next"), busy, [view("d0")]).reason == "local_faster"
