@@ -36,14 +36,14 @@ the decode pods best first, and for a split request the prefill pods best first.
    ``kv_load_failure_policy: fail`` answers one when the pull fails): the retry is plain.
    The decode attempt's load charges the tokens the decode pod computes itself (the
    prompt's tail past its last full block; the whole prompt on a plain retry).
-4. **Usage** -- the prefill answer's ``usage.prompt_tokens_details.cached_tokens``
-   (``input_tokens_details`` for a response, in its JSON or its stream's
-   ``response.completed`` event) (the
+4. **Usage** -- the prefill answer's ``usage.prompt_tokens_details.cached_tokens`` (the
    real prefix hit; the decode pod reports the pulled blocks as cached too,
    vllm-project/router#193) replaces the decode answer's, in a JSON answer and in a
    stream's usage event (``stream_options.include_usage``; the stream is relayed line by
    line then, a partial line held until its newline, so only that ``data:`` line is
-   re-encoded).  Only when the decode answer has a ``prompt_tokens_details`` object.  The
+   re-encoded).  Only when the decode answer has a ``prompt_tokens_details`` object.  A
+   response's is ``usage.input_tokens_details``, in its JSON or in its stream's
+   ``response.completed`` event (which always carries the usage).  The
    prefill pod's reported cached tokens are set against its prediction
    (``kvroute_engine_cached_tokens_total``); the decode half's are not (they include the
    transfer).
@@ -169,9 +169,8 @@ class DecodeLeg:
         route = routed.route
         self._tail_tokens = max(1, route.prompt_tokens % route.block_size)
         #: where the answer's usage keeps its cached tokens (the Responses API's name)
-        self.details = (
-            "input_tokens_details" if routed.kind == "responses" else ("prompt_tokens_details")
-        )
+        responses = routed.kind == "responses"
+        self.details = "input_tokens_details" if responses else "prompt_tokens_details"
 
     @property
     def count_usage(self) -> bool:
