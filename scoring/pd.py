@@ -30,23 +30,42 @@ For one request with ``P`` prompt tokens, block size ``B``:
    ``on_routed`` / ``on_complete`` like any policy, so its bookkeeping (in-flight
    prefixes, queued-hit ledger) sees only prefill traffic.
 
-3. **Split or not** — with ``rate`` = ``prefill_rate_tokens_per_s``::
+3. **Split or not** -- the issue's two tests (Dynamo's conditional disaggregation has
+   the same two: a prefill length and a prefill-queue bound), with
+   ``rate`` = ``prefill_rate_tokens_per_s`` and ``T_d = uncached_d / rate``::
 
        uncached_d = P - min(hits(D) * B, P - 1)         # what D would compute locally
-       direct if uncached_d < min_uncached_tokens        # too little to be worth a hop
-       local  = D.outstanding_prefill_tokens / rate + uncached_d / rate
-                + itl_weight * batch(D) * uncached_d / rate
-       remote = Pp.outstanding_prefill_tokens / rate + uncached_p / rate
-                + pull_blocks * transfer_s_per_block + hop_overhead_s
-       direct if local <= remote, else split (prefill on Pp, decode on D)
+       direct ("short") if uncached_d < min_uncached_tokens
+       hop   = queued(Pp) / rate                        # the prefill pod's queue
+               + (uncached_p - uncached_d) / rate       # what Pp computes that D would not
+               + pull_blocks * transfer_s_per_block + hop_overhead_s
+       local = D.outstanding_prefill_tokens / rate + T_d
+               + itl_weight * batch(D) * T_d
+       direct ("local_faster") if hop > local, else split (prefill on Pp, decode on D)
 
-   ``local`` is the time to first token of a local prefill plus the decode time it steals:
-   a local prefill of ``uncached_d`` tokens stalls each of D's ``batch`` running decodes
-   for as long (chunked prefill shares the engine steps), weighed by ``itl_weight``.
-   ``remote`` is the prefill pod's queue and prefill plus the pull of the
-   ``pull_blocks = ceil(P / B) - hits(D)`` blocks D does not hold.  With no prefill pod
-   left (or an empty pool) the request goes direct.  ``always_split`` skips both tests
-   (every request is split, as vLLM's toy proxy does).
+   ``queued(Pp)`` is the prefill policy's prediction of the uncached tokens queued on
+   Pp when it keeps one (``cost``: ``outstanding_prefill_tokens`` scaled by the miss
+   share it predicted for the requests it sent there, which have mostly cached prompts
+   in multi-turn and agentic traffic), else ``outstanding_prefill_tokens`` (whole
+   prompts, cached parts included).  D's queue is its ``outstanding_prefill_tokens``:
+   whole prompts for direct requests, only the uncomputed tail for pulled ones.
+   ``hop`` is everything a split adds beyond the prefill computation a local prefill
+   needs too: the prefill pod's queue, the part of the prompt its cache lacks that D's
+   holds (negative when Pp holds more), the pull of the
+   ``pull_blocks = ceil(P / B) - hits(D)`` blocks D does not hold and the extra request.
+   ``local`` is the local prefill: D's own queue, the computation, and the decode time
+   it steals from D's ``batch`` running requests (chunked prefill shares the engine
+   steps; weighed by ``itl_weight``).  The prefill computation itself is not charged to
+   the split: moving it off the decode pod is what a P/D fleet's prefill pool is
+   provisioned for.  So a long uncached prompt on an idle fleet splits (``hop`` is the
+   pull and the request overhead, milliseconds; ``local`` is ``T_d``, at least
+   ``min_uncached_tokens / rate`` = 51 ms by default), and it goes direct once the
+   prefill pool's queue is longer than the local prefill would take.  In TTFT terms, a
+   split may cost up to one local prefill time more than a local prefill would: the
+   price of keeping the prefill off the decode pod, which vLLM's router and llm-d's
+   decider pay unconditionally (they test the uncached length only).  With no prefill
+   pod left (or an empty pool) the request goes direct.  ``always_split`` skips both
+   tests (every request is split, as vLLM's toy proxy does).
 
 Defaults and where they come from (scoring/policies/README.md has the table):
 ``min_uncached_tokens = 256`` (the value the issue cites for vLLM's router; llm-d's
@@ -63,7 +82,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import xxhash
 from pydantic import Field
@@ -73,6 +92,13 @@ from scoring.policies.base import Decision, PodView, Policy, PolicyParams, Route
 _h64 = xxhash.xxh3_64_intdigest
 
 Reason = Literal["split", "short", "local_faster", "no_prefill_pod"]
+
+
+@runtime_checkable
+class QueuePredictor(Protocol):
+    """A prefill policy that predicts a pod's queued uncached prompt tokens."""
+
+    def queued_tokens(self, pod: PodView) -> float: ...
 
 
 class PDParams(PolicyParams):
@@ -194,19 +220,27 @@ class PDRouter:
         rate = p.prefill_rate_tokens_per_s
         uncached_p = n - _cached_tokens(pp, n, bs)
         pull_blocks = max(0, math.ceil(n / bs) - d.best_cached_blocks())
-        local = (d.outstanding_prefill_tokens + uncached_d) / rate
-        local += p.itl_weight * _batch(d) * uncached_d / rate
-        remote = (pp.outstanding_prefill_tokens + uncached_p) / rate
-        remote += pull_blocks * p.transfer_s_per_block + p.hop_overhead_s
+        t_d = uncached_d / rate
+        local = d.outstanding_prefill_tokens / rate + t_d + p.itl_weight * _batch(d) * t_d
+        hop = (self.queued_tokens(pp) + uncached_p - uncached_d) / rate
+        hop += pull_blocks * p.transfer_s_per_block + p.hop_overhead_s
         predicted.update(
             uncached_prefill_tokens=float(uncached_p),
             pull_blocks=float(pull_blocks),
             local_cost_s=local,
-            remote_cost_s=remote,
+            hop_cost_s=hop,
         )
-        if local <= remote and not p.always_split:
+        if hop > local and not p.always_split:
             return PDDecision(d.pod, None, "local_faster", scores, prefill, predicted)
         return PDDecision(d.pod, pp.pod, "split", scores, prefill, predicted)
+
+    def queued_tokens(self, view: PodView) -> float:
+        """The prefill pod's predicted queue in uncached tokens: the prefill policy's
+        estimate when it keeps one (``cost``: its outstanding prompts scaled by the miss
+        share it predicted for them), else every outstanding prompt token."""
+        if isinstance(self.prefill_policy, QueuePredictor):
+            return self.prefill_policy.queued_tokens(view)
+        return float(view.outstanding_prefill_tokens)
 
     def on_routed(self, request: RouteRequest, decision: PDDecision) -> None:
         """The request was sent as decided: the prefill policy hears its half."""

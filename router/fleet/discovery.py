@@ -5,8 +5,10 @@ Every source produces a full set of :class:`PodSpec` and hands it to
 subscriber, scraper) which pods came and went.
 
 * ``static`` — the configured list, once.
-* ``dns`` — the A/AAAA records of a (headless service) hostname, re-resolved every
-  ``interval_s``; pod name ``<ip>:<port>``.  A failed lookup keeps the last fleet.
+* ``dns`` — the A/AAAA records of one or more (headless service) hostnames
+  (``dns``, and ``dns_sources`` for more: e.g. a prefill and a decode service),
+  re-resolved every ``interval_s``; pod name ``<ip>:<port>``.  A failed lookup keeps
+  that source's last addresses (:mod:`router.fleet.dns`).
 * ``k8s`` — list + watch Pods matching a label selector in one namespace through the
   API server's REST API (service-account token and CA), keeping only *Ready* pods with
   a ``podIP``; re-list on ``410 Gone``.  Pod name = ``metadata.name``; ports come from
@@ -24,11 +26,9 @@ annotations) and the ``kvroute.io/roles`` annotation.  A bad role value skips th
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import os
-import socket
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -37,8 +37,18 @@ from typing import Any, Literal, Protocol
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from router.fleet.dns import DnsDiscovery, DnsDiscoverySettings
+from router.fleet.dns import host_in_url as _host
+from router.fleet.dns import zmq_endpoint as _endpoint
 from router.fleet.pods import PodRegistry, PodSpec
-from router.fleet.roles import Role, parse_role, parse_role_map, role_overrides
+from router.fleet.roles import (
+    Role,
+    parse_role,
+    parse_role_map,
+    role_overrides,
+    role_value,
+    roles_value,
+)
 from router.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -48,17 +58,6 @@ SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 class DiscoveryError(RuntimeError):
     """Discovery cannot run as configured (the message says what is missing)."""
-
-
-def _role_value(v: object) -> object:
-    """A configured role, llm-d's spellings accepted (router.fleet.roles)."""
-    return parse_role(v) if isinstance(v, str) else v
-
-
-def _roles_value(v: object) -> object:
-    if isinstance(v, dict):
-        return {k: parse_role(r, f"roles[{k}]") if isinstance(r, str) else r for k, r in v.items()}
-    return v
 
 
 class StaticPod(BaseModel):
@@ -81,12 +80,12 @@ class StaticPod(BaseModel):
     @field_validator("role", mode="before")
     @classmethod
     def _role(cls, v: object) -> object:
-        return _role_value(v)
+        return role_value(v)
 
     @field_validator("roles", mode="before")
     @classmethod
     def _roles(cls, v: object) -> object:
-        return _roles_value(v)
+        return roles_value(v)
 
     @field_validator("url")
     @classmethod
@@ -109,34 +108,6 @@ class StaticPod(BaseModel):
             role=self.role,
             roles=role_overrides(self.roles),
         )
-
-
-class DnsDiscoverySettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    hostname: str = Field(min_length=1, description="headless service name")
-    port: int = Field(default=8000, ge=1, le=65535, description="pods' HTTP port")
-    scheme: Literal["http", "https"] = Field(default="http", description="pods' URL scheme")
-    events_port: int | None = Field(
-        default=None, ge=1, le=65535, description="pods' KV-event PUB port"
-    )
-    replay_port: int | None = Field(default=None, ge=1, le=65535, description="pods' replay port")
-    models: list[str] = Field(default_factory=list, description="models every pod serves")
-    interval_s: float = Field(default=10.0, gt=0, description="seconds between resolutions")
-    role: Role = Field(default="both", description="P/D role of every address")
-    roles: dict[str, Role] = Field(
-        default_factory=dict, description="per-model P/D roles of every address"
-    )
-
-    @field_validator("role", mode="before")
-    @classmethod
-    def _role(cls, v: object) -> object:
-        return _role_value(v)
-
-    @field_validator("roles", mode="before")
-    @classmethod
-    def _roles(cls, v: object) -> object:
-        return _roles_value(v)
 
 
 class K8sDiscoverySettings(BaseModel):
@@ -191,14 +162,25 @@ _SECTION_REQUIRED: list[Any] = [
         "if": {"properties": {"kind": {"const": kind}}, "required": ["kind"]},
         "then": {"required": [kind], "properties": {kind: {"type": "object"}}},
     }
-    for kind in ("dns", "k8s")
+    for kind in ("k8s",)
+] + [
+    {
+        "if": {"properties": {"kind": {"const": "dns"}}, "required": ["kind"]},
+        "then": {
+            "anyOf": [
+                {"required": ["dns"], "properties": {"dns": {"type": "object"}}},
+                {"required": ["dns_sources"], "properties": {"dns_sources": {"minItems": 1}}},
+            ]
+        },
+    }
 ]
 
 
 class DiscoverySettings(BaseModel):
     """Where pods come from (nested as ``discovery`` in the router's config).
 
-    ``kind: dns`` needs the ``dns`` section and ``kind: k8s`` the ``k8s`` one (its
+    ``kind: dns`` needs the ``dns`` section or ``dns_sources`` and ``kind: k8s`` the
+    ``k8s`` one (its
     ``label_selector`` required): checked by the model, and by the JSON schema generated
     from it (the Helm chart's ``values.schema.json``), so ``helm install`` refuses such
     values instead of starting a router that exits."""
@@ -210,12 +192,23 @@ class DiscoverySettings(BaseModel):
     )
     static: list[StaticPod] = Field(default_factory=list, description="kind static: the pods")
     dns: DnsDiscoverySettings | None = Field(default=None, description="kind dns: its settings")
+    dns_sources: list[DnsDiscoverySettings] = Field(
+        default_factory=list,
+        description="kind dns: more sources after `dns` (e.g. a prefill and a decode "
+        "service, each with its role)",
+    )
     k8s: K8sDiscoverySettings | None = Field(default=None, description="kind k8s: its settings")
 
     @model_validator(mode="after")
     def _section_present(self) -> DiscoverySettings:
-        if self.kind == "dns" and self.dns is None:
-            raise ValueError("discovery.kind is 'dns' but discovery.dns is not set")
+        if self.kind == "dns" and self.dns is None and not self.dns_sources:
+            raise ValueError(
+                "discovery.kind is 'dns' but discovery.dns is not set (nor discovery.dns_sources)"
+            )
+        where = [(s.hostname, s.port) for s in self.all_dns_sources()]
+        twice = sorted({f"{h}:{p}" for h, p in where if where.count((h, p)) > 1})
+        if twice:
+            raise ValueError(f"discovery: DNS sources listed twice: {twice}")
         if self.kind == "k8s" and self.k8s is None:
             raise ValueError("discovery.kind is 'k8s' but discovery.k8s is not set")
         names = [p.name for p in self.static]
@@ -224,25 +217,15 @@ class DiscoverySettings(BaseModel):
             raise ValueError(f"discovery.static: duplicate pod names {dup}")
         return self
 
+    def all_dns_sources(self) -> list[DnsDiscoverySettings]:
+        """``dns`` (when set) then ``dns_sources``."""
+        return ([self.dns] if self.dns is not None else []) + list(self.dns_sources)
+
 
 class Discovery(Protocol):
     async def run(self, registry: PodRegistry) -> None:
         """Keep ``registry`` up to date until cancelled."""
         ...
-
-
-def _host(ip: str) -> str:
-    """An IP as it goes in a URL / ZMQ endpoint (IPv6 in brackets)."""
-    try:
-        if ipaddress.ip_address(ip).version == 6:
-            return f"[{ip}]"
-    except ValueError:
-        pass
-    return ip
-
-
-def _endpoint(ip: str, port: int | None) -> str | None:
-    return None if port is None else f"tcp://{_host(ip)}:{port}"
 
 
 class StaticDiscovery:
@@ -251,50 +234,6 @@ class StaticDiscovery:
 
     async def run(self, registry: PodRegistry) -> None:
         registry.set_pods(p.spec() for p in self.pods)
-
-
-class DnsDiscovery:
-    """Resolves ``hostname`` every ``interval_s``: one pod per address."""
-
-    def __init__(self, settings: DnsDiscoverySettings) -> None:
-        self.settings = settings
-        self.resolutions = 0
-        self.failures = 0
-        self._log = RateLimitedLog(log)  # one line per cause per 10 s, not per round
-
-    async def resolve(self) -> list[PodSpec]:
-        s = self.settings
-        loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(s.hostname, s.port, type=socket.SOCK_STREAM)
-        ips = sorted({str(info[4][0]) for info in infos})
-        return [
-            PodSpec(
-                name=f"{ip}:{s.port}",
-                url=f"{s.scheme}://{_host(ip)}:{s.port}",
-                events_endpoint=_endpoint(ip, s.events_port),
-                replay_endpoint=_endpoint(ip, s.replay_port),
-                models=tuple(s.models),
-                role=s.role,
-                roles=role_overrides(s.roles),
-            )
-            for ip in ips
-        ]
-
-    async def run(self, registry: PodRegistry) -> None:
-        while True:
-            try:
-                specs = await self.resolve()
-            except Exception as exc:  # gaierror, a bad name (UnicodeError): keep the fleet
-                self.failures += 1
-                self._log.warning(
-                    "resolve", "DNS discovery: resolving %r failed: %s", self.settings.hostname, exc
-                )
-            else:
-                self.resolutions += 1
-                added, removed = registry.set_pods(specs)
-                if added or removed:
-                    log.info("DNS discovery: +%s -%s", added, removed)
-            await asyncio.sleep(self.settings.interval_s)
 
 
 class _Gone(Exception):
@@ -554,8 +493,7 @@ class K8sDiscovery:
 def build_discovery(settings: DiscoverySettings) -> Discovery:
     """The discovery source ``settings.kind`` names."""
     if settings.kind == "dns":
-        assert settings.dns is not None
-        return DnsDiscovery(settings.dns)
+        return DnsDiscovery(settings.all_dns_sources())
     if settings.kind == "k8s":
         assert settings.k8s is not None
         return K8sDiscovery(settings.k8s)

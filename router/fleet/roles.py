@@ -70,3 +70,16 @@ def can_prefill(role: Role) -> bool:
 def can_decode(role: Role) -> bool:
     """Whether a pod of ``role`` may take the decode half (or a whole request)."""
     return role != "prefill"
+
+
+def role_value(v: object) -> object:
+    """A configured ``role`` before validation: llm-d's spellings accepted (a pydantic
+    ``mode="before"`` validator; anything but a string is left to the field's type)."""
+    return parse_role(v) if isinstance(v, str) else v
+
+
+def roles_value(v: object) -> object:
+    """A configured ``roles: {model: role}`` before validation (see :func:`role_value`)."""
+    if isinstance(v, dict):
+        return {k: parse_role(r, f"roles[{k}]") if isinstance(r, str) else r for k, r in v.items()}
+    return v

@@ -8,7 +8,11 @@ the decode pods best first, and for a split request the prefill pods best first.
 1. **Prefill** -- a copy of the body (:func:`prefill_body`, through
    :func:`router.rewrite.rewrite_body`): ``kv_transfer_params`` asking for a remote decode,
    ``stream: false``, ``max_tokens: 1`` (and ``max_completion_tokens: 1`` when the body
-   has it), ``stream_options`` / ``min_tokens`` / ``min_completion_tokens`` dropped; the
+   has it), ``stream_options`` / ``min_tokens`` / ``min_completion_tokens`` dropped (a
+   new ``/v1/responses`` request: ``max_output_tokens: 1``, ``store: false`` so the
+   prefill pod keeps no 1-token response, ``stream_options`` / ``background`` dropped; a
+   follow-up naming ``previous_response_id`` is never split, its history lives only on
+   the pod that owns it, where the decision sends it whole); the
    same ``X-Request-Id`` as the decode half (the client's, else the router's id).  Its
    pod's load is held (prompt tokens, in flight) and the prefill policy told
    ``on_routed`` / ``on_complete``; the time to its answer is
@@ -37,7 +41,9 @@ the decode pods best first, and for a split request the prefill pods best first.
    vllm-project/router#193) replaces the decode answer's, in a JSON answer and in a
    stream's usage event (``stream_options.include_usage``; the stream is relayed line by
    line then, a partial line held until its newline, so only that ``data:`` line is
-   re-encoded).  Only when the decode answer has a ``prompt_tokens_details`` object.  The
+   re-encoded).  Only when the decode answer has a ``prompt_tokens_details`` object.  A
+   response's is ``usage.input_tokens_details``, in its JSON or in its stream's
+   ``response.completed`` event (which always carries the usage).  The
    prefill pod's reported cached tokens are set against its prediction
    (``kvroute_engine_cached_tokens_total``); the decode half's are not (they include the
    transfer).
@@ -89,9 +95,13 @@ PREFILL_PARAMS: dict[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
-#: the kinds split (the Responses API goes direct: its body has no max_tokens to cap)
-_SPLIT_KINDS = frozenset({"chat", "completion"})
+#: the kinds split: chat, completions and new responses (a ``/v1/responses`` body has
+#: ``max_output_tokens`` and ``kv_transfer_params`` in vLLM 0.32, and its answer carries
+#: the params at the top level as a chat answer does)
+_SPLIT_KINDS = frozenset({"chat", "completion", "responses"})
 _PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
+#: a response's prefill copy: no stored 1-token response, answered now (not queued)
+_RESPONSES_DROP = ("stream_options", "background")
 #: a decode attempt answering one of these before any byte went out is retried
 DECODE_RETRYABLE = RETRYABLE_STATUS | {500}
 
@@ -100,13 +110,13 @@ _encode = msgspec.json.encode
 _monotonic = time.monotonic
 
 
-def prefill_body(raw: bytes, body: dict[str, Any]) -> bytes:
-    """The prefill pod's copy of ``raw`` (parsed: ``body``)."""
-    sets: dict[str, Any] = {
-        "kv_transfer_params": PREFILL_PARAMS,
-        "stream": False,
-        "max_tokens": 1,
-    }
+def prefill_body(raw: bytes, body: dict[str, Any], kind: str = "chat") -> bytes:
+    """The prefill pod's copy of ``raw`` (parsed: ``body``) for a request of ``kind``."""
+    sets: dict[str, Any] = {"kv_transfer_params": PREFILL_PARAMS, "stream": False}
+    if kind == "responses":
+        sets.update(max_output_tokens=1, store=False)
+        return rewrite_body(raw, body, set_fields=sets, drop=_RESPONSES_DROP)
+    sets["max_tokens"] = 1
     if "max_completion_tokens" in body:
         sets["max_completion_tokens"] = 1
     return rewrite_body(raw, body, set_fields=sets, drop=_PREFILL_DROP)
@@ -158,6 +168,9 @@ class DecodeLeg:
         self.attempts = 0
         route = routed.route
         self._tail_tokens = max(1, route.prompt_tokens % route.block_size)
+        #: where the answer's usage keeps its cached tokens (the Responses API's name)
+        responses = routed.kind == "responses"
+        self.details = "input_tokens_details" if responses else "prompt_tokens_details"
 
     @property
     def count_usage(self) -> bool:
@@ -184,37 +197,47 @@ class DecodeLeg:
         cached = self.prefilled.cached_tokens
         if not self.transfer or cached is None or not 200 <= status < 300:
             return content
-        if b'"prompt_tokens_details"' not in content:
+        if f'"{self.details}"'.encode() not in content:
             return content
         try:
             obj = _decode(content)
         except msgspec.DecodeError:
             return content
-        return _encode(obj) if _set_cached(obj, cached) else content
+        return _encode(obj) if _set_cached(obj, cached, self.details) else content
 
     def wrap(self, status: int, stream: AsyncIterable[bytes]) -> AsyncIterable[bytes]:
         """A stream whose usage event carries the prefill's cached tokens (when the
-        request asked for one); any other stream as it is."""
+        request asked for one; a response stream's ``response.completed`` always has
+        it); any other stream as it is."""
         options = self.routed.body.get("stream_options")
         wants = isinstance(options, dict) and options.get("include_usage") is True
+        wants = wants or self.routed.kind == "responses"
         cached = self.prefilled.cached_tokens
         if not (wants and self.transfer and cached is not None and 200 <= status < 300):
             return stream
-        return _merge_stream(stream, cached)
+        return _merge_stream(stream, cached, self.details)
 
 
-def _set_cached(obj: Any, cached: int) -> bool:
-    """Set ``obj["usage"]["prompt_tokens_details"]["cached_tokens"]``; whether it could."""
-    usage = obj.get("usage") if isinstance(obj, dict) else None
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+def _set_cached(obj: Any, cached: int, key: str = "prompt_tokens_details") -> bool:
+    """Set ``cached_tokens`` in ``obj``'s usage (``obj["usage"]``, or a response event's
+    ``obj["response"]["usage"]``) under ``key``; whether it could."""
+    if not isinstance(obj, dict):
+        return False
+    usage = obj.get("usage")
+    if usage is None and isinstance(obj.get("response"), dict):
+        usage = obj["response"].get("usage")
+    details = usage.get(key) if isinstance(usage, dict) else None
     if not isinstance(details, dict):
         return False
     details["cached_tokens"] = cached
     return True
 
 
-async def _merge_stream(stream: AsyncIterable[bytes], cached: int) -> AsyncIterator[bytes]:
+async def _merge_stream(
+    stream: AsyncIterable[bytes], cached: int, key: str = "prompt_tokens_details"
+) -> AsyncIterator[bytes]:
     """Relay complete lines; the ``data:`` line with the usage re-encoded."""
+    marker = f'"{key}"'.encode()
     pending = b""
     async for chunk in stream:
         data = pending + chunk if pending else chunk
@@ -223,23 +246,24 @@ async def _merge_stream(stream: AsyncIterable[bytes], cached: int) -> AsyncItera
             pending = data
             continue
         done, pending = data[: cut + 1], data[cut + 1 :]
-        if b'"prompt_tokens_details"' in done:
-            done = _merge_lines(done, cached)
+        if marker in done:
+            done = _merge_lines(done, cached, key)
         yield done
     if pending:
         yield pending
 
 
-def _merge_lines(data: bytes, cached: int) -> bytes:
+def _merge_lines(data: bytes, cached: int, key: str) -> bytes:
+    marker = f'"{key}"'.encode()
     lines = data.split(b"\n")
     for i, line in enumerate(lines):
-        if not line.startswith(b"data:") or b'"prompt_tokens_details"' not in line:
+        if not line.startswith(b"data:") or marker not in line:
             continue
         try:
             obj = _decode(line[5:].strip())
         except msgspec.DecodeError:
             continue
-        if _set_cached(obj, cached):
+        if _set_cached(obj, cached, key):
             end = b"\r" if line.endswith(b"\r") else b""
             lines[i] = b"data: " + _encode(obj) + end
     return b"\n".join(lines)
@@ -293,7 +317,7 @@ class Disaggregator:
         """The prefill half: its answer with params, a fallback reason, or the 499 of a
         client that left."""
         proxy, m = self.proxy, self.metrics
-        body = prefill_body(raw, routed.body)
+        body = prefill_body(raw, routed.body, routed.kind)
         tail = proxy._head_tail(headers, len(body))
         route = routed.route
         policy = self.step.router.prefill_policy

@@ -614,6 +614,7 @@ class SimAPI:
         gen_body.pop("max_completion_tokens", None)
         req = self._generation(gen_body, ids)
         stream, _ = self._stream_flags(body)
+        pd = await self._disagg(body, request, req)  # vLLM 0.32's ResponsesRequest has them
         rid = f"resp_{uuid.uuid4().hex}"
         created = int(time.time())
         store = body.get("store", True) is not False
@@ -630,7 +631,7 @@ class SimAPI:
         entry.body = self._response_body(rid, body, "completed", created, entry.text, req)
         if store:
             self.responses[rid] = entry
-        return JSONResponse(entry.body)
+        return self._with_params(entry.body, pd, req)
 
     async def _response_events(
         self,

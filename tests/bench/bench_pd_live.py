@@ -7,11 +7,14 @@ Per variant, a fresh fleet of ``--prefill`` prefill + ``--decode`` decode simula
 (``kvroute sim`` in this process, real HTTP and ZMQ KV events on 127.0.0.1, ``time_scale``
 1: a prefill of 8,000 tokens/s, 16-token blocks, a 32,768-token cache per pod, so a
 prefix hit shortens TTFT and where a conversation prefills matters) and ``kvroute serve``
-in front with every request split (``pd.params.always_split``: the toy proxy's rule, so
-the variants differ only in the prefill pod):
+in front.  The first two variants split every request (``pd.params.always_split``: the
+toy proxy's rule), so they differ only in the prefill pod:
 
-* ``cost``        -- ``pd.prefill_policy: cost`` (the router's default policy);
-* ``round_robin`` -- ``pd.prefill_policy: round_robin`` (vLLM's toy proxy).
+* ``cost``         -- ``pd.prefill_policy: cost`` (the router's default policy);
+* ``round_robin``  -- ``pd.prefill_policy: round_robin`` (vLLM's toy proxy);
+* ``cost_default`` -- ``cost`` with the default split rule (scoring/pd.py: short
+  remainders and prompts the decode pod mostly holds go direct, a backed-up prefill
+  pool too); its ``split`` column is the share of requests the router split.
 
 Two families, each conversation a sequential chain of streaming chat turns whose history
 accumulates (the pods' answers are appended), ``--conversations`` of them concurrently:
@@ -65,7 +68,8 @@ def text(rng: random.Random, tokens: int) -> str:
 
 
 @contextlib.asynccontextmanager
-async def fleet(args: argparse.Namespace, prefill_policy: str) -> AsyncIterator[tuple[Any, ...]]:
+async def fleet(args: argparse.Namespace, variant: str) -> AsyncIterator[tuple[Any, ...]]:
+    policy, default_rule = variant.removesuffix("_default"), variant.endswith("_default")
     fs = FleetSettings(
         pods=0,
         prefill_pods=args.prefill,
@@ -80,7 +84,10 @@ async def fleet(args: argparse.Namespace, prefill_policy: str) -> AsyncIterator[
                 "discovery": {"static": [p.model_dump() for p in static_pods(pods)]},
                 "fleet": {"enabled": False},
                 "health": {"enabled": False},
-                "pd": {"prefill_policy": prefill_policy, "params": {"always_split": True}},
+                "pd": {
+                    "prefill_policy": policy,
+                    "params": {} if default_rule else {"always_split": True},
+                },
                 "log_level": "warning",
             }
         )
@@ -151,6 +158,17 @@ async def hit_rate(client: httpx.AsyncClient, pods: list[Any]) -> float:
     return hits / queries if queries else 0.0
 
 
+async def split_rate(client: httpx.AsyncClient) -> float:
+    """The share of requests the router split (its ``kvroute_pd_decisions_total``)."""
+    by_reason: dict[str, float] = {}
+    for line in (await client.get("/metrics")).text.splitlines():
+        if line.startswith("kvroute_pd_decisions_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            by_reason[reason] = by_reason.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    total = sum(by_reason.values())
+    return by_reason.get("split", 0.0) / total if total else 0.0
+
+
 def q(xs: list[float], p: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(p * len(s)))]
@@ -175,6 +193,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "variant": variant,
                         "requests": len(out),
                         "hit_rate": await hit_rate(client, pods),
+                        "split_rate": await split_rate(client),
                         "ttft_p50_s": q(ttft, 0.5),
                         "ttft_p90_s": q(ttft, 0.9),
                         "itl_p50_ms": 1000 * q(itl, 0.5),
@@ -197,16 +216,23 @@ def main() -> None:
     ap.add_argument("--prefill-rate", type=float, default=8000.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--families", nargs="+", default=["multi_turn", "agentic"])
-    ap.add_argument("--variants", nargs="+", default=["cost", "round_robin"])
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["cost", "round_robin", "cost_default"],
+        help="PREFILL_POLICY (every request split) or PREFILL_POLICY_default (the split rule)",
+    )
     args = ap.parse_args()
     rows = asyncio.run(run(args))
     print(
-        "| family | prefill choice | requests | prefill-pod hit | TTFT p50 / p90 | ITL p50 / p90 |"
+        "| family | prefill choice | requests | split | prefill-pod hit | TTFT p50 / p90 "
+        "| ITL p50 / p90 |"
     )
-    print("|---|---|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['family']} | {r['variant']} | {r['requests']} | {r['hit_rate']:.3f} | "
+            f"| {r['family']} | {r['variant']} | {r['requests']} | {r['split_rate']:.2f} | "
+            f"{r['hit_rate']:.3f} | "
             f"{r['ttft_p50_s']:.3f} / {r['ttft_p90_s']:.3f} s | "
             f"{r['itl_p50_ms']:.1f} / {r['itl_p90_ms']:.1f} ms |"
         )

@@ -3,8 +3,9 @@ loopback: simulated pods in roles prefill and decode (the fleet's ``prefill_pods
 ``decode_pods``), their KV events on real ZMQ, the router in this loop.
 
 Most tests set ``pd.params.always_split`` (vLLM's toy proxy: every request a prefill pod
-can take is split): on an idle fleet the split rule itself finds a local prefill
-cheaper (nothing to steal decode time from), which one test checks.  Which pod a
+can take is split), so that a test's requests split whatever the pods' load; the default
+rule (a long uncached prompt splits, a short one or a backed-up prefill pool goes
+direct) has its own tests.  Which pod a
 request goes to is steered with request ids that ``POST /v1/route`` ranks as the test
 needs (decisions are deterministic per request id).
 """
@@ -250,18 +251,25 @@ async def test_the_next_turn_prefills_where_the_prefix_is_cached() -> None:
         assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == gained
 
 
-async def test_short_prompts_go_straight_to_a_decode_pod_and_an_idle_pod_prefills_locally() -> None:
+async def test_by_default_short_prompts_go_straight_to_a_decode_pod_and_long_ones_split() -> None:
     async with pd_router() as h:
         r = await h.client.post("/v1/chat/completions", json=chat("Hi there"))
         assert r.status_code == 200, r.text
         assert "x-kvroute-prefill-pod" not in r.headers
         assert r.headers["x-kvroute-pod"] in ("sim-d0", "sim-d1")
         assert h.sample("kvroute_pd_decisions_total", model=MODEL, reason="short") == 1
-        explained = (await h.route(chat(), "long"))["pd"]
-        assert explained["reason"] == "local_faster" and explained["prefill_pod"] is None
-        assert explained["predicted"]["local_cost_s"] <= explained["predicted"]["remote_cost_s"]
         for pod in ("sim-p0", "sim-p1"):
             assert await h.pod_metric(pod, "vllm:request_success_total") == 0
+        # a ~1,000-token prompt on this idle fleet: the hop is cheaper than a local prefill
+        explained = (await h.route(chat(), "long"))["pd"]
+        assert explained["reason"] == "split" and explained["prefill_pod"] in ("sim-p0", "sim-p1")
+        assert explained["predicted"]["hop_cost_s"] < explained["predicted"]["local_cost_s"]
+        r = await h.client.post(
+            "/v1/chat/completions", json=chat(), headers={"x-request-id": "long"}
+        )
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvroute-prefill-pod"] == explained["prefill_pod"]
+        assert h.sample("kvroute_pd_decisions_total", model=MODEL, reason="split") == 1
 
 
 async def test_route_explains_the_decode_pod_the_prefill_pod_and_the_split() -> None:

@@ -76,20 +76,42 @@ def test_a_long_prompt_on_a_busy_decode_pod_is_split_to_the_cache_holding_prefil
         [view("d0", running=16)],
     )
     assert (d.split, d.prefill_pod, d.decode_pod, d.reason) == (True, "p1", "d0", "split")
-    assert d.predicted["remote_cost_s"] < d.predicted["local_cost_s"]
+    assert d.predicted["hop_cost_s"] < d.predicted["local_cost_s"]
 
 
-def test_an_idle_decode_pod_prefills_locally_when_the_hop_would_be_slower() -> None:
-    # nothing cached anywhere, no decodes to protect: the transfer and hop only add time
-    d = router().pick(req(8192), [view("p0")], [view("d0", running=0)])
-    assert (d.split, d.reason) == (False, "local_faster")
+def test_a_long_uncached_prompt_on_an_idle_fleet_is_split_by_default() -> None:
+    # nothing cached, nothing running: the hop costs the pull and one request, the local
+    # prefill its whole computation on the decode pod
+    d = router().pick(req(2048), [view("p0"), view("p1")], [view("d0"), view("d1")])
+    assert (d.split, d.reason) == (True, "split")
+    assert d.predicted["hop_cost_s"] < 0.02 < d.predicted["local_cost_s"]
 
 
-def test_a_backed_up_prefill_pool_sends_the_request_direct() -> None:
+def test_the_shortest_prompt_that_splits_on_an_idle_fleet_is_the_threshold() -> None:
+    r = router()
+    assert r.pick(req(255), [view("p0")], [view("d0")]).reason == "short"
+    assert r.pick(req(256), [view("p0")], [view("d0")]).reason == "split"
+
+
+def test_a_backed_up_prefill_pool_sends_the_request_direct_even_from_an_idle_decode_pod() -> None:
+    # 200k queued tokens = 40 s at the default rate, a local prefill of 8k tokens 1.6 s
     queued = [view("p0", outstanding_prefill_tokens=200_000)]
-    d = router().pick(req(8192), queued, [view("d0", running=4)])
+    d = router().pick(req(8192), queued, [view("d0", running=0)])
+    assert (d.split, d.reason) == (False, "local_faster")
+    assert d.predicted["hop_cost_s"] > d.predicted["local_cost_s"]
+
+
+def test_a_prefill_queue_shorter_than_the_local_prefill_still_splits() -> None:
+    # 4k queued tokens (0.8 s) ahead on the prefill pod against 1.6 s of local prefill
+    queued = [view("p0", outstanding_prefill_tokens=4096)]
+    assert router().pick(req(8192), queued, [view("d0")]).split
+
+
+def test_a_decode_pod_holding_what_the_prefill_pod_lacks_prefills_locally() -> None:
+    # D holds 6k of the 8k tokens, P none: P would compute 6k more than D's 2k remainder
+    d = router().pick(req(8192), [view("p0")], [view("d0", gpu_blocks=384)])
     assert d.reason == "local_faster"
-    assert d.predicted["remote_cost_s"] > d.predicted["local_cost_s"]
+    assert d.predicted["uncached_prefill_tokens"] - d.predicted["uncached_decode_tokens"] == 6144
 
 
 def test_the_decode_pod_is_never_its_own_prefill_pod_and_an_empty_pool_goes_direct() -> None:
@@ -121,3 +143,19 @@ def test_pd_params_reject_unknown_fields() -> None:
 def test_no_decode_pod_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="no decode-capable pod"):
         router().pick(req(100), [view("p0")], [])
+
+
+def test_a_prefill_queue_of_predicted_cache_hits_is_not_counted_as_backlog() -> None:
+    # the cost policy sent p0 a request whose 8,192 tokens it holds but for 192: 40,000
+    # outstanding prompt tokens there weigh as ~940 queued tokens (0.19 s), not 8 s
+    warm = req(8192, rid="warm")
+    cost = router()
+    first = cost.pick(warm, [view("p0", gpu_blocks=500)], [view("d0")])
+    assert first.prefill_pod == "p0"
+    cost.on_routed(warm, first)
+    busy = [view("p0", gpu_blocks=500, outstanding_prefill_tokens=40_000)]
+    assert cost.queued_tokens(busy[0]) == pytest.approx(40_000 * 192 / 8192)
+    assert cost.pick(req(8192, rid="next"), busy, [view("d0")]).reason == "split"
+    # a prefill policy without a queue prediction counts every outstanding prompt token
+    rr = PDRouter(RoundRobinPolicy(), PDParams())
+    assert rr.pick(req(8192, rid="next"), busy, [view("d0")]).reason == "local_faster"

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 
 from scoring.pd import PDParams, PDRouter
+from scoring.policies.base import RouteRequest
 from scoring.policies.registry import build_policy
 from scoring.replay.cli import main
 from scoring.replay.families import generate
 from scoring.replay.pd_engine import replay_pd, summarize_pd
 from scoring.replay.simpod import FleetConfig
-from scoring.replay.trace import Trace
+from scoring.replay.trace import Trace, TraceRequest
 
 CFG = FleetConfig(pods=1, capacity_tokens=100_000, block_size=16, prefill_rate=8000.0)
 
@@ -69,3 +70,26 @@ def test_the_cli_runs_pd_mode_and_names_bad_pool_sizes(
     assert out["fleet"]["prefill_pods"] == 2
     assert main([*args, "--prefill-pods", "2", "--decode-pods", "0"]) == 2
     assert "--decode-pods >= 1" in capsys.readouterr().err
+
+
+def _request(i: int, at_s: float, blocks: list[int]) -> TraceRequest:
+    route = RouteRequest(
+        request_id=f"r{i}",
+        model="m",
+        prompt_tokens=16 * len(blocks),
+        block_keys=blocks,
+        block_size=16,
+    )
+    return TraceRequest(arrival_s=at_s, output_tokens=8, route=route)
+
+
+def test_by_default_a_cold_long_prompt_splits_and_its_follow_up_on_the_decode_pod_goes_direct() -> (
+    None
+):
+    # a 2,048-token prompt on an idle fleet, then the same prompt plus 2 blocks 10 s later
+    # (the decode pod pulled the first one's blocks and holds them: 32 new tokens)
+    first = list(range(128))
+    reqs = [_request(0, 0.0, first), _request(1, 10.0, [*first, 1000, 1001])]
+    trace = Trace(requests=reqs, block_size=16, fmt="test")
+    run = replay_pd(trace, PDRouter(build_policy("cost"), PDParams()), CFG, 2, 2)
+    assert run.split == [True, False]
