@@ -93,6 +93,10 @@ class RequestRouter(UnscoredRoutes):
         self.views = ViewBuilder(index, load, scraper, self.pending, learner)
         #: prefill/decode: decides for models whose pods have roles (none: the policy)
         self.pd = PDStep(settings.pd, settings.policy, settings.policy_params)
+        #: whether any pod of the fleet has a P/D role, for the registry version it was
+        #: read at (a fleet without roles skips the P/D step at the cost of one compare)
+        self._roles_at = -1
+        self._any_roles = False
         self._decision_hist = metrics.decision_seconds.labels()
         self._rr = 0
         self._ids = itertools.count()
@@ -152,7 +156,7 @@ class RequestRouter(UnscoredRoutes):
         elif kind == "completion":
             prompt = first_prompt(body.get("prompt"))
         pods = candidates(self.registry, model, only)
-        names = [p.name for p in pods]
+        names = [p.spec.name for p in pods]
         request_id = headers.get("x-request-id") or self._next_id()
         session = headers.get(self.settings.session_header) or body.get("user")
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
@@ -200,7 +204,7 @@ class RequestRouter(UnscoredRoutes):
             views = vb.views_now(lookup_now(keys, names) if keys else {}, names, keys)
         else:
             views = await vb.views(keys, names)
-        pd = self.pd.plan(route, pods, views)
+        pd = self.pd.plan(route, pods, views) if self._fleet_has_roles() else None
         if pd is None:  # no roles: the policy over every candidate
             decision = self.policy.pick(route, list(views.values()))
             ranking = rank(decision, names)
@@ -233,6 +237,15 @@ class RequestRouter(UnscoredRoutes):
             enc.approximate,
             pd=pd,
         )
+
+    def _fleet_has_roles(self) -> bool:
+        """Any pod with a P/D role (``role`` or per-model ``roles``), re-read only when
+        the fleet changed (a role is part of the pod's spec)."""
+        registry = self.registry
+        if self._roles_at != registry.version:
+            self._roles_at = registry.version
+            self._any_roles = any(p.spec.role != "both" or p.spec.roles for p in registry.all())
+        return self._any_roles
 
     def sent(self, routed: Routed, pod: str) -> None:
         """The front is sending ``routed`` to ``pod`` (each attempt; never for

@@ -124,7 +124,8 @@ class _Conn(asyncio.Protocol):
         self.complete = False
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
-        #: the headers a relay passes back (hop-by-hop, Date and Server dropped)
+        #: the headers a relay passes back (hop-by-hop, Date and Server dropped), names
+        #: lowercase (as uvicorn writes them)
         self.relay_headers: list[tuple[bytes, bytes]] = []
         self.chunks: list[bytes] = []
         self.buffered = 0
@@ -166,7 +167,7 @@ class _Conn(asyncio.Protocol):
         self.headers.append((name, value))
         lname = name.lower()
         if lname not in DROP_RESPONSE_B:
-            self.relay_headers.append((name, value))
+            self.relay_headers.append((lname, value))
         if lname == b"content-type":
             self.event_stream = value.startswith(b"text/event-stream")
         elif lname == b"content-length":
@@ -491,11 +492,11 @@ class Upstream:
         self.headers = headers
         self.stream = stream
         self.is_event_stream = is_event_stream
-        #: ``headers`` less the hop-by-hop ones, Date and Server
+        #: ``headers`` less the hop-by-hop ones, Date and Server, names lowercase
         self.relay_headers = (
             relay_headers
             if relay_headers is not None
-            else [(k, v) for k, v in headers if k.lower() not in DROP_RESPONSE_B]
+            else [(k.lower(), v) for k, v in headers if k.lower() not in DROP_RESPONSE_B]
         )
 
 

@@ -352,7 +352,6 @@ class Proxy(StreamRelay):
                     await self._complete(load, gauge, routed, pod, answer)
                 pm.requests(resp.status).inc()
                 out = self._response_headers(resp, pod, leg)
-                out.append((b"content-length", b"%d" % len(content)))
                 return RawResponse(resp.status, out, content)
             return self._relay_stream(resp, routed, pod, load, gauge, started, leg)
 

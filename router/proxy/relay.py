@@ -14,6 +14,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.errors import RouterError
 from router.fleet.transport import Upstream
+from router.proxy.oneshot import send_whole
 
 
 class UpstreamBroken(RuntimeError):
@@ -54,20 +55,24 @@ class RelayResponse(StreamingResponse):
 
 
 class RawResponse(Response):
-    """A complete response sent as two ASGI messages with pre-built raw headers
-    (no header normalisation: the hot path already holds them as bytes)."""
+    """A complete response with pre-built raw headers (no header normalisation: the hot
+    path already holds them as bytes, names lowercase), written in one go on
+    `kvroute serve`'s protocol (:func:`router.proxy.oneshot.send_whole`), else as two
+    ASGI messages.  ``headers`` carry no ``content-length``: it is the body's."""
 
     def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         self.status_code = status
-        self.body = body
+        self.body = self._content = body
         self.raw_headers = headers
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send(
-            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-        )
-        await send({"type": "http.response.body", "body": self.body})
+        body = self._content
+        if send_whole(send, self.status_code, self.raw_headers, body):
+            return
+        headers = [*self.raw_headers, (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 async def relay_chunks(resp: Upstream) -> AsyncIterator[bytes]:

@@ -188,5 +188,4 @@ class StreamRelay(Bookkeeping, Failures):
             content = await resp.stream.read_all()
         finally:
             await resp.stream.aclose()
-        out.append((b"content-length", b"%d" % len(content)))
         return RawResponse(resp.status, out, content)

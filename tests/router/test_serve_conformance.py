@@ -1,7 +1,9 @@
 """`kvroute serve`'s HTTP protocol (:class:`router.proxy.protocol.OneWriteHttpToolsProtocol`)
 answers byte for byte as uvicorn's own ``HttpToolsProtocol`` does: the same ASGI app
 behind each, on real loopback sockets, the same raw requests, the same raw bytes back
-(the ``date`` header masked)."""
+(the ``date`` header masked).  The proxy's complete answers (``/raw*``:
+:class:`router.proxy.relay.RawResponse`) are written in one go on ours
+(:mod:`router.proxy.oneshot`) and as ASGI messages on uvicorn's."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.proxy.protocol import OneWriteHttpToolsProtocol
+from router.proxy.relay import RawResponse
 from router.proxy.serve import RunningServer
 
 
@@ -52,9 +55,22 @@ async def app(scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.body", "body": b"ok"})
     elif path == "/error":  # the app fails before answering: uvicorn's 500
         raise RuntimeError("boom")
+    elif path in RAW:  # the proxy's complete answer
+        status, headers = RAW[path]
+        await RawResponse(status, headers, b'{"id":"x"}')(scope, receive, send)
     else:
         await start(404, [(b"content-length", b"0")])
         await send({"type": "http.response.body", "body": b""})
+
+
+#: the proxy's complete answers: (status, headers); the last three take uvicorn's path
+RAW: dict[str, tuple[int, list[tuple[bytes, bytes]]]] = {
+    "/raw": (200, [(b"content-type", b"application/json"), (b"x-kvroute-pod", b"a")]),
+    "/raw-404": (404, [(b"content-type", b"application/json")]),
+    "/raw-upper": (200, [(b"Content-Type", b"application/json")]),
+    "/raw-close": (200, [(b"connection", b"close")]),
+    "/raw-bad-value": (200, [(b"x-v", b"bad\nvalue")]),
+}
 
 
 def req(method: str, path: str, *extra: str, version: str = "1.1", body: bytes = b"") -> bytes:
@@ -91,8 +107,24 @@ SCENARIOS: dict[str, list[bytes]] = {
     "invalid header value refused": [req("GET", "/length"), req("GET", "/bad-value")],
     "invalid header name refused": [req("GET", "/bad-name")],
     "app error -> 500": [req("GET", "/error")],
+    "raw answer": [req("POST", "/raw", CLOSE, body=b'{"prompt":"hi"}')],
+    "raw answers on one connection": [
+        req("POST", "/raw", body=b"{}"),
+        req("POST", "/raw-404", body=b"{}"),
+        req("GET", "/stream"),
+        req("POST", "/raw", CLOSE, body=b"{}"),
+    ],
+    "raw answers pipelined": [req("POST", "/raw", body=b"{}") + req("POST", "/raw", CLOSE)],
+    "raw answer, HTTP/1.0": [req("POST", "/raw", version="1.0", body=b"{}")],
+    "raw answer to HEAD": [req("HEAD", "/raw", CLOSE)],
+    "raw answer, uppercase header name": [req("POST", "/raw-upper", CLOSE)],
+    "raw answer asking to close": [req("POST", "/raw-close")],
+    "raw answer, invalid header value refused": [req("POST", "/raw-bad-value")],
     "malformed request -> 400": [b"GARBAGE\r\n\r\n"],
 }
+
+#: scenarios whose only request is refused without an answer
+NO_ANSWER = {"invalid header name refused", "raw answer, invalid header value refused"}
 
 DATE = re.compile(rb"\r\ndate: [^\r]*\r\n")
 
@@ -127,7 +159,7 @@ async def test_the_router_protocol_answers_byte_for_byte_like_uvicorns(name: str
         expected = await exchange(stock, requests)
         got = await exchange(ours, requests)
     assert got == expected
-    assert expected.startswith(b"HTTP/1.") or name == "invalid header name refused"
+    assert expected.startswith(b"HTTP/1.") or name in NO_ANSWER
 
 
 async def test_an_invalid_header_is_refused_with_no_response_bytes() -> None:
