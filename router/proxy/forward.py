@@ -30,10 +30,12 @@ Semantics:
   ``kvroute_retries_total{reason}`` with its cause and in
   ``kvroute_upstream_errors_total{pod, reason}``.  A request that committed (a byte went
   to the client) is never re-sent.  Streams already relaying on an ejected or removed
-  pod are left alone: an ejection may be a false positive (health checks timing out on
+  pod are not cut: an ejection may be a false positive (health checks timing out on
   a loaded pod) and a pod leaving discovery is usually draining (a rollout), so cutting
-  them would truncate answers that would complete; a stream that goes silent ends after
-  ``read_timeout_s``.
+  them would truncate answers that would complete.  But from then on such a stream
+  ends (truncated, ``stream_broken``) once its pod sends nothing for
+  ``proxy.ejected_stream_idle_s``, not ``read_timeout_s``: a vLLM engine shut down
+  with SIGTERM keeps its connections open and silent.
 * **Streaming** — the upstream body is relayed chunk by chunk as it arrives
   (``aiter_raw``), never buffered whole.  TTFT at the router = time from the request's
   arrival to the first body chunk sent.
@@ -173,6 +175,8 @@ class Proxy:
         self._connect_timeout = settings.connect_timeout_s
         self._read_timeout = settings.read_timeout_s
         self._first_byte_timeout = settings.first_byte_timeout_s
+        #: the upstream bodies relaying per pod (an ejection limits their silence)
+        self._relaying: dict[str, set[Any]] = {}
         registry.subscribe_health(self._on_health)
         registry.subscribe(self._on_pod)
         self._drop = _DROP_REQUEST_B | (
@@ -421,6 +425,11 @@ class Proxy:
             self._fail_pod(pod, POD_REMOVED)
 
     def _fail_pod(self, pod: str, cause: str) -> None:
+        idle = self.settings.ejected_stream_idle_s
+        for body in self._relaying.get(pod, ()):
+            limit = getattr(body, "limit_silence", None)  # (a test's transport may lack it)
+            if limit is not None:
+                limit(idle)
         n = self._watch.fail_pod(pod, cause)
         if n:
             self._log.warning(
@@ -501,6 +510,8 @@ class Proxy:
             if routed.kind == "responses" and 200 <= status < 300 and self.owners is not None
             else None
         )
+        relaying = self._relaying.setdefault(pod, set())
+        relaying.add(resp.stream)
         try:
             source = resp.stream if leg is None else leg.wrap(resp.status, resp.stream)
             async for chunk in source:
@@ -536,6 +547,9 @@ class Proxy:
             status = 499
             raise
         finally:
+            relaying.discard(resp.stream)
+            if not relaying:
+                self._relaying.pop(pod, None)
             await resp.stream.aclose()
             self._count(routed, pod, status)
 
