@@ -52,7 +52,8 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.support.redis_server import running_server  # noqa: E402
+from tests.bench.loopwatch import LoopWatch, top_steps
+from tests.support.redis_server import running_server
 
 BS = 16
 BLOCKS = 4
@@ -71,7 +72,7 @@ def publisher(pods: int, history: int, burst: int, conn: Any) -> None:
     ctx = zmq.Context()
     enc = msgspec.msgpack.Encoder()
     pubs, routers, buffers, seqs, eps = [], [], [], [], []
-    for i in range(pods):
+    for _ in range(pods):
         pub = ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, 100_000)
         pub.bind("tcp://127.0.0.1:*")
@@ -104,9 +105,7 @@ def publisher(pods: int, history: int, burst: int, conn: Any) -> None:
         ]
         old = first - WINDOW
         if old > 0:
-            events.append(
-                {"type": "BlockRemoved", "block_hashes": list(range(old, old + BLOCKS))}
-            )
+            events.append({"type": "BlockRemoved", "block_hashes": list(range(old, old + BLOCKS))})
         body = enc.encode([time.time(), events, 0])
         buffers[i].append((seq, body))
         pubs[i].send_multipart([topics[i], seq.to_bytes(8, "big"), body])
@@ -158,14 +157,11 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
-#: the probe's last wake-up, read by the watchdog (0: no probe running)
-BEAT = [0.0]
-
-
 class Watchdog:
     """A thread sampling the loop thread's stack while the probe is > 100 ms late."""
 
-    def __init__(self) -> None:
+    def __init__(self, watch: LoopWatch) -> None:
+        self.watch = watch
         self.loop_thread = threading.get_ident()
         self.samples: collections.Counter[str] = collections.Counter()
         threading.Thread(target=self._watch, daemon=True).start()
@@ -173,7 +169,8 @@ class Watchdog:
     def _watch(self) -> None:
         while True:
             time.sleep(0.02)
-            if not BEAT[0] or time.perf_counter() - BEAT[0] < 0.1:
+            beat = self.watch.beat
+            if not beat or time.perf_counter() - beat < 0.1:
                 continue
             frame = sys._current_frames().get(self.loop_thread)
             ours = []
@@ -195,74 +192,20 @@ class Watchdog:
             print(f"  {n:5d}  {where}")
 
 
-class StepTimer:
-    """CPU time of each loop step (``Handle._run``), the longest per task name: what
-    one step holds the loop for, whatever else the machine runs (thread CPU time)."""
-
-    def __init__(self) -> None:
-        self.longest: dict[str, float] = {}
-        self.on = False
-        real = asyncio.events.Handle._run
-        timer = self
-
-        def timed(handle: asyncio.events.Handle) -> None:
-            if not timer.on:
-                real(handle)
-                return
-            c0 = time.thread_time()
-            real(handle)
-            took = time.thread_time() - c0
-            if took > 0.001:
-                cb = getattr(handle._callback, "__self__", None)  # type: ignore[attr-defined]
-                name = cb.get_name() if isinstance(cb, asyncio.Task) else "other"
-                name = name.rstrip("0123456789-") or name
-                if took > timer.longest.get(name, 0.0):
-                    timer.longest[name] = took
-
-        asyncio.events.Handle._run = timed  # type: ignore[method-assign]
-
-    def take(self) -> str:
-        out = ", ".join(
-            f"{n} {1000 * t:.0f}" for n, t in sorted(self.longest.items(), key=lambda x: -x[1])[:3]
-        )
-        self.longest = {}
-        return out or "none > 5 ms"
+WATCH = LoopWatch()
 
 
-STEPS = StepTimer()
-
-
-class Probe:
-    """Records how late a 10 ms sleep wakes up, and /health round trips."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.lag: list[float] = []
-        self.health: list[float] = []
-        self.health_failed = 0
-        self._stop = False
-
-    async def sleeper(self) -> None:
-        while not self._stop:
+async def health_checks(url: str, stop: asyncio.Event, took: list[float]) -> None:
+    """GET /health every 100 ms with a 1 s timeout (a failure counts as >= 1 s)."""
+    async with httpx.AsyncClient(timeout=1.0) as c:
+        while not stop.is_set():
             t = time.perf_counter()
-            await asyncio.sleep(0.01)
-            BEAT[0] = now = time.perf_counter()
-            self.lag.append(now - t - 0.01)
-
-    async def checker(self) -> None:
-        async with httpx.AsyncClient(timeout=1.0) as c:
-            while not self._stop:
-                t = time.perf_counter()
-                try:
-                    (await c.get(self.url + "/health")).raise_for_status()
-                except httpx.HTTPError:
-                    self.health_failed += 1
-                self.health.append(time.perf_counter() - t)
-                await asyncio.sleep(0.1)
-
-    def stop(self) -> None:
-        self._stop = True
-        BEAT[0] = 0.0
+            try:
+                (await c.get(url + "/health")).raise_for_status()
+                took.append(time.perf_counter() - t)
+            except httpx.HTTPError:
+                took.append(max(1.0, time.perf_counter() - t))
+            await asyncio.sleep(0.1)
 
 
 async def wait_caught_up(core: Any, pods: int, seq_floor: int, timeout: float) -> float:
@@ -273,8 +216,7 @@ async def wait_caught_up(core: Any, pods: int, seq_floor: int, timeout: float) -
     while time.perf_counter() - t0 < timeout:
         st = sub.stats.pods
         if all(
-            (p := st.get(f"pod-{i}")) is not None and p.last_seq >= seq_floor
-            for i in range(pods)
+            (p := st.get(f"pod-{i}")) is not None and p.last_seq >= seq_floor for i in range(pods)
         ) and not any(p.queued for p in st.values()):
             return time.perf_counter() - t0
         await asyncio.sleep(0.05)
@@ -284,29 +226,34 @@ async def wait_caught_up(core: Any, pods: int, seq_floor: int, timeout: float) -
 async def phase(
     name: str, core: Any, url: str, pods: int, seq_floor: int, start: Any
 ) -> dict[str, float]:
-    probe = Probe(url)
-    tasks = [asyncio.create_task(probe.sleeper()), asyncio.create_task(probe.checker())]
+    stop = asyncio.Event()
+    health: list[float] = []
+    tasks = [
+        asyncio.create_task(WATCH.probe(stop)),
+        asyncio.create_task(health_checks(url, stop, health)),
+    ]
     await asyncio.sleep(0.2)
-    STEPS.on = True
+    WATCH.take()
+    WATCH.on = True
     await start()
     took = await wait_caught_up(core, pods, seq_floor, 300)
-    probe.stop()
-    STEPS.on = False
+    WATCH.on = False
+    stop.set()
     await asyncio.gather(*tasks)
-    lag, h = probe.lag, probe.health
+    lag, steps = WATCH.take()
     row = {
         "catch_up_s": took,
         "lag_p50_ms": 1000 * statistics.median(lag),
         "lag_p99_ms": 1000 * pct(lag, 0.99),
         "lag_max_ms": 1000 * max(lag),
-        "health_p99_ms": 1000 * pct(h, 0.99),
-        "health_max_ms": 1000 * max(h),
-        "health_over_1s": float(probe.health_failed + sum(1 for x in h if x >= 1.0)),
+        "health_p99_ms": 1000 * pct(health, 0.99),
+        "health_max_ms": 1000 * max(health),
+        "health_over_1s": float(sum(1 for x in health if x >= 1.0)),
     }
     print(
         f"| {name} | {took:.1f} | {row['lag_p50_ms']:.1f} | {row['lag_p99_ms']:.1f} | "
         f"{row['lag_max_ms']:.0f} | {row['health_p99_ms']:.0f} | {row['health_max_ms']:.0f} "
-        f"| {row['health_over_1s']:.0f} | {STEPS.take()} |",
+        f"| {row['health_over_1s']:.0f} | {top_steps(steps)} |",
         flush=True,
     )
     return row
@@ -317,7 +264,7 @@ async def main(args: argparse.Namespace) -> None:
     from router.proxy.app import create_app
     from router.proxy.serve import RunningServer
 
-    holds = Watchdog() if args.find_holds else None
+    holds = Watchdog(WATCH) if args.find_holds else None
     spawn = mp.get_context("spawn")
     parent, child = spawn.Pipe()
     proc = spawn.Process(target=publisher, args=(args.pods, args.history, args.burst, child))
