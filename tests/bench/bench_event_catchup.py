@@ -240,6 +240,8 @@ async def phase(
     WATCH.on = False
     stop.set()
     await asyncio.gather(*tasks)
+    where = dict(WATCH.where)
+    WATCH.where.clear()
     lag, steps = WATCH.take()
     row = {
         "catch_up_s": took,
@@ -256,6 +258,9 @@ async def phase(
         f"| {row['health_over_1s']:.0f} | {top_steps(steps)} |",
         flush=True,
     )
+    print(f"  (longest garbage collection: {1000 * WATCH.take_gc():.0f} ms CPU)")
+    for task, at in where.items():
+        print(f"  ({task}'s longest step ended at {at})")
     return row
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import math
@@ -259,9 +260,11 @@ async def main(args: argparse.Namespace) -> int:
             "proxy": {"first_byte_timeout_s": 5.0},
         }
         results: list[Result] = []
+        final_metrics = ""
         faults = Faults()
         rss: list[tuple[float, float, float]] = []  # (t, router MB, client MB)
-        health: list[tuple[float, float, float]] = []  # (t, ejections so far, panic)
+        #: (t, ejections so far, panic, KV-event resyncs so far, queued batches)
+        health: list[tuple[float, float, float, float, float]] = []
         async with contextlib.AsyncExitStack() as stack:
             if args.in_process:
                 app = create_app(Settings.model_validate(config))
@@ -306,18 +309,22 @@ async def main(args: argparse.Namespace) -> int:
                             now,
                             _metric_sum(text, "kvroute_health_ejections_total"),
                             _metric_sum(text, "kvroute_health_panic"),
+                            _metric_sum(text, "kvroute_event_resyncs_total"),
+                            _metric_sum(text, "kvroute_event_queue_depth"),
                         )
                     )
                 except httpx.HTTPError:
                     pass
             await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(httpx.HTTPError):
+                final_metrics = (await client.get("/metrics")).text
         print(f"soak: {args.minutes} min, concurrency {args.concurrency}, faults: "
               + ", ".join(f"{w[2]} at {w[0] - start:.0f} s" for w in faults.windows))  # fmt: skip
         print("| minute | requests | failed, caused by a fault | other errors | p50 s | p99 s "
-              "| ejections | panic |")  # fmt: skip
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| ejections | panic | event resyncs | max queued batches |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         other_total = 0
-        ejected_before = 0.0
+        ejected_before = resynced_before = 0.0
         for minute in range(math.ceil(args.minutes)):
             rows = [r for r in results if minute * 60 <= r.start - start < (minute + 1) * 60]
             lat = [r.latency for r in rows if r.ok]
@@ -327,10 +334,13 @@ async def main(args: argparse.Namespace) -> int:
             samples = [h for h in health if minute * 60 < h[0] <= (minute + 1) * 60]
             ejected = max((h[1] for h in samples), default=ejected_before)
             panic = "yes" if any(h[2] for h in samples) else "no"
+            resynced = max((h[3] for h in samples), default=resynced_before)
+            queued = max((h[4] for h in samples), default=0.0)
             print(f"| {minute + 1} | {len(rows)} | {caused} | {other} | "
                   f"{_pct(lat, 50):.3f} | {_pct(lat, 99):.3f} | "
-                  f"{ejected - ejected_before:.0f} | {panic} |")  # fmt: skip
-            ejected_before = ejected
+                  f"{ejected - ejected_before:.0f} | {panic} | "
+                  f"{resynced - resynced_before:.0f} | {queued:.0f} |")  # fmt: skip
+            ejected_before, resynced_before = ejected, resynced
         if loop_samples:
             print("in-process loop, per minute: max lag of a 10 ms sleep; longest steps (CPU ms)")
             for minute in range(math.ceil(args.minutes)):
@@ -346,6 +356,12 @@ async def main(args: argparse.Namespace) -> int:
         where = "this process (router + client)" if args.in_process else "the router process"
         print(f"RSS of {where}: {warm[1]:.0f} MB after the first minute, {end[1]:.0f} MB at "
               f"the end; of the client process: {warm[2]:.0f} MB -> {end[2]:.0f} MB")  # fmt: skip
+        reasons = collections.Counter[str]()
+        for line in final_metrics.splitlines():
+            if line.startswith("kvroute_event_resyncs_total{"):
+                reason = line.split('reason="', 1)[1].split('"', 1)[0]
+                reasons[reason] += int(float(line.rsplit(" ", 1)[1]))
+        print(f"KV-event resyncs by reason: {dict(reasons.most_common()) or 'none'}")
         whys = sorted({r.why for r in results if not r.ok})
         print(f"requests {len(results)}; failure kinds: {whys or 'none'}")
         return 1 if other_total else 0

@@ -7,12 +7,14 @@
   between two awaits, or one callback) is timed in *thread CPU time*, and the longest
   per task name is kept: what one step holds the loop for, whatever else the machine
   runs.  Task names lose their numeric suffix (``kv-events-replay-pod-1`` ->
-  ``kv-events-replay-pod``).
+  ``kv-events-replay-pod``).  The longest garbage collection is kept too: it lands in
+  whichever step allocates, and no event code can avoid it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 
@@ -20,6 +22,9 @@ class LoopWatch:
     def __init__(self) -> None:
         self.lag: list[float] = []
         self.longest: dict[str, float] = {}
+        #: where each task of :attr:`longest` stopped after its longest step (the await
+        #: that ended it: the long stretch ran just before it)
+        self.where: dict[str, str] = {}
         self.on = False
         self.beat = 0.0  # the probe's last wake-up (0: not probing)
         real = asyncio.events.Handle._run
@@ -38,8 +43,24 @@ class LoopWatch:
                 name = name.rstrip("0123456789-") or name
                 if took > watch.longest.get(name, 0.0):
                     watch.longest[name] = took
+                    if isinstance(cb, asyncio.Task) and took > 0.02:
+                        stack = cb.get_stack()
+                        watch.where[name] = " <- ".join(
+                            f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno}"
+                            for f in reversed(stack[-4:])
+                        )
 
         asyncio.events.Handle._run = timed  # type: ignore[method-assign]
+        #: the longest garbage collection while on (it lands in whichever step allocates)
+        self.gc_max = 0.0
+        self._gc_t0 = 0.0
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.thread_time()
+        elif self.on:
+            self.gc_max = max(self.gc_max, time.thread_time() - self._gc_t0)
 
     async def probe(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -53,6 +74,11 @@ class LoopWatch:
         """The lags and longest steps since the last call (and forget them)."""
         out = self.lag, self.longest
         self.lag, self.longest = [], {}
+        return out
+
+    def take_gc(self) -> float:
+        """The longest garbage collection since the last call (CPU s), and forget it."""
+        out, self.gc_max = self.gc_max, 0.0
         return out
 
 
