@@ -208,7 +208,10 @@ class HealthChecker:
         """Apply the panic threshold: eject the suspects of models that can spare them,
         keep (or put back) in rotation those of models in panic."""
         pods = self.registry.all()
-        self.suspects &= {p.name for p in pods}
+        names = {p.name for p in pods}
+        self.suspects &= names
+        for gone in [n for n in self._timeouts_only if n not in names]:
+            del self._timeouts_only[gone]
         pct = self.settings.panic_threshold_pct
         panic: set[str] = set()
         if self.suspects:
