@@ -140,8 +140,9 @@ class EngineProcess:
         reason = missing_engine_reason(self.config.model)
         if reason:
             raise EngineStartError(reason)
-        self.http_port = free_port()
-        self.zmq_port = free_port(with_offset=100)
+        if not (self.http_port and self.zmq_port):  # preset ports: the caller's range
+            self.http_port = free_port()
+            self.zmq_port = free_port(with_offset=100)
         env = dict(os.environ)
         env.pop("PYTHONHASHSEED", None)
         if self.config.python_hash_seed is not None:
