@@ -119,6 +119,13 @@ class ProxySettings(_Section):
         "to the next pod once; null: no deadline. Non-streaming requests have none (their "
         "head is the whole answer); they fail over when their pod is ejected",
     )
+    ejected_stream_idle_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a stream already relaying from a pod that health checks eject or "
+        "discovery removes ends (truncated: stream_broken) once that pod sends nothing for "
+        "this long; streams still flowing (a pod draining) go on",
+    )
     max_keepalive: int = Field(
         default=200, ge=0, description="idle keep-alive connections kept per pod"
     )

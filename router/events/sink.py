@@ -128,6 +128,19 @@ class IndexSink(_ScoringIndexSink):
         ``facts.capacity_blocks``: raises :class:`~router.events.guard.BatchRejected`
         before any index write (the applier has counted the batch: the caller clears
         the pod)."""
+        ops = self.prepare_checked(pod, model, batch, facts)
+        await self._run(ops)
+        self.applied(pod, batch, ops)  # (the speculative entries hear every batch)
+        return len(batch.events)
+
+    def prepare_checked(
+        self, pod: str, model: str, batch: EventBatch, facts: PodFacts | None
+    ) -> IndexOps:
+        """The first half of :meth:`apply_checked`, without a yield: the applier takes
+        the batch and returns the index writes it makes (raises ``BatchRejected`` as
+        :meth:`apply_checked` does).  The writer prepares several consecutive batches of
+        a pod, then runs their writes in one :meth:`write` (one Redis round trip) and
+        tells :meth:`applied` of each."""
         st = self.applier.pod(pod)
         # the pod's scraped block size (vllm:cache_config_info) interprets its events
         bs = facts.block_size if facts is not None else None
@@ -135,9 +148,11 @@ class IndexSink(_ScoringIndexSink):
             st = self.applier.set_pod(pod, model, bs)
         ops = self.applier.apply_batch(pod, batch)
         check_held(st.gpu_blocks, facts)
+        return ops
+
+    async def write(self, ops: IndexOps) -> None:
+        """Run prepared index writes (in the applier's order, see ``_write_order``)."""
         await self._run(ops)
-        self.applied(pod, batch, ops)  # (the speculative entries hear every batch)
-        return len(batch.events)
 
     # -- what the speculative entries hear ----------------------------------------------
 

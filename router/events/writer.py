@@ -1,8 +1,15 @@
 """The index writer: one task applying every pod's batches in seq order, fairly.
 
-It serves the pods round-robin, one item per turn from each pod with work
+It serves the pods round-robin, one turn per pod with work
 (:class:`~router.events.feed.PodFeed.pending`), so a pod with 10,000 batches queued
-delays another pod's next batch by one batch, not by 10,000.
+delays another pod's next batch by one turn, not by 10,000.  A turn is one item; a
+batch applied in order takes the pod's next consecutive batches already queued with
+it (at most :data:`MAX_GROUP`, or ``time_slice_s`` of decoding and preparing): their
+index writes go out as one write, one Redis round trip.  A writer sharing its loop
+with the request path gets one round trip per loop pass or so; at one batch per round
+trip it fell behind the soak's load (per-pod queues overflowed, each overflow a resync
+and a replay to catch up on), grouped it keeps up, and each turn still ends with a
+yield.
 
 Sequence semantics per pod (``expected`` = last applied seq + 1):
 
@@ -49,8 +56,14 @@ from router.events.ratelimit import limited
 from router.events.replay import ReplayError, contiguous_tail, fetch_replay, is_complete
 from router.events.settings import EventsSettings
 from router.events.stats import EventStats
+from scoring.events.apply import IndexOps
 
 log = logging.getLogger(__name__)
+
+#: at most this many consecutive batches of one pod per turn of the writer, applied in
+#: one index write (one Redis round trip); a turn also ends after ``time_slice_s`` of
+#: preparing.  64 x a batch of a few blocks stays a small pipeline.
+MAX_GROUP = 64
 
 
 class EventWriter:
@@ -341,13 +354,108 @@ class EventWriter:
         )
 
     async def _apply(self, feed: PodFeed, b: Batch) -> None:
+        """Apply ``b`` and, with a sink that can prepare batches
+        (``prepare_checked``), the pod's next consecutive batches already queued, in
+        one index write: up to :data:`MAX_GROUP` batches or ``time_slice_s`` of
+        preparing, whichever comes first (see the module docstring)."""
+        if getattr(self.sink, "prepare_checked", None) is None:
+            await self._apply_one(feed, b)
+            return
+        group: list[tuple[Batch, Any, Any]] = []
+        end = time.perf_counter() + self.settings.time_slice_s
+        while True:
+            failure = self._prepare(feed, b, group)
+            if failure is not None:
+                await self._flush(feed, group)
+                await self._failed(feed, b, *failure)
+                return
+            if (
+                len(group) >= MAX_GROUP
+                or time.perf_counter() >= end
+                or self._lost_events(feed.name)
+            ):
+                break
+            nxt = self._next_consecutive(feed)
+            if nxt is None:
+                break
+            b = nxt
+        await self._flush(feed, group)
+
+    def _next_consecutive(self, feed: PodFeed) -> Batch | None:
+        """The pod's next queued item when it is the batch ``expected`` and nothing
+        else is due first (a drop to resync, a dirty index, a replay); taken."""
+        if feed.closed or feed.replay is not None or feed.drop_seq is not None or feed.dirty:
+            return None
+        if not feed.pending or feed.expected is None:
+            return None
+        item = feed.pending[0]
+        if type(item) is not Batch or item.seq != feed.expected:
+            return None
+        feed.take()
+        return item
+
+    def _prepare(
+        self, feed: PodFeed, b: Batch, group: list[tuple[Batch, Any, Any]]
+    ) -> tuple[str, Exception] | None:
+        """Decode, check and prepare ``b`` (no yield); appended to ``group``, or why not
+        ("decode", "rejected" or "apply", with the exception)."""
         st = self.stats.pod(feed.name)
         feed.expected = b.seq + 1
         st.last_seq = b.seq
-        name = feed.name
         try:
             batch = self.sink.decode(b.payload)
         except Exception as exc:
+            return "decode", exc
+        facts = self.facts_of(feed.name) if self.facts_of is not None else None
+        try:
+            precheck(batch, facts)
+            ops = self.sink.prepare_checked(feed.name, b.model, batch, facts)
+        except BatchRejected as exc:
+            return "rejected", exc
+        except Exception as exc:
+            return "apply", exc
+        group.append((b, batch, ops))
+        return None
+
+    async def _flush(self, feed: PodFeed, group: list[tuple[Batch, Any, Any]]) -> None:
+        """One index write for the prepared ``group``, then the bookkeeping of each."""
+        if not group:
+            return
+        name = feed.name
+        st = self.stats.pod(name)
+        merged = IndexOps()
+        for _, _, ops in group:
+            merged.extend(ops)
+        try:
+            await self.sink.write(merged)
+        except Exception as exc:
+            st.apply_errors += 1
+            limited(
+                log,
+                f"apply:{name}",
+                "KV events: %s: applying batches %d..%d failed (%s); resync",
+                name,
+                group[0][0].seq,
+                group[-1][0].seq,
+                exc,
+            )
+            feed.dirty = True
+            return
+        now = time.time()
+        for b, batch, ops in group:
+            self.sink.applied(name, batch, ops)
+            st.batches += 1
+            st.events += len(batch.events)
+            if b.replayed:
+                st.replayed_batches += 1
+        st.lag_s = max(0.0, now - float(group[-1][1].ts))
+        st.queued = len(feed.pending)
+        await self._after_apply(feed, group[-1][0].seq)
+
+    async def _failed(self, feed: PodFeed, b: Batch, kind: str, exc: Exception) -> None:
+        name = feed.name
+        st = self.stats.pod(name)
+        if kind == "decode":
             st.decode_errors += 1
             limited(
                 log,
@@ -359,16 +467,8 @@ class EventWriter:
             )
             await self._clear(name, "decode_error", feed)
             self._fault(feed, b.seq)
-            return
-        facts = self.facts_of(name) if self.facts_of is not None else None
-        checked = getattr(self.sink, "apply_checked", None)
-        try:
-            precheck(batch, facts)
-            if checked is not None:
-                n = await checked(name, b.model, batch, facts)
-            else:
-                n = await self.sink.apply(name, b.model, batch)
-        except BatchRejected as exc:
+        elif kind == "rejected":
+            assert isinstance(exc, BatchRejected)
             st.rejected[exc.reason] += 1
             limited(
                 log,
@@ -381,8 +481,7 @@ class EventWriter:
             )
             await self._clear(name, "rejected", feed)
             self._fault(feed, b.seq)
-            return
-        except Exception as exc:
+        else:
             st.apply_errors += 1
             limited(
                 log,
@@ -393,12 +492,9 @@ class EventWriter:
                 exc,
             )
             feed.dirty = True
-            return
-        st.batches += 1
-        st.events += n
-        if b.replayed:
-            st.replayed_batches += 1
-        st.lag_s = max(0.0, time.time() - float(batch.ts))
+
+    async def _after_apply(self, feed: PodFeed, seq: int) -> None:
+        name = feed.name
         if self._lost_events(name):
             last = getattr(getattr(self.sink, "stats", None), "last_error", "")
             limited(
@@ -406,11 +502,43 @@ class EventWriter:
                 f"lost:{name}",
                 "KV events: %s: events were skipped in batch %d (%s); resync",
                 name,
-                b.seq,
+                seq,
                 last,
             )
             await self._clear(name, "lost_events", feed)
-            self._fault(feed, b.seq)
+            self._fault(feed, seq)
+
+    async def _apply_one(self, feed: PodFeed, b: Batch) -> None:
+        """One batch through a sink's own ``apply`` (a sink that cannot prepare)."""
+        st = self.stats.pod(feed.name)
+        feed.expected = b.seq + 1
+        st.last_seq = b.seq
+        name = feed.name
+        try:
+            batch = self.sink.decode(b.payload)
+        except Exception as exc:
+            await self._failed(feed, b, "decode", exc)
+            return
+        facts = self.facts_of(name) if self.facts_of is not None else None
+        checked = getattr(self.sink, "apply_checked", None)
+        try:
+            precheck(batch, facts)
+            if checked is not None:
+                n = await checked(name, b.model, batch, facts)
+            else:
+                n = await self.sink.apply(name, b.model, batch)
+        except BatchRejected as exc:
+            await self._failed(feed, b, "rejected", exc)
+            return
+        except Exception as exc:
+            await self._failed(feed, b, "apply", exc)
+            return
+        st.batches += 1
+        st.events += n
+        if b.replayed:
+            st.replayed_batches += 1
+        st.lag_s = max(0.0, time.time() - float(batch.ts))
+        await self._after_apply(feed, b.seq)
 
     def _lost_events(self, pod: str) -> bool:
         fn = getattr(self.sink, "lost_events", None)

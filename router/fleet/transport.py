@@ -289,6 +289,21 @@ class _BodyStream(httpx.AsyncByteStream):
             chunks = taken + chunks
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
+    def limit_silence(self, timeout_s: float) -> None:
+        """From now on a wait for the next bytes fails after ``timeout_s`` (when that is
+        shorter than the read timeout), the wait under way included: a stream whose pod
+        went away ends once the pod goes silent, while one still flowing goes on."""
+        prev = self._timeout
+        if prev is not None and prev <= timeout_s:
+            return
+        self._timeout = timeout_s
+        conn = self._conn
+        if conn._waiter is not None and not conn._waiter.done():
+            at = conn.loop.time() + timeout_s
+            if prev is None or at < conn.deadline:  # (prev None: this wait has none)
+                conn.deadline = at
+                conn.deadlines.add(conn, conn.loop, at)
+
     async def __aiter__(self) -> AsyncIterator[bytes]:
         conn = self._conn
         try:

@@ -8,8 +8,11 @@ the attempts waiting on a pod that was ejected or left (see "Retry", "Failover" 
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 
+from router.config import ProxySettings
 from router.errors import RouterError
 from router.logs import RateLimitedLog
 from router.metrics import RouterMetrics
@@ -36,6 +39,8 @@ class Failures:
     _watch: AttemptWatch
     _log: RateLimitedLog
     _first_byte_timeout: float | None
+    settings: ProxySettings
+    _relaying: dict[str, set[Any]]
 
     def _stall_error(self, pod: str, cause: str) -> RouterError:
         """The OpenAI error for an attempt cancelled before its first byte: 504
@@ -63,6 +68,11 @@ class Failures:
             self._fail_pod(pod, POD_REMOVED)
 
     def _fail_pod(self, pod: str, cause: str) -> None:
+        idle = self.settings.ejected_stream_idle_s
+        for body in self._relaying.get(pod, ()):
+            limit = getattr(body, "limit_silence", None)  # (a test's transport may lack it)
+            if limit is not None:
+                limit(idle)
         n = self._watch.fail_pod(pod, cause)
         if n:
             self._log.warning(

@@ -30,10 +30,12 @@ Semantics:
   ``kvroute_retries_total{reason}`` with its cause and in
   ``kvroute_upstream_errors_total{pod, reason}``.  A request that committed (a byte went
   to the client) is never re-sent.  Streams already relaying on an ejected or removed
-  pod are left alone: an ejection may be a false positive (health checks timing out on
+  pod are not cut: an ejection may be a false positive (health checks timing out on
   a loaded pod) and a pod leaving discovery is usually draining (a rollout), so cutting
-  them would truncate answers that would complete; a stream that goes silent ends after
-  ``read_timeout_s``.
+  them would truncate answers that would complete.  But from then on such a stream
+  ends (truncated, ``stream_broken``) once its pod sends nothing for
+  ``proxy.ejected_stream_idle_s``, not ``read_timeout_s``: a vLLM engine shut down
+  with SIGTERM keeps its connections open and silent.
 * **Streaming** — the upstream body is relayed chunk by chunk as it arrives
   (``aiter_raw``), never buffered whole.  TTFT at the router = time from the request's
   arrival to the first body chunk sent.
@@ -146,6 +148,8 @@ class Proxy(StreamRelay):
         self._connect_timeout = settings.connect_timeout_s
         self._read_timeout = settings.read_timeout_s
         self._first_byte_timeout = settings.first_byte_timeout_s
+        #: the upstream bodies relaying per pod (an ejection limits their silence)
+        self._relaying: dict[str, set[Any]] = {}
         registry.subscribe_health(self._on_health)
         registry.subscribe(self._on_pod)
         self._drop = DROP_REQUEST_B | (

@@ -52,6 +52,7 @@ class StreamRelay(Bookkeeping, Failures):
     _connect_timeout: float
     _read_timeout: float
     hide_pod_errors: bool
+    _relaying: dict[str, set[Any]]
     on_ttft: Callable[[str | None, float], None] | None
 
     def _response_headers(
@@ -101,6 +102,8 @@ class StreamRelay(Bookkeeping, Failures):
             if routed.kind == "responses" and 200 <= status < 300 and self.owners is not None
             else None
         )
+        relaying = self._relaying.setdefault(pod, set())
+        relaying.add(resp.stream)
         try:
             source = answer.wrap(resp.stream if leg is None else leg.wrap(resp.status, resp.stream))
             async for chunk in source:
@@ -138,6 +141,9 @@ class StreamRelay(Bookkeeping, Failures):
             status = 499
             raise
         finally:
+            relaying.discard(resp.stream)
+            if not relaying:
+                self._relaying.pop(pod, None)
             await resp.stream.aclose()
             self._count(routed, pod, status)
 

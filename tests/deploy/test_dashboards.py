@@ -86,7 +86,10 @@ def labels_from_code() -> dict[str, set[str]]:
     stats.pod("x").resyncs["gap"] += 1
     register_event_stats(stats, m.registry)
     checker = SimpleNamespace(
-        registry=SimpleNamespace(all=lambda: [SimpleNamespace(name="x", healthy=True)]),
+        registry=SimpleNamespace(
+            all=lambda: [SimpleNamespace(name="x", healthy=True, models={"m"})]
+        ),
+        panic={"m"},
         failures={"x": 1},
         ejections={"x": 1},
         readmissions={"x": 1},

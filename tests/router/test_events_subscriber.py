@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import zmq
@@ -272,6 +273,57 @@ async def test_queue_overflow_drops_batches_and_resyncs_the_pod(
         assert st.gaps == 0  # the overflow resync, not a gap, accounts for 3..5
         assert await h.blocks_held(chain(1)) == 0
         assert await h.blocks_held(chain(1, start=900)) == 1
+
+
+async def test_a_backlog_is_applied_in_grouped_index_writes_with_every_batch_counted(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with dial_pod(ctx) as (h, pub):
+        stalled = StalledIndex(h.index)
+        h.sink.index = stalled
+        writes = 0
+        real_write = h.sink.write
+
+        async def counted(ops: Any) -> None:
+            nonlocal writes
+            writes += 1
+            await real_write(ops)
+
+        h.sink.write = counted  # type: ignore[method-assign]
+        await pub.send([stored(chain(1), [0])])  # seq 0 stalls the writer
+        await asyncio.wait_for(stalled.entered.wait(), 10)
+        for i in range(1, 41):  # a backlog of 40 consecutive batches
+            await pub.send([stored(chain(1, start=100 * i), [i])])
+        await wait_until(lambda: h.sub.stats.queue_depth() == 40)
+        stalled.gate.set()
+        await h.applied(41)
+        assert 0 < writes < 41  # grouped: fewer index writes than batches
+        assert h.sub.stats.pod("p").batches == 41
+        assert h.sub.stats.pod("p").last_seq == 40
+        assert sum(h.sub.stats.pod("p").resyncs.values()) == 0
+        for i in (1, 20, 40):
+            assert await h.blocks_held(chain(1, start=100 * i)) == 1
+
+
+async def test_a_bad_batch_inside_a_backlog_resyncs_after_the_good_ones_before_it(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with dial_pod(ctx) as (h, pub):
+        stalled = StalledIndex(h.index)
+        h.sink.index = stalled
+        await pub.send([stored(chain(1), [0])])
+        await asyncio.wait_for(stalled.entered.wait(), 10)
+        await pub.send([stored(chain(1, start=100), [1])])  # seq 1
+        await pub.send_raw([b"", (2).to_bytes(8, "big"), b"not msgpack"])  # seq 2
+        await pub.send([stored(chain(1, start=300), [3])])  # seq 3
+        await wait_until(lambda: h.sub.stats.queue_depth() == 3)
+        stalled.gate.set()
+        await h.applied(3)
+        st = h.sub.stats.pod("p")
+        assert st.decode_errors == 1
+        assert st.resyncs["decode_error"] == 1
+        assert await h.blocks_held(chain(1, start=100)) == 0  # cleared by the resync
+        assert await h.blocks_held(chain(1, start=300)) == 1  # re-learned after it
 
 
 async def test_stats_are_exposed_as_kvroute_metrics(ctx: zmq.asyncio.Context) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -115,11 +117,122 @@ async def test_refused_connections_and_timeouts_count_as_failures() -> None:
     pod = FakePod()
     pod.hang_s = 2.0
     async with serve_app(pod.app) as url:
-        reg = one_pod(url)
-        checker = HealthChecker(reg, HealthSettings(failure_threshold=1, timeout_s=0.1))
+        reg = one_pod(url, models=("base-model",))
+        settings = HealthSettings(failure_threshold=1, timeout_s=0.1, panic_threshold_pct=0)
+        checker = HealthChecker(reg, settings)
         await checker.check_all()
         state = reg.get("p")
         assert state is not None and not state.healthy
+        assert state.problem is not None and "Timeout" in state.problem
+        await checker.aclose()
+
+
+@contextlib.asynccontextmanager
+async def served(pods: list[FakePod]) -> AsyncIterator[list[str]]:
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(serve_app(p.app)) for p in pods]
+
+
+def fleet(urls: dict[str, str], model: str = "base-model") -> PodRegistry:
+    reg = PodRegistry()
+    reg.set_pods([PodSpec(name=n, url=u, models=(model,)) for n, u in urls.items()])
+    return reg
+
+
+def healthy(reg: PodRegistry) -> list[str]:
+    return sorted(p.name for p in reg.all() if p.healthy)
+
+
+def panic_gauge(metrics: CollectorRegistry, model: str = "base-model") -> float | None:
+    return metrics.get_sample_value("kvroute_health_panic", {"model": model})
+
+
+async def test_when_every_pod_of_a_model_times_out_none_is_ejected_and_the_model_panics() -> None:
+    pods = [FakePod() for _ in range(3)]
+    async with served(pods) as (u0, u1, u2):
+        reg = fleet({"a": u0, "b": u1, "c": u2})
+        metrics = CollectorRegistry()
+        settings = HealthSettings(failure_threshold=2, timeout_s=0.1, refresh_models=False)
+        checker = HealthChecker(reg, settings, metrics_registry=metrics)
+        await checker.check_all()
+        assert panic_gauge(metrics) == 0.0
+        for p in pods:
+            p.hang_s = 1.0
+        for _ in range(3):
+            await checker.check_all()
+        assert healthy(reg) == ["a", "b", "c"]  # routed to all rather than to none
+        assert checker.panic == {"base-model"}
+        assert panic_gauge(metrics) == 1.0
+        assert sum(checker.ejections.values()) == 0
+        pods[0].hang_s = 0.0  # a answers again: 1 of 3 < 50%, still a panic
+        await checker.check_all()
+        assert healthy(reg) == ["a", "b", "c"]
+        pods[1].hang_s = 0.0  # 2 of 3 answer: c, still timing out, is ejected
+        await checker.check_all()
+        assert healthy(reg) == ["a", "b"]
+        assert checker.panic == set()
+        assert panic_gauge(metrics) == 0.0
+        assert checker.ejections["c"] == 1
+        await checker.aclose()
+
+
+async def test_one_pod_timing_out_of_three_is_ejected_as_before() -> None:
+    pods = [FakePod() for _ in range(3)]
+    async with served(pods) as (u0, u1, u2):
+        reg = fleet({"a": u0, "b": u1, "c": u2})
+        settings = HealthSettings(failure_threshold=2, timeout_s=0.1, refresh_models=False)
+        checker = HealthChecker(reg, settings)
+        pods[2].hang_s = 1.0
+        for _ in range(2):
+            await checker.check_all()
+        assert healthy(reg) == ["a", "b"]
+        assert checker.panic == set()
+        await checker.aclose()
+
+
+async def test_in_a_panic_a_refusing_or_erroring_pod_is_still_ejected() -> None:
+    pods = [FakePod() for _ in range(2)]
+    async with serve_app(pods[0].app) as u0, serve_app(pods[1].app) as u1:
+        reg = fleet({"refused": free_dead_url(), "erroring": u0, "hung": u1})
+        settings = HealthSettings(failure_threshold=1, timeout_s=0.1, refresh_models=False)
+        checker = HealthChecker(reg, settings)
+        pods[0].status = 500
+        pods[1].hang_s = 1.0
+        await checker.check_all()
+        assert healthy(reg) == ["hung"]  # 0 of 3 answer: a panic keeps only the timeouts
+        assert checker.panic == {"base-model"}
+        await checker.aclose()
+
+
+async def test_a_pod_that_timed_out_then_refused_is_not_kept_by_a_panic() -> None:
+    pod = FakePod()
+    async with serve_app(pod.app) as url:
+        reg = fleet({"p": url})
+        settings = HealthSettings(failure_threshold=2, timeout_s=0.1, refresh_models=False)
+        checker = HealthChecker(reg, settings)
+        pod.hang_s = 1.0
+        await checker.check_all()
+        await checker.check_all()
+        assert healthy(reg) == ["p"]  # two timeouts, the only pod: a panic keeps it
+        pod.hang_s, pod.status = 0.0, 503
+        await checker.check_all()  # an explicit failure: it is down
+        assert healthy(reg) == []
+        assert checker.panic == set()
+        await checker.aclose()
+
+
+async def test_a_panic_threshold_of_zero_ejects_every_pod_that_times_out() -> None:
+    pods = [FakePod() for _ in range(2)]
+    async with serve_app(pods[0].app) as u0, serve_app(pods[1].app) as u1:
+        reg = fleet({"a": u0, "b": u1})
+        settings = HealthSettings(
+            failure_threshold=1, timeout_s=0.1, refresh_models=False, panic_threshold_pct=0
+        )
+        checker = HealthChecker(reg, settings)
+        for p in pods:
+            p.hang_s = 1.0
+        await checker.check_all()
+        assert healthy(reg) == []
         await checker.aclose()
 
 

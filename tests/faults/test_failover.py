@@ -199,6 +199,35 @@ async def test_a_stream_that_already_sent_bytes_is_not_resent_when_its_pod_is_ej
         assert sample(gateway, "kvroute_retries_total", reason="pod_removed") == 0
 
 
+async def test_a_stream_that_sent_bytes_ends_when_its_ejected_pod_goes_silent(
+    pods: dict[str, SimProcess],
+) -> None:
+    # vLLM shut down with SIGTERM keeps its connections open and silent: a stream that
+    # is already relaying must end at proxy.ejected_stream_idle_s, not read_timeout_s
+    proxy = {"first_byte_timeout_s": 5.0, "ejected_stream_idle_s": 1.0}
+    async with router(pods, proxy=proxy) as (gateway, client):
+        b = body(stream=True, max_tokens=500)  # 10 s of tokens
+        rid = await request_id_ranked(client, ["a", "b"], b)
+        chunks: list[bytes] = []
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(httpx.RemoteProtocolError):  # the response ends unfinished
+            async with client.stream(
+                "POST", "/v1/completions", json=b, headers={"x-request-id": rid}, timeout=20
+            ) as r:
+                assert r.headers["x-kvroute-pod"] == "a"
+                async for chunk in r.aiter_raw():
+                    if not chunks:  # bytes reached the client: a hangs, then is ejected
+                        pods["a"].stop_process()
+                        state = gateway.registry.get("a")
+                        assert state is not None
+                        gateway.registry.set_healthy(state, False)
+                    chunks.append(chunk)
+        assert asyncio.get_running_loop().time() - t0 < 20  # not the 600 s read timeout
+        assert chunks and not b"".join(chunks).rstrip().endswith(b"data: [DONE]")
+        assert sample(gateway, "kvroute_upstream_errors_total", pod="a", reason="stream_broken")
+        assert sample(gateway, "kvroute_retries_total", reason="pod_ejected") == 0
+
+
 async def test_a_request_is_rerouted_at_most_once(pods: dict[str, SimProcess]) -> None:
     settings = {"proxy": {"first_byte_timeout_s": 1.5, "retries": 2}}
     async with router(pods, **settings) as (gateway, client):
