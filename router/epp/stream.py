@@ -14,8 +14,11 @@ the same way here), headers and trailers ``SEND``:
    the body's chunks sent back byte for byte (split at 62,000 bytes).
 3. **response headers** — the served endpoint (metadata), the status; answered with
    the pod's name in ``pod_header`` (``x-kvroute-pod``).
-4. **response body chunks** — each sent back as it arrives (a stream is never held);
-   the first one is the time to first token; the usage is read on the way.
+4. **response body chunks** — an event stream's sent back as each arrives (a stream
+   is never held); a JSON answer's held until its end (or 62,000 bytes) and sent back
+   as one chunk: one message fewer per answer (the pod's HTTP/1.1 answer reaches the
+   picker as its body, then an empty end of stream).  The first chunk is the time to
+   first token; the usage is read on the way.
 5. the response's end of stream (or trailers) completes the request; a stream that
    ends before it (client gone, proxy reset) completes it as 499.
 
@@ -67,6 +70,13 @@ class ExtProcStream:
         self._reader: UsageReader | None = None
         self._sniffer: CreatedSniffer | None = None
         self._responses = False
+        #: a JSON answer's chunks, held until its end (or BODY_CHUNK bytes): a JSON
+        #: document is of no use to the client before its end, and one chunk sent back
+        #: instead of two (the body, then Envoy's empty end of stream) is one message
+        #: fewer through the picker's gRPC server
+        self._hold = False
+        self._held: list[bytes] = []
+        self._held_size = 0
         #: the request's tenant (None: tenancy off, or not yet known)
         self.tenant: TenantContext | None = None
         #: an immediate response was sent: the proxy ends the stream
@@ -183,23 +193,22 @@ class ExtProcStream:
         headers = P.header_map(req.response_headers)
         status_text = headers.get(":status", "")
         status = int(status_text) if status_text.isdigit() else 0
-        event_stream = "text/event-stream" in headers.get("content-type", "")
+        content_type = headers.get("content-type", "")
+        event_stream = "text/event-stream" in content_type
+        self._hold = "application/json" in content_type
         picker = self.picker
         served = P.served_endpoint(req)
         pod = picker.endpoints.pod(served) if served is not None else None
         if served is not None and pod is None:
             picker.epp.protocol_errors.labels("unknown_served_endpoint").inc()
         accounting = self.accounting
-        extra: dict[str, str] = {}
         if accounting is not None:
             await accounting.served(pod, status)
-            extra[picker.settings.pod_header] = accounting.pod
+            pod = accounting.pod
             self._reader = UsageReader(event_stream)
             if self._responses and 200 <= status < 300 and event_stream:
                 self._sniffer = CreatedSniffer()
-        elif pod is not None:
-            extra[picker.settings.pod_header] = pod
-        out = [P.headers_response(False, extra)]
+        out = [picker.served_answer(pod)]
         if req.response_headers.end_of_stream:
             await self._complete()
         return out
@@ -217,8 +226,18 @@ class ExtProcStream:
                     await self._remember(rid)
                 if self._sniffer.done:
                     self._sniffer = None
-        out = list(P.body_responses(False, chunk, body.end_of_stream))
-        if body.end_of_stream:
+        eos: bool = body.end_of_stream
+        if self._hold:
+            if chunk:
+                self._held.append(chunk)
+                self._held_size += len(chunk)
+            if not eos and self._held_size < P.BODY_CHUNK:
+                return []
+            held = self._held
+            chunk = held[0] if len(held) == 1 else b"".join(held)
+            self._held, self._held_size = [], 0
+        out = list(P.body_responses(False, chunk, eos))
+        if eos:
             await self._complete()
         return out
 
