@@ -88,6 +88,7 @@ async def run(
     await asyncio.gather(*(c.open() for c in cs))
     lat: list[float] = []
     errors = 0
+    failures: dict[str, int] = {}
 
     async def warm(c: Conn) -> None:
         for _ in range(3):
@@ -101,9 +102,18 @@ async def run(
         await asyncio.sleep(spread_s * i / conns)
         while time.perf_counter() < stop_at:
             t0 = time.perf_counter()
-            status = await c.call()
+            try:
+                status = await c.call()
+            except (ConnectionError, asyncio.IncompleteReadError) as exc:
+                errors += 1
+                failures[type(exc).__name__] = failures.get(type(exc).__name__, 0) + 1
+                c.close()
+                await c.open()  # (the same request on a new connection)
+                continue
             lat.append(time.perf_counter() - t0)
             errors += status != 200
+            if status != 200:
+                failures[str(status)] = failures.get(str(status), 0) + 1
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(i, c) for i, c in enumerate(cs)))
@@ -111,7 +121,7 @@ async def run(
     for c in cs:
         c.close()
     if errors:
-        raise RuntimeError(f"{errors} non-200 answers from port {port}")
+        raise RuntimeError(f"{errors} failed requests through port {port}: {failures}")
     return len(lat) / elapsed, lat
 
 
