@@ -270,12 +270,12 @@ async def test_a_fallback_list_is_walked_and_the_endpoint_that_served_is_account
             health={"enabled": False},  # ... and stays a candidate
             events={"enabled": False},
         )
-        every_pod = [*pods, _Unreachable(dead["url"])]
+        every_pod: list[Any] = [*pods, _Unreachable(str(dead["url"]))]
         async with epp_envoy(
             every_pod,
             settings,
             endpoints=2,
-            fallback_list=True,  # type: ignore[arg-type]
+            fallback_list=True,
         ) as (server, client, _):
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
             answers = [await client.post("/v1/chat/completions", json=body) for _ in range(4)]
