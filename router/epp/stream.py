@@ -97,9 +97,11 @@ class ExtProcStream:
         if which == "request_trailers":
             out = [] if self._decided else await self._decide(end_of_stream=False)
             return out if self.finished else [*out, P.trailers_response(request=True)]
-        if which == "response_trailers":
+        if which == "response_trailers":  # the answer's end: what was held goes first
+            held = self._flush_held()
+            out = list(P.body_responses(False, held, False)) if held else []
             await self._complete()
-            return [P.trailers_response(request=False)]
+            return [*out, P.trailers_response(request=False)]
         self.picker.epp.protocol_errors.labels("unknown_message").inc()
         return []
 
@@ -233,13 +235,18 @@ class ExtProcStream:
                 self._held_size += len(chunk)
             if not eos and self._held_size < P.BODY_CHUNK:
                 return []
-            held = self._held
-            chunk = held[0] if len(held) == 1 else b"".join(held)
-            self._held, self._held_size = [], 0
+            chunk = self._flush_held()
         out = list(P.body_responses(False, chunk, eos))
         if eos:
             await self._complete()
         return out
+
+    def _flush_held(self) -> bytes:
+        """The held chunks of a JSON answer, as one (emptied)."""
+        held = self._held
+        chunk = held[0] if len(held) == 1 else b"".join(held)
+        self._held, self._held_size = [], 0
+        return chunk
 
     async def _complete(self) -> None:
         accounting = self.accounting

@@ -224,6 +224,23 @@ async def test_a_json_answer_goes_back_whole_at_its_end_as_one_chunk() -> None:
     assert (streamed.body, streamed.end_of_stream) == (answer, True)
 
 
+async def test_a_held_json_answer_goes_back_before_the_answer_s_trailers() -> None:
+    async with sim_pods(1) as pods, running_epp(settings_for(pods)) as (_, ch):
+        stream = await pick(ch, chat_body("hello"))
+        await stream.read_request_pick()
+        await stream.send(C.response_headers(content_type="application/json"))
+        await stream.read(1)
+        await stream.send(C.response_body(b'{"choices": []}', False))
+        await stream.send(
+            C.ep.ProcessingRequest(response_trailers=C.ep.HttpTrailers())  # an HTTP/2 answer
+        )
+        body_back, trailers_back = await asyncio.wait_for(stream.read(2), 10)
+        await stream.close()
+    streamed = body_back.response_body.response.body_mutation.streamed_response
+    assert (streamed.body, streamed.end_of_stream) == (b'{"choices": []}', False)
+    assert trailers_back.WhichOneof("response") == "response_trailers"
+
+
 async def test_a_large_json_answer_is_sent_back_in_chunks_of_at_most_62000_bytes() -> None:
     async with sim_pods(1) as pods, running_epp(settings_for(pods)) as (_, ch):
         stream = await pick(ch, chat_body("hello"))
