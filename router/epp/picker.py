@@ -28,6 +28,7 @@ from typing import Any
 from router.config import Settings
 from router.core import RouterCore
 from router.decision.request import Kind, Routed, parse_body
+from router.epp import protocol as P
 from router.epp.endpoints import Endpoints
 from router.epp.metrics import EppMetrics
 from router.errors import RouterError
@@ -61,6 +62,7 @@ class EndpointPicker(RouterCore):
         self.endpoints_per_pick = endpoints
         self.endpoints = Endpoints(self.registry)
         self.epp = EppMetrics(self.metrics.registry, lambda: len(self.endpoints.unaddressable))
+        self._served_answers: dict[str | None, P.ProcessingResponse] = {}
         self.registry.subscribe(self._forget)
         #: the tenants: keys, models, limits and cache salts as in `kvroute serve`
         self.tenants = TenantGate(settings, self.metrics.registry, self.redis)
@@ -68,6 +70,7 @@ class EndpointPicker(RouterCore):
     def _forget(self, name: str, spec: PodSpec | None) -> None:
         if spec is None:
             self.epp.forget_pod(name)
+            self._served_answers.pop(name, None)
 
     def _allowed(self, subset: list[str] | None) -> Collection[str] | None:
         """The pods a pick may name (None: every candidate)."""
@@ -164,6 +167,16 @@ class EndpointPicker(RouterCore):
 
     def endpoint_list(self, ranking: list[str]) -> str:
         return self.endpoints.join(ranking, self.endpoints_per_pick)
+
+    def served_answer(self, pod: str | None) -> P.ProcessingResponse:
+        """The response-headers answer naming ``pod`` in ``pod_header`` (None: nothing
+        set), built once per pod: messages are only read once built, and building one
+        costs more than sending it."""
+        answer = self._served_answers.get(pod)
+        if answer is None:
+            extra = {self.settings.pod_header: pod} if pod is not None else None
+            answer = self._served_answers[pod] = P.headers_response(False, extra)
+        return answer
 
 
 def _json_with_model(body: bytes, served: set[str]) -> dict[str, Any] | None:

@@ -14,14 +14,16 @@ the same way here), headers and trailers ``SEND``:
    the body's chunks sent back byte for byte (split at 62,000 bytes).
 3. **response headers** — the served endpoint (metadata), the status; answered with
    the pod's name in ``pod_header`` (``x-kvroute-pod``).
-4. **response body chunks** — each sent back as it arrives (a stream is never held);
-   the first one is the time to first token; the usage is read on the way.  A tenant's
-   stream whose client did not ask for its usage was asked for it (see below): its
-   usage event is taken back out (:class:`router.proxy.hidden_usage.HiddenUsage`: the
-   bytes sent back for a chunk are the complete events it ends, the terminal chunk
-   held until the usage event; an answer may then carry no bytes.  A pod that ignores
-   the option and ends its stream with trailers instead of a last body chunk would
-   leave the held terminal chunk unsent: vLLM sends the usage event and no trailers).
+4. **response body chunks** — an event stream's sent back as each arrives (a stream
+   is never held); a JSON answer's held until its end (or 62,000 bytes) and sent back
+   as one chunk: one message fewer per answer (the pod's HTTP/1.1 answer reaches the
+   picker as its body, then an empty end of stream).  The first chunk is the time to
+   first token; the usage is read on the way.  A tenant's stream whose client did not
+   ask for its usage was asked for it (see below): its usage event is taken back out
+   (:class:`router.proxy.hidden_usage.HiddenUsage`: the bytes sent back for a chunk are
+   the complete events it ends, the terminal chunk held until the usage event; an
+   answer may then carry no bytes; a pod ending its stream with trailers has what was
+   held sent before them).
 5. the response's end of stream (or trailers) completes the request; a stream that
    ends before it (client gone, proxy reset) completes it as 499.
 
@@ -88,6 +90,13 @@ class ExtProcStream:
         self._pod_body = b""
         self._sniffer: CreatedSniffer | None = None
         self._responses = False
+        #: a JSON answer's chunks, held until its end (or BODY_CHUNK bytes): a JSON
+        #: document is of no use to the client before its end, and one chunk sent back
+        #: instead of two (the body, then Envoy's empty end of stream) is one message
+        #: fewer through the picker's gRPC server
+        self._hold = False
+        self._held: list[bytes] = []
+        self._held_size = 0
         #: the request's tenant (None: tenancy off, or not yet known)
         self.tenant: TenantContext | None = None
         #: an immediate response was sent: the proxy ends the stream
@@ -108,9 +117,13 @@ class ExtProcStream:
         if which == "request_trailers":
             out = [] if self._decided else await self._decide(end_of_stream=False)
             return out if self.finished else [*out, P.trailers_response(request=True)]
-        if which == "response_trailers":
+        if which == "response_trailers":  # the answer's end: what was held goes first
+            held = self._flush_held()
+            if self._hidden is not None:
+                held += self._hidden.flush()
+            out = list(P.body_responses(False, held, False)) if held else []
             await self._complete()
-            return [P.trailers_response(request=False)]
+            return [*out, P.trailers_response(request=False)]
         self.picker.epp.protocol_errors.labels("unknown_message").inc()
         return []
 
@@ -204,7 +217,9 @@ class ExtProcStream:
         headers = P.header_map(req.response_headers)
         status_text = headers.get(":status", "")
         status = int(status_text) if status_text.isdigit() else 0
-        event_stream = "text/event-stream" in headers.get("content-type", "")
+        content_type = headers.get("content-type", "")
+        event_stream = "text/event-stream" in content_type
+        self._hold = "application/json" in content_type
         picker = self.picker
         served = P.served_endpoint(req)
         pod = picker.endpoints.pod(served) if served is not None else None
@@ -216,16 +231,13 @@ class ExtProcStream:
         named = not (picker.tenants.enabled and status >= 400)
         if accounting is not None:
             await accounting.served(pod, status)
-            if named:
-                extra[picker.settings.pod_header] = accounting.pod
+            pod = accounting.pod
             if event_stream and 200 <= status < 300 and self._asked_usage:
                 self._hidden = HiddenUsage()
             else:
                 self._reader = UsageReader(event_stream)
             if self._responses and 200 <= status < 300 and event_stream:
                 self._sniffer = CreatedSniffer()
-        elif pod is not None and named:
-            extra[picker.settings.pod_header] = pod
         if (
             accounting is not None
             and status >= 500
@@ -233,6 +245,7 @@ class ExtProcStream:
             and not req.response_headers.end_of_stream
         ):
             self._reader = None
+            self._hold = False  # the replacement goes instead of the pod's first chunk
             err = RouterError(
                 status, f"pod {accounting.pod} answered {status}", reason=f"status_{status}"
             )
@@ -243,7 +256,12 @@ class ExtProcStream:
             extra.update(
                 {"content-type": "application/json", "content-length": str(len(self._replaced))}
             )
-        out = [P.headers_response(False, extra)]
+        if extra or not named:
+            if named and pod is not None:
+                extra[picker.settings.pod_header] = pod
+            out = [P.headers_response(False, extra or None)]
+        else:
+            out = [picker.served_answer(pod)]
         if req.response_headers.end_of_stream:
             await self._complete()
         return out
@@ -261,14 +279,15 @@ class ExtProcStream:
                     await self._remember(rid)
                 if self._sniffer.done:
                     self._sniffer = None
+        eos: bool = body.end_of_stream
         hidden = self._hidden
         if hidden is not None:
-            chunk = hidden.feed(chunk) + (hidden.flush() if body.end_of_stream else b"")
+            chunk = hidden.feed(chunk) + (hidden.flush() if eos else b"")
         elif self._replaced is not None:  # the pod's 5xx body: logged, never sent on
             if len(self._pod_body) < 512:
                 self._pod_body += chunk[: 512 - len(self._pod_body)]
             chunk, self._replaced = self._replaced, b""
-            if body.end_of_stream and self._pod_body and accounting is not None:
+            if eos and self._pod_body and accounting is not None:
                 _LOG.warning(
                     ("pod_5xx", accounting.pod),
                     "pod %s answered %d, not shown to the tenant: %r",
@@ -276,10 +295,24 @@ class ExtProcStream:
                     accounting.status,
                     self._pod_body,
                 )
-        out = list(P.body_responses(False, chunk, body.end_of_stream))
-        if body.end_of_stream:
+        elif self._hold:
+            if chunk:
+                self._held.append(chunk)
+                self._held_size += len(chunk)
+            if not eos and self._held_size < P.BODY_CHUNK:
+                return []
+            chunk = self._flush_held()
+        out = list(P.body_responses(False, chunk, eos))
+        if eos:
             await self._complete()
         return out
+
+    def _flush_held(self) -> bytes:
+        """The held chunks of a JSON answer, as one (emptied)."""
+        held = self._held
+        chunk = held[0] if len(held) == 1 else b"".join(held)
+        self._held, self._held_size = [], 0
+        return chunk
 
     async def _complete(self) -> None:
         accounting = self.accounting

@@ -14,7 +14,10 @@ subscriber, scraper) which pods came and went.
   a ``podIP``; re-list on ``410 Gone``.  Pod name = ``metadata.name``; ports come from
   the annotations ``kvroute.io/port``, ``kvroute.io/events-port``,
   ``kvroute.io/replay-port`` (and models from ``kvroute.io/models``, comma separated),
-  else from these settings.
+  else from these settings.  With several ``ports`` (an InferencePool's
+  ``targetPorts``), each pod is one endpoint per port, ``<pod>-rank-<i>``, as GIE's
+  picker counts them; rank i's KV events on ``events_port + i`` (vLLM's
+  data-parallel convention).
 
 Every source also gives each pod its prefill/decode role (:mod:`router.fleet.roles`):
 ``role`` / ``roles`` on a static pod or the DNS source; on Kubernetes the first of
@@ -118,6 +121,14 @@ class K8sDiscoverySettings(BaseModel):
     )
     label_selector: str = Field(min_length=1, description="e.g. app=vllm")
     port: int = Field(default=8000, ge=1, le=65535, description="HTTP port unless annotated")
+    ports: list[int] = Field(
+        default_factory=list,
+        max_length=8,
+        description="several HTTP ports per pod, one endpoint each (an InferencePool's "
+        "targetPorts): rank i at ports[i], named <pod>-rank-<i>, its KV events on "
+        "events_port + i and replay on replay_port + i (vLLM's data-parallel ranks); "
+        "replaces port unless annotated",
+    )
     scheme: Literal["http", "https"] = Field(default="http", description="pods' URL scheme")
     events_port: int | None = Field(default=None, ge=1, le=65535, description="unless annotated")
     replay_port: int | None = Field(default=None, ge=1, le=65535, description="unless annotated")
@@ -154,6 +165,16 @@ class K8sDiscoverySettings(BaseModel):
     )
     watch_timeout_s: int = Field(default=300, ge=1, description="server-side timeout of one watch")
     retry_s: float = Field(default=2.0, gt=0, description="pause after a failed list/watch")
+
+    @field_validator("ports")
+    @classmethod
+    def _distinct_ports(cls, ports: list[int]) -> list[int]:
+        if len(set(ports)) != len(ports):
+            raise ValueError(f"discovery.k8s.ports lists a port twice: {ports}")
+        bad = [p for p in ports if not 0 < p < 65536]
+        if bad:
+            raise ValueError(f"discovery.k8s.ports: {bad} not port numbers (1-65535)")
+        return ports
 
 
 #: JSON schema: the section a kind reads is present and not null
@@ -226,6 +247,15 @@ class Discovery(Protocol):
     async def run(self, registry: PodRegistry) -> None:
         """Keep ``registry`` up to date until cancelled."""
         ...
+
+
+def _offset(port: int | None, rank: int, what: str) -> int | None:
+    """``port + rank`` (vLLM's data-parallel rank ``rank`` publishes there)."""
+    if port is None:
+        return None
+    if port + rank > 65535:
+        raise ValueError(f"the {what} port of rank {rank} would be {port + rank} (> 65535)")
+    return port + rank
 
 
 class StaticDiscovery:
@@ -333,27 +363,41 @@ class K8sDiscovery:
         return port
 
     def spec_of(self, pod: Mapping[str, Any]) -> PodSpec:
-        """The PodSpec of a Ready pod object; ``ValueError`` on a bad annotation."""
+        """The PodSpec of a Ready pod object (its first port's); ``ValueError`` on a
+        bad annotation."""
+        return self.specs_of(pod)[0]
+
+    def specs_of(self, pod: Mapping[str, Any]) -> list[PodSpec]:
+        """The PodSpecs of a Ready pod object: one, or with several ``ports`` one per
+        port (``<pod>-rank-<i>``, as GIE's picker names them; rank i's KV events on
+        ``events_port + i``, as vLLM's data-parallel ranks publish them);
+        ``ValueError`` on a bad annotation."""
         s = self.settings
         meta = pod.get("metadata") or {}
         name = meta["name"]
         ann = meta.get("annotations") or {}
         ip = pod["status"]["podIP"]
-        port = self._port(ann, s.port_annotation, s.port, name) or s.port
+        annotated = self._port(ann, s.port_annotation, None, name)
+        ports = [annotated] if annotated is not None else (s.ports or [s.port])
         events = self._port(ann, s.events_port_annotation, s.events_port, name)
         replay = self._port(ann, s.replay_port_annotation, s.replay_port, name)
         models = ann.get(s.models_annotation)
         model_list = [m.strip() for m in models.split(",") if m.strip()] if models else s.models
         role, roles = self._roles_of(meta)
-        return PodSpec(
-            name=name,
-            url=f"{s.scheme}://{_host(ip)}:{port}",
-            events_endpoint=_endpoint(ip, events),
-            replay_endpoint=_endpoint(ip, replay),
-            models=tuple(model_list),
-            role=role,
-            roles=role_overrides(roles),
-        )
+        specs = []
+        for rank, port in enumerate(ports):
+            specs.append(
+                PodSpec(
+                    name=name if len(ports) == 1 else f"{name}-rank-{rank}",
+                    url=f"{s.scheme}://{_host(ip)}:{port}",
+                    events_endpoint=_endpoint(ip, _offset(events, rank, "events")),
+                    replay_endpoint=_endpoint(ip, _offset(replay, rank, "replay")),
+                    models=tuple(model_list),
+                    role=role,
+                    roles=role_overrides(roles),
+                )
+            )
+        return specs
 
     def _roles_of(self, meta: Mapping[str, Any]) -> tuple[Role, dict[str, Role]]:
         """The pod's role (first of ``role_keys`` among labels, then annotations) and
@@ -377,7 +421,7 @@ class K8sDiscovery:
             if not pod_is_ready(pod):
                 continue
             try:
-                specs.append(self.spec_of(pod))
+                specs.extend(self.specs_of(pod))
             except (KeyError, ValueError) as exc:
                 if self.skipped.get(name) != str(exc):
                     log.warning("k8s discovery: pod %s skipped: %s", name, exc)

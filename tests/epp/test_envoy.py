@@ -9,7 +9,9 @@ prompts, each turn carrying the pod's real answer), sent one request at a time w
 fixed request ids, so that where a request goes depends on nothing but the index: the
 same workload goes once through `kvroute serve` and once through Envoy + `kvroute epp`,
 each on a fresh fleet, and must land on the same pods with the same hit rate measured
-by the pods themselves (``vllm:prefix_cache_hits_total / queries_total``).
+by the pods themselves (``vllm:prefix_cache_hits_total / queries_total``); once more
+with the picker reading the Redis index that `kvroute index` writes from the pods' KV
+events (a real valkey-server), as replicas of the picker share it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import Settings
 from router.epp.server import EppServer
+from router.indexer.main import Indexer
 from router.proxy.app import create_app
 from router.proxy.serve import RunningServer
 from router.sim.pod import SimPod
@@ -147,15 +150,44 @@ async def run_workload(
     return placed
 
 
+#: `kvroute serve`'s placements and hit rate on the workload (the same in every test
+#: that compares with it: computed once per session)
+_PROXY_REFERENCE: list[tuple[list[tuple[str, str]], float]] = []
+
+
+async def proxy_reference() -> tuple[list[tuple[str, str]], float]:
+    """The workload through `kvroute serve` (KV events, in-memory index) on a fresh
+    fleet: where each request went, and the pods' hit rate."""
+    if not _PROXY_REFERENCE:
+        async with sim_pods(4, **SLOW) as pods:
+            app = create_app(settings_for(pods, **FROZEN))
+            async with (
+                RunningServer(app) as proxy,
+                httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
+            ):
+                placed = await run_workload(client, app.state.gateway, pods)
+            _PROXY_REFERENCE.append((placed, await hit_rate(pods)))
+    return _PROXY_REFERENCE[0]
+
+
+@contextlib.asynccontextmanager
+async def redis_indexer(
+    pods: list[SimPod], redis_url: str, namespace: str
+) -> AsyncIterator[Indexer]:
+    """`kvroute index` (its :class:`Indexer`, in this process so that the test can wait
+    for its writes) writing the pods' KV events into Redis under ``namespace``."""
+    settings = settings_for(pods, **FROZEN, redis_namespace=namespace)
+    indexer = Indexer(settings, redis_url, metrics_port=0)
+    await indexer.start()
+    try:
+        await wait_until(lambda: indexer.active, "the indexer holding the writer lease")
+        yield indexer
+    finally:
+        await indexer.stop()
+
+
 async def test_conversations_land_where_kvroute_serve_sends_them_with_its_hit_rate() -> None:
-    async with sim_pods(4, **SLOW) as pods:
-        app = create_app(settings_for(pods, **FROZEN))
-        async with (
-            RunningServer(app) as proxy,
-            httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
-        ):
-            served_placed = await run_workload(client, app.state.gateway, pods)
-        served_hit_rate = await hit_rate(pods)
+    served_placed, served_hit_rate = await proxy_reference()
     async with sim_pods(4, **SLOW) as pods:
         async with epp_envoy(pods, settings_for(pods, **FROZEN)) as (server, client, _):
             epp_placed = await run_workload(client, server.picker, pods)
@@ -166,6 +198,27 @@ async def test_conversations_land_where_kvroute_serve_sends_them_with_its_hit_ra
     assert epp_placed == served_placed
     assert abs(epp_hit_rate - served_hit_rate) <= 0.02
     assert len({pod for _, pod in epp_placed}) >= 3  # the workload does spread
+
+
+async def test_a_picker_reading_the_redis_index_of_kvroute_index_sends_them_there_too(
+    redis_url: str, redis_namespace: str
+) -> None:
+    served_placed, served_hit_rate = await proxy_reference()
+    async with sim_pods(4, **SLOW) as pods, redis_indexer(pods, redis_url, redis_namespace) as ix:
+        shared = {"redis_url": redis_url, "redis_namespace": redis_namespace}
+        settings = settings_for(pods, **FROZEN, **shared)
+        async with epp_envoy(pods, settings) as (server, client, _):
+            assert server.picker.subscriber is None  # it reads the index, never subscribes
+            epp_placed = await run_workload(client, ix, pods)
+        epp_hit_rate = await hit_rate(pods)
+        written = ix.subscriber.stats.total("events")
+    print(
+        f"\nhit rate: kvroute serve {served_hit_rate:.3f}, "
+        f"Envoy + kvroute epp on Redis {epp_hit_rate:.3f}"
+    )
+    assert written > 0
+    assert epp_placed == served_placed
+    assert abs(epp_hit_rate - served_hit_rate) <= 0.02
 
 
 async def test_a_streamed_answer_flows_through_envoy_and_its_usage_is_read() -> None:
@@ -217,12 +270,12 @@ async def test_a_fallback_list_is_walked_and_the_endpoint_that_served_is_account
             health={"enabled": False},  # ... and stays a candidate
             events={"enabled": False},
         )
-        every_pod = [*pods, _Unreachable(dead["url"])]
+        every_pod: list[Any] = [*pods, _Unreachable(str(dead["url"]))]
         async with epp_envoy(
             every_pod,
             settings,
             endpoints=2,
-            fallback_list=True,  # type: ignore[arg-type]
+            fallback_list=True,
         ) as (server, client, _):
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
             answers = [await client.post("/v1/chat/completions", json=body) for _ in range(4)]

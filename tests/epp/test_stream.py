@@ -204,6 +204,65 @@ async def test_a_streamed_answer_is_sent_back_chunk_by_chunk_as_it_arrives() -> 
     assert last.response_body.response.body_mutation.streamed_response.end_of_stream
 
 
+async def test_a_json_answer_goes_back_whole_at_its_end_as_one_chunk() -> None:
+    async with sim_pods(1) as pods, running_epp(settings_for(pods)) as (server, ch):
+        stream = await pick(ch, chat_body("hello"))
+        await stream.read_request_pick()
+        await stream.send(C.response_headers(content_type="application/json"))
+        await stream.read(1)
+        answer = b'{"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}'
+        # as Envoy relays a pod's HTTP/1.1 answer: the body, then an empty end of stream
+        await stream.send(C.response_body(answer[:20], False), C.response_body(answer[20:], False))
+        await stream.send(C.response_body(b"", True))
+        (back,) = await stream.read(1)
+        await stream.close()
+        await wait_until(
+            lambda: metric(server, "kvroute_epp_usage_tokens_total", kind="completion") == 3,
+            "the usage counted",
+        )
+    streamed = back.response_body.response.body_mutation.streamed_response
+    assert (streamed.body, streamed.end_of_stream) == (answer, True)
+
+
+async def test_a_held_json_answer_goes_back_before_the_answer_s_trailers() -> None:
+    async with sim_pods(1) as pods, running_epp(settings_for(pods)) as (_, ch):
+        stream = await pick(ch, chat_body("hello"))
+        await stream.read_request_pick()
+        await stream.send(C.response_headers(content_type="application/json"))
+        await stream.read(1)
+        await stream.send(C.response_body(b'{"choices": []}', False))
+        await stream.send(
+            C.ep.ProcessingRequest(response_trailers=C.ep.HttpTrailers())  # an HTTP/2 answer
+        )
+        body_back, trailers_back = await asyncio.wait_for(stream.read(2), 10)
+        await stream.close()
+    streamed = body_back.response_body.response.body_mutation.streamed_response
+    assert (streamed.body, streamed.end_of_stream) == (b'{"choices": []}', False)
+    assert trailers_back.WhichOneof("response") == "response_trailers"
+
+
+async def test_a_large_json_answer_is_sent_back_in_chunks_of_at_most_62000_bytes() -> None:
+    async with sim_pods(1) as pods, running_epp(settings_for(pods)) as (_, ch):
+        stream = await pick(ch, chat_body("hello"))
+        await stream.read_request_pick()
+        await stream.send(C.response_headers(content_type="application/json"))
+        await stream.read(1)
+        answer = b'{"text": "' + b"x" * 150_000 + b'"}'
+        pieces = C.chunks(answer, 16_384)
+        await stream.send(*(C.response_body(piece, False) for piece in pieces))
+        await stream.send(C.response_body(b"", True))
+        back = b""
+        while True:
+            (msg,) = await stream.read(1)
+            streamed = msg.response_body.response.body_mutation.streamed_response
+            assert len(streamed.body) <= P.BODY_CHUNK
+            back += streamed.body
+            if streamed.end_of_stream:
+                break
+        await stream.close()
+    assert back == answer
+
+
 async def test_a_stream_that_ends_before_the_answer_releases_its_load_as_499() -> None:
     async with sim_pods(1) as pods, running_epp(settings_for(pods)) as (server, ch):
         stream = await pick(ch, chat_body("hello"))

@@ -260,6 +260,64 @@ def test_ports_and_models_come_from_annotations_else_settings(tmp_path: Path) ->
         disc.spec_of(k8s_pod("c", annotations={"kvroute.io/port": "http"}))
 
 
+def test_several_ports_make_one_endpoint_per_port_with_its_rank_s_event_ports(
+    tmp_path: Path,
+) -> None:
+    disc = K8sDiscovery(
+        k8s_settings("http://127.0.0.1:1", tmp_path, ports=[8000, 8001, 8002], replay_port=5657)
+    )
+    specs = disc.specs_of(k8s_pod("dp", ip="10.0.0.3"))
+    assert [s.name for s in specs] == ["dp-rank-0", "dp-rank-1", "dp-rank-2"]
+    assert [s.url for s in specs] == [
+        "http://10.0.0.3:8000",
+        "http://10.0.0.3:8001",
+        "http://10.0.0.3:8002",
+    ]
+    assert [s.events_endpoint for s in specs] == [
+        "tcp://10.0.0.3:5557",
+        "tcp://10.0.0.3:5558",
+        "tcp://10.0.0.3:5559",
+    ]
+    assert specs[2].replay_endpoint == "tcp://10.0.0.3:5659"
+    # an annotated port is the pod's one endpoint, named as the pod
+    (one,) = disc.specs_of(k8s_pod("b", ip="10.0.0.4", annotations={"kvroute.io/port": "9000"}))
+    assert (one.name, one.url) == ("b", "http://10.0.0.4:9000")
+    # one port in the list: the pod's own name, as with `port`
+    single = K8sDiscovery(k8s_settings("http://127.0.0.1:1", tmp_path, ports=[8100]))
+    assert [(s.name, s.url) for s in single.specs_of(k8s_pod("a", ip="10.0.0.1"))] == [
+        ("a", "http://10.0.0.1:8100")
+    ]
+
+
+def test_a_ports_list_repeating_a_port_or_longer_than_a_pool_s_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="lists a port twice"):
+        k8s_settings("http://127.0.0.1:1", tmp_path, ports=[8000, 8000])
+    with pytest.raises(ValueError, match="at most 8"):
+        k8s_settings("http://127.0.0.1:1", tmp_path, ports=list(range(8000, 8009)))
+    disc = K8sDiscovery(k8s_settings("http://127.0.0.1:1", tmp_path, ports=[8000, 8001]))
+    high = k8s_pod("h", annotations={"kvroute.io/events-port": "65535"})
+    with pytest.raises(ValueError, match="events port of rank 1 would be 65536"):
+        disc.specs_of(high)
+
+
+async def test_k8s_discovery_registers_every_rank_of_a_multi_port_pod(tmp_path: Path) -> None:
+    api = FakeApiServer()
+    api.items = [k8s_pod("a", ip="10.0.0.1"), k8s_pod("b", ip="10.0.0.2")]
+    async with serve_app(api.app) as url:
+        disc = K8sDiscovery(k8s_settings(url, tmp_path, ports=[8000, 8001]))
+        reg = PodRegistry()
+        async with running(disc.run(reg)):
+            await wait_until(lambda: len(reg.all()) == 4)
+            names = sorted(p.name for p in reg.all())
+            await api.watch_queue.put(
+                {"type": "DELETED", "object": k8s_pod("a", "10.0.0.1", rv="102")}
+            )
+            await wait_until(lambda: len(reg.all()) == 2)
+            left = sorted(p.name for p in reg.all())
+    assert names == ["a-rank-0", "a-rank-1", "b-rank-0", "b-rank-1"]
+    assert left == ["b-rank-0", "b-rank-1"]
+
+
 def test_missing_api_server_and_namespace_are_named_in_the_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

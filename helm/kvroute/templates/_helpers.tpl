@@ -101,6 +101,17 @@ k8s
 {{- .Values.epp.inferencePool.name | default (include "kvroute.fullname" .) -}}
 {{- end -}}
 
+{{- /* the pool's target ports, a JSON list of ints: epp.inferencePool.targetPorts, else
+       [targetPort] (values.schema.json: at most 8, distinct, as GIE's CRD) */ -}}
+{{- define "kvroute.poolPorts" -}}
+{{- $pool := .Values.epp.inferencePool -}}
+{{- $ports := list -}}
+{{- range ($pool.targetPorts | default (list $pool.targetPort)) -}}
+{{- $ports = append $ports (int .) -}}
+{{- end -}}
+{{- toJson $ports -}}
+{{- end -}}
+
 {{/* matchLabels as a label selector: k=v,k2=v2 (sorted) */}}
 {{- define "kvroute.poolSelector" -}}
 {{- $pairs := list -}}
@@ -138,7 +149,13 @@ k8s
 {{- $discovery := deepCopy ($config.discovery | default dict) -}}
 {{- $k8s := deepCopy ($discovery.k8s | default dict) -}}
 {{- $_ := set $k8s "label_selector" (include "kvroute.poolSelector" .) -}}
-{{- $_ := set $k8s "port" (int .Values.epp.inferencePool.targetPort) -}}
+{{- $ports := include "kvroute.poolPorts" . | fromJsonArray -}}
+{{- $_ := set $k8s "port" (int (first $ports)) -}}
+{{- if gt (len $ports) 1 -}}
+{{- $_ := set $k8s "ports" $ports -}}
+{{- else -}}
+{{- $_ := unset $k8s "ports" -}}
+{{- end -}}
 {{- $_ := set $discovery "kind" "k8s" -}}
 {{- $_ := set $discovery "k8s" $k8s -}}
 {{- $_ := unset $discovery "static" -}}
