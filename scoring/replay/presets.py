@@ -223,6 +223,11 @@ def resolve_preset(name: str, overrides: dict[str, Any] | None = None) -> Engine
     spec = PRESETS.get(name)
     if spec is None:
         raise PresetError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
+    return override_spec(spec, overrides)
+
+
+def override_spec(spec: EngineSpec, overrides: dict[str, Any] | None = None) -> EngineSpec:
+    """``spec`` with ``overrides`` (any of :data:`ENGINE_PARAMS`) applied, validated."""
     cost_kw: dict[str, Any] = {}
     spec_kw: dict[str, Any] = {}
     for key, value in (overrides or {}).items():
