@@ -175,8 +175,9 @@ def design(limits: Limits, rng: random.Random) -> list[Probe]:
     top = limits.max_model_len - 2  # leaves room for one output token
     probes = [Probe("warmup", [ids(64)], 4, prefill_sample=False)]
     lengths = sorted({n for n in (32, 128, 512, 1024, 1536, 2000, 4000, 8000) if n <= top})
-    if limits.max_num_batched_tokens < top:  # one chunked prompt
-        lengths.append(min(top, 2 * limits.max_num_batched_tokens))
+    chunked = min(top, 2 * limits.max_num_batched_tokens)
+    if limits.max_num_batched_tokens < top and chunked not in lengths:  # one chunked prompt
+        lengths.append(chunked)
     cached: list[list[int]] = []
     for n in lengths:
         p = ids(n)
