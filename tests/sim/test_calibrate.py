@@ -242,15 +242,15 @@ def test_kvroute_replay_runs_on_a_preset_file(
     from scoring.replay.cli import main as replay_main
 
     trace = tmp_path / "trace.jsonl"
-    rows = [{"timestamp": 100 * i, "input_length": 1500, "output_length": 20,
+    rows = [{"timestamp": 100 * i, "input_length": 800, "output_length": 20,
              "hash_ids": [i % 3, 10 + i]} for i in range(12)]  # fmt: skip
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     preset = known_engine(tmp_path)
     argv = [str(trace), "--pod-model", "vllm", "--preset-file", str(preset), "--pods", "2"]
     assert replay_main([*argv, "--policy", "round_robin", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)["policies"]["round_robin"]
-    # 1500-token prompts on the file's engine: at least 1500 x prefill_token_s + a step
-    assert result["ttft_p50_s"] >= TRUE.base_s + 1500 * TRUE.prefill_token_s
+    # 800-token prompts on the file's engine: at least 800 x prefill_token_s + a step
+    assert result["ttft_p50_s"] >= TRUE.base_s + 800 * TRUE.prefill_token_s
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"kvroute_preset": 1}))
     assert replay_main([str(trace), "--pod-model", "vllm", "--preset-file", str(bad)]) != 0
