@@ -25,6 +25,12 @@ The probes (token-id prompts of seeded random ids, ``ignore_eos``):
    (prompts of 32 and of up to 512 tokens, 32 output tokens): ``decode_seq_s`` and
    ``decode_context_token_s`` against ``base_s``.
 
+Besides the step costs, the engine's **request overhead** — what a request spends
+outside engine steps before its first token reaches the client (the API server's HTTP,
+tokenization, output processing) — is measured as the median over single-request probes
+of client TTFT minus the engine's ``vllm:request_queue_time_seconds`` and prefill time,
+and written as the preset's ``request_overhead_s`` (the replay adds it to each TTFT).
+
 Each probe becomes a :class:`~scoring.replay.calibrate_fit.Sample` and
 :func:`~scoring.replay.calibrate_fit.fit` solves for the parameters.  The engine's
 limits come from ``/v1/models`` (``max_model_len``) and ``vllm:cache_config_info``
@@ -42,6 +48,7 @@ import json
 import logging
 import math
 import random
+import statistics
 import sys
 import time
 from collections import Counter
@@ -61,6 +68,7 @@ log = logging.getLogger("kvroute.calibrate")
 
 PREFILL_S = "vllm:request_prefill_time_seconds"
 DECODE_S = "vllm:request_decode_time_seconds"
+QUEUE_S = "vllm:request_queue_time_seconds"
 HITS = "vllm:prefix_cache_hits"
 DECODE_OUTPUT = 32  # output tokens of a decode probe
 CACHED_SUFFIX = 64  # new tokens after a cached prefix
@@ -98,6 +106,8 @@ class Measured:
     decode_s: float = math.nan
     hit_tokens: float = math.nan
     source: str = "metrics"
+    #: client TTFT - the engine's queue + prefill time: the API server's share
+    overhead_s: float = math.nan
 
 
 @dataclass(slots=True)
@@ -262,8 +272,11 @@ async def measure(
 
     pre_sum, pre_n = delta(PREFILL_S + "_sum"), delta(PREFILL_S + "_count")
     dec_sum, dec_n = delta(DECODE_S + "_sum"), delta(DECODE_S + "_count")
+    queue_sum = delta(QUEUE_S + "_sum")
     if pre_sum is not None and pre_n == k and dec_sum is not None and dec_n == k:
         m.prefill_s, m.decode_s = pre_sum / k, dec_sum / k
+        if queue_sum is not None:
+            m.overhead_s = sum(t[0] for t in times) / k - m.prefill_s - queue_sum / k
     else:
         m.source = "client"
         m.prefill_s = sum(t[0] for t in times) / k
@@ -348,6 +361,7 @@ async def calibrate(
     priors)."""
     counts = ProbeCounts()
     samples: list[Sample] = []
+    overheads: list[float] = []
     notes: list[str] = []
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         limits = await discover(client, url, base, **dict(given or {}))
@@ -372,10 +386,17 @@ async def calibrate(
                     continue
                 if probe.name != "warmup":
                     samples.extend(samples_of(probe, m, limits))
+                    if len(probe.prompts) == 1 and math.isfinite(m.overhead_s):
+                        overheads.append(m.overhead_s)
             else:
                 continue
             break
     report = fit(fastest(samples), base.cost, min_samples=5)
+    if overheads:
+        overhead = max(0.0, statistics.median(overheads))
+    else:
+        overhead = base.request_overhead_s
+        notes.append("request_overhead_s not measured (no queue/prefill histograms): prior")
     spec = replace(
         base,
         name=name or f"{base.name}-calibrated",
@@ -385,6 +406,7 @@ async def calibrate(
         max_model_len=limits.max_model_len,
         kv_capacity_tokens=limits.kv_capacity_tokens,
         calibrated=not report.fell_back,
+        request_overhead_s=overhead,
         summary=f"calibrated by kvroute calibrate against {model} (seed {seed})",
     )
     if report.fell_back or report.from_prior or counts.failed:
@@ -490,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         "params": data["cost"],
         "fitted": cal.report.fitted,
         "from_prior": cal.report.from_prior,
+        "request_overhead_s": round(cal.spec.request_overhead_s, 5),
         "rel_rms_error": round(cal.report.rel_rms_error, 4),
         "probes": cal.as_dict()["probes"],
     }

@@ -20,6 +20,10 @@ to first scheduled), prefill time (first scheduled to first token), decode time,
 TTFT, prefix-cache queries and hits counted when a request is first scheduled,
 ``kv_cache_usage_perc`` = blocks held by running requests / all blocks.
 
+A preset's ``request_overhead_s`` (the engine's API-server latency, which the replay
+adds to each TTFT) is slept before the request reaches the scheduler, on top of this
+process's own HTTP handling.
+
 Not modelled here: P/D roles (``role`` must be ``both``); vLLM's reset of the prefix
 cache is refused while requests hold blocks, as vLLM refuses it.
 """
@@ -130,6 +134,8 @@ class VllmSimEngine(SimEngine):
         )
         seq = Seq(rid, keys, len(req.prompt_ids), max_output=len(outputs))
         live = _Live(req, seq, tokens, outputs, loop.time())
+        if self.spec.request_overhead_s > 0:  # the modelled API-server latency
+            await self.sleep(self.spec.request_overhead_s)
         self._live[rid] = live
         self.sched.add(seq)
         self._counts()

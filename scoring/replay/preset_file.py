@@ -11,6 +11,7 @@ The file is one JSON object::
                "decode_seq_s": ..., "decode_context_token_s": ...},
       "max_num_batched_tokens": 2048, "max_num_seqs": 8, "max_model_len": 2048,
       "kv_capacity_tokens": 524288,
+      "request_overhead_s": 0.004,     # added to every TTFT (optional, default 0)
       "block_size": 32,                # informational: the engine's block size
       "calibration": {...}             # informational: the fit report
     }
@@ -33,6 +34,7 @@ from scoring.replay.step_cost import PARAMS, StepCost
 FORMAT_VERSION = 1
 _LIMITS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "kv_capacity_tokens")
 _KEYS = {"kvroute_preset", "name", "summary", "calibrated", "cost", "block_size", "calibration"}
+_KEYS |= {"request_overhead_s"}
 _KEYS |= set(_LIMITS)
 
 
@@ -47,6 +49,7 @@ def spec_to_dict(
         "cost": {p: getattr(spec.cost, p) for p in PARAMS},
     }
     out |= {k: getattr(spec, k) for k in _LIMITS}
+    out["request_overhead_s"] = spec.request_overhead_s
     if block_size is not None:
         out["block_size"] = block_size
     if calibration is not None:
@@ -64,6 +67,14 @@ def _int(data: dict[str, Any], key: str, path: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise PresetError(f"preset file {path}: {key} must be an integer >= 1, got {v!r}")
     return v
+
+
+def _overhead(v: Any, path: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise PresetError(
+            f"preset file {path}: request_overhead_s must be a finite number >= 0, got {v!r}"
+        )
+    return float(v)
 
 
 def spec_from_dict(data: Any, path: str = "<dict>") -> EngineSpec:
@@ -102,6 +113,7 @@ def spec_from_dict(data: Any, path: str = "<dict>") -> EngineSpec:
         kv_capacity_tokens=_int(data, "kv_capacity_tokens", path),
         calibrated=bool(data.get("calibrated", True)),
         summary=str(data.get("summary", "")),
+        request_overhead_s=_overhead(data.get("request_overhead_s", 0.0), path),
     )
     try:
         return spec.validate()

@@ -7,6 +7,7 @@ with known step costs (calibration must recover them), one that never answers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -255,3 +256,23 @@ def test_kvroute_replay_runs_on_a_preset_file(
     bad.write_text(json.dumps({"kvroute_preset": 1}))
     assert replay_main([str(trace), "--pod-model", "vllm", "--preset-file", str(bad)]) != 0
     assert "preset file" in capsys.readouterr().err
+
+
+def test_the_replay_adds_the_presets_request_overhead_to_every_ttft(tmp_path: Path) -> None:
+    from scoring.policies import build_policy
+    from scoring.replay.engine import replay_policy
+    from scoring.replay.trace import load_trace
+    from scoring.replay.vllm_pod import VllmFleetConfig
+
+    trace_path = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": 1000 * i, "input_length": 600, "output_length": 4,
+             "hash_ids": [i, 100 + i]} for i in range(4)]  # fmt: skip
+    trace_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trace = load_trace(trace_path, "mooncake")
+    base = EngineSpec("e", TRUE, 512, 4, 1100, 65536)
+    ttfts = []
+    for overhead in (0.0, 0.005):
+        engine = dataclasses.replace(base, request_overhead_s=overhead)
+        cfg = VllmFleetConfig(pods=1, capacity_tokens=65536, block_size=512, engine=engine)
+        ttfts.append(replay_policy(trace, build_policy("round_robin"), cfg).ttft_s)
+    assert [b - a for a, b in zip(*ttfts, strict=True)] == pytest.approx([0.005] * 4)

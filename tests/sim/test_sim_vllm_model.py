@@ -241,3 +241,21 @@ def test_kvroute_sim_names_a_bad_preset_file(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "cost.base_s must be a finite number" in proc.stderr
+
+
+async def test_the_presets_request_overhead_is_slept_before_the_request_is_scheduled(
+    tmp_path: Path,
+) -> None:
+    slept: list[float] = []
+
+    async def record(s: float) -> None:
+        slept.append(s)
+        await asyncio.sleep(0)
+
+    path = tmp_path / "overhead.json"
+    write_preset_file(path, spec_to_dict(spec(request_overhead_s=0.004)))
+    settings = SimSettings(pod_model="vllm", preset_file=str(path), kv_events=False)
+    engine = VllmSimEngine(settings, sleep=record)
+    req = engine.prepare(SimRequest(prompt_ids=list(range(40)), max_tokens=1))
+    assert len([t async for t in engine.generate(req)]) == 1
+    assert slept == pytest.approx([0.004, COST.seconds(StepWork(40, prefill_pairs(0, 40)))])
