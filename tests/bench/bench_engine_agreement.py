@@ -1,7 +1,11 @@
 """Engine-model agreement: one multi-turn workload on real vLLM, the replay, and ``kvroute sim``.
 
-    python tests/bench/bench_engine_agreement.py --preset-file cpu-tiny.json \\
+    python tests/bench/bench_engine_agreement.py --preset-file cpu-tiny.json [--calibrate] \\
         [--pods 2] [--targets real,replay,sim] [--seed 7] [--json-out F]
+
+``--calibrate`` first runs ``kvroute calibrate`` against real engine 0 (seed
+``--calibrate-seed``, default 11) and writes ``--preset-file``; the replay and the sim
+then run on that file.
 
 The same seeded workload (:func:`workload`) runs against
 
@@ -184,10 +188,13 @@ class Pod:
             os.killpg(p.pid, signal.SIGKILL)
 
 
-def start_engines(n: int, logdir: Path) -> list[Pod]:
+def start_engines(
+    n: int, logdir: Path, ports: tuple[int, int] = (HTTP_BASE, ZMQ_BASE)
+) -> list[Pod]:
+    """``n`` real engines on HTTP ``ports[0] + i``, ZMQ ``ports[1] + i`` (replay + 100)."""
     pods = []
     for i in range(n):
-        http, zmq = HTTP_BASE + i, ZMQ_BASE + i
+        http, zmq = ports[0] + i, ports[1] + i
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", MODEL=str(VLLM_ROOT / MODEL))
         env.pop("PYTHONHASHSEED", None)
         with open(logdir / f"engine-{i}.log", "wb") as log:
@@ -358,24 +365,41 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+async def calibrate_engine(pod: Pod, out: Path, seed: int, repeats: int) -> None:
+    """``kvroute calibrate`` against ``pod`` (a fresh engine), writing ``out``."""
+    argv = [sys.executable, "-m", "router.cli", "calibrate", "--url", pod.url, "--model", MODEL]
+    argv += ["--out", str(out), "--max-num-seqs", "8", "--seed", str(seed)]
+    argv += ["--repeats", str(repeats)]
+    proc = await asyncio.create_subprocess_exec(*argv)
+    if await proc.wait() not in (0,):
+        raise RuntimeError(f"kvroute calibrate failed (exit {proc.returncode})")
+
+
 async def run_all(
     targets: Sequence[str], preset_file: Path, pods: int, policy: str, reqs: list[Req],
-    logdir: Path,
+    logdir: Path, calibrate: tuple[int, int] | None = None,
+    ports: tuple[int, int] = (HTTP_BASE, ZMQ_BASE),
 ) -> list[Outcome]:  # fmt: skip
-    spec = load_preset_file(preset_file)
+    """Real engines first (calibrated first when ``calibrate`` = (seed, repeats) is
+    given, writing ``preset_file``), then the sim and the replay on ``preset_file``."""
     out: list[Outcome] = []
-    if "replay" in targets:
-        out.append(run_replay(reqs, spec, pods, policy))
-    for target in ("sim", "real"):
-        if target not in targets:
-            continue
-        fleet = (
-            start_sims(pods, preset_file, spec, logdir)
-            if target == "sim"
-            else start_engines(pods, logdir)
-        )
+    if "real" in targets or calibrate is not None:
+        fleet = start_engines(pods, logdir, ports)
         try:
-            out.append(await run_live(target, fleet, reqs, policy))
+            if calibrate is not None:
+                await calibrate_engine(fleet[0], preset_file, *calibrate)
+            if "real" in targets:
+                out.append(await run_live("real", fleet, reqs, policy))
+        finally:
+            for p in fleet:
+                p.stop()
+    spec = load_preset_file(preset_file)
+    if "replay" in targets:
+        out.insert(0, run_replay(reqs, spec, pods, policy))
+    if "sim" in targets:
+        fleet = start_sims(pods, preset_file, spec, logdir)
+        try:
+            out.append(await run_live("sim", fleet, reqs, policy))
         finally:
             for p in fleet:
                 p.stop()
@@ -393,13 +417,22 @@ def main(argv: list[str] | None = None) -> int:
     for f in Shape.__dataclass_fields__:
         ap.add_argument("--" + f.replace("_", "-"), type=type(getattr(d, f)), default=getattr(d, f))
     ap.add_argument("--json-out", type=Path)
+    ap.add_argument(
+        "--calibrate", action="store_true",
+        help="first calibrate engine 0 (kvroute calibrate) and write --preset-file",
+    )  # fmt: skip
+    ap.add_argument("--calibrate-seed", type=int, default=11)
+    ap.add_argument("--calibrate-repeats", type=int, default=3)
     ap.add_argument("--logdir", type=Path, default=Path("/tmp/kvroute-agreement"))
     ns = ap.parse_args(argv)
     shape = Shape(**{f: getattr(ns, f) for f in Shape.__dataclass_fields__})
     ns.logdir.mkdir(parents=True, exist_ok=True)
     targets = [t.strip() for t in ns.targets.split(",") if t.strip()]
     reqs = workload(shape, ns.seed)
-    outcomes = asyncio.run(run_all(targets, ns.preset_file, ns.pods, ns.policy, reqs, ns.logdir))
+    cal = (ns.calibrate_seed, ns.calibrate_repeats) if ns.calibrate else None
+    outcomes = asyncio.run(
+        run_all(targets, ns.preset_file, ns.pods, ns.policy, reqs, ns.logdir, cal)
+    )
     rows = compare(outcomes)
     print(f"workload: seed {ns.seed}, {shape}, {len(reqs)} requests; pods {ns.pods}; "
           f"policy {ns.policy}; engine {ns.preset_file}")  # fmt: skip
