@@ -59,7 +59,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from scoring.replay.calibrate_fit import FitReport, Sample, fastest, fit
+from scoring.replay.calibrate_fit import FitReport, Sample, fastest, fit, repeat_spread
 from scoring.replay.preset_file import spec_to_dict, write_preset_file
 from scoring.replay.presets import PRESETS, EngineSpec, PresetError
 from scoring.replay.step_cost import StepWork, features, prefill_pairs
@@ -72,6 +72,7 @@ QUEUE_S = "vllm:request_queue_time_seconds"
 HITS = "vllm:prefix_cache_hits"
 DECODE_OUTPUT = 32  # output tokens of a decode probe
 CACHED_SUFFIX = 64  # new tokens after a cached prefix
+NOISY_SPREAD = 1.5  # repeat_spread above this: warn that the machine was busy
 TOKEN_LOW, TOKEN_HIGH = 100, 4000  # ids valid in tiny-llama's 4096-token vocabulary
 
 
@@ -332,6 +333,7 @@ class Calibration:
     report: FitReport
     counts: ProbeCounts
     notes: list[str] = field(default_factory=list)
+    spread: float = math.nan
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -341,6 +343,7 @@ class Calibration:
                 "answered": self.counts.answered,
                 "failed": dict(self.counts.failed),
             },
+            "repeat_spread": None if math.isnan(self.spread) else round(self.spread, 3),
             "notes": self.notes,
         }
 
@@ -392,6 +395,13 @@ async def calibrate(
                 continue
             break
     report = fit(fastest(samples), base.cost, min_samples=5)
+    spread = repeat_spread(samples)
+    if spread > NOISY_SPREAD:
+        notes.append(
+            f"repeats of one probe differ by {spread:.2f}x (median / fastest): the machine "
+            "was busy; calibrate again when it is quiet"
+        )
+        log.warning("calibrate: %s", notes[-1])
     if overheads:
         overhead = max(0.0, statistics.median(overheads))
     else:
@@ -417,7 +427,7 @@ async def calibrate(
             dict(counts.failed) or "none",
             dict(report.rejected) or "none",
         )
-    return Calibration(spec, limits, report, counts, notes)
+    return Calibration(spec, limits, report, counts, notes, spread)
 
 
 def _reseed(probe: Probe, rng: random.Random, limits: Limits) -> Probe:
@@ -514,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         "from_prior": cal.report.from_prior,
         "request_overhead_s": round(cal.spec.request_overhead_s, 5),
         "rel_rms_error": round(cal.report.rel_rms_error, 4),
+        "repeat_spread": cal.as_dict()["repeat_spread"],
         "probes": cal.as_dict()["probes"],
     }
     print(json.dumps(summary))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -100,6 +101,18 @@ def fastest(samples: list[Sample]) -> list[Sample]:
         elif s.probe not in best or s.seconds < best[s.probe].seconds:
             best[s.probe] = s
     return [*best.values(), *bad]
+
+
+def repeat_spread(samples: list[Sample]) -> float:
+    """How much repeats of one probe disagree: the median over probes of (median repeat /
+    fastest repeat).  1.0 on a quiet engine; well above 1 (say > 1.5) means the machine
+    was busy with other work and the fit is not to be trusted.  NaN with no repeats."""
+    by_probe: dict[str, list[float]] = {}
+    for s in samples:
+        if _reject_reason(s) is None:
+            by_probe.setdefault(s.probe, []).append(s.seconds)
+    ratios = [statistics.median(v) / min(v) for v in by_probe.values() if len(v) > 1]
+    return statistics.median(ratios) if ratios else math.nan
 
 
 def _reject_reason(s: Sample) -> str | None:

@@ -46,6 +46,7 @@ import math
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -191,10 +192,13 @@ class Pod:
 def start_engines(
     n: int, logdir: Path, ports: tuple[int, int] = (HTTP_BASE, ZMQ_BASE)
 ) -> list[Pod]:
-    """``n`` real engines on HTTP ``ports[0] + i``, ZMQ ``ports[1] + i`` (replay + 100)."""
+    """``n`` real engines on the first free HTTP ports from ``ports[0]`` and ZMQ PUB ports
+    from ``ports[1]`` in steps of 5 (replay ROUTER = PUB + 100)."""
     pods = []
+    http, zmq = ports[0] - 1, ports[1] - 5
     for i in range(n):
-        http, zmq = ports[0] + i, ports[1] + i
+        http = _next_free(http + 1, 1)
+        zmq = _next_free(zmq + 5, 5, also=100)
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", MODEL=str(VLLM_ROOT / MODEL))
         env.pop("PYTHONHASHSEED", None)
         with open(logdir / f"engine-{i}.log", "wb") as log:
@@ -219,6 +223,22 @@ def start_engines(
             p.stop()
         raise
     return pods
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _next_free(port: int, step: int, also: int | None = None) -> int:
+    """The first port from ``port`` (in ``step``\\ s) free now, with ``port + also``."""
+    while not (_port_free(port) and (also is None or _port_free(port + also))):
+        port += step
+    return port
 
 
 def start_sims(n: int, preset_file: Path, spec: EngineSpec, logdir: Path) -> list[Pod]:

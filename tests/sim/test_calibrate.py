@@ -21,7 +21,7 @@ import pytest
 
 from router.sim import SimPod, SimSettings
 from router.sim.calibrate import calibrate, decode_row, prefill_row
-from scoring.replay.calibrate_fit import Sample, fastest, fit
+from scoring.replay.calibrate_fit import Sample, fastest, fit, repeat_spread
 from scoring.replay.preset_file import load_preset_file, spec_to_dict, write_preset_file
 from scoring.replay.presets import PRESETS, EngineSpec, PresetError
 from scoring.replay.step_cost import PARAMS, StepCost
@@ -188,7 +188,7 @@ async def test_calibrating_a_pod_with_known_step_costs_recovers_them(
         pod_model="vllm", preset_file=str(known_engine(tmp_path)), block_size=32,
         capacity_tokens=65536, max_model_len=1100,
     )  # fmt: skip
-    cal = await calibrate(pod.url, "sim-model", PRESETS["cpu-tiny"], seed=1, repeats=2,
+    cal = await calibrate(pod.url, "sim-model", PRESETS["cpu-tiny"], seed=1, repeats=3,
                           given={"max_num_seqs": 4, "max_num_batched_tokens": 512})  # fmt: skip
     assert cal.limits.block_size == 32 and cal.limits.max_model_len == 1100
     assert cal.counts.answered == cal.counts.sent and not cal.report.fell_back
@@ -276,3 +276,13 @@ def test_the_replay_adds_the_presets_request_overhead_to_every_ttft(tmp_path: Pa
         cfg = VllmFleetConfig(pods=1, capacity_tokens=65536, block_size=512, engine=engine)
         ttfts.append(replay_policy(trace, build_policy("round_robin"), cfg).ttft_s)
     assert [b - a for a, b in zip(*ttfts, strict=True)] == pytest.approx([0.005] * 4)
+
+
+def test_the_repeat_spread_says_how_much_repeats_of_a_probe_disagree() -> None:
+    row = (1.0, 10.0, 0.0, 0.0, 0.0)
+    quiet = [Sample(row, 0.100, "a"), Sample(row, 0.101, "a"), Sample(row, 0.2, "b"),
+             Sample(row, 0.2, "b")]  # fmt: skip
+    busy = [Sample(row, 0.1, "a"), Sample(row, 0.5, "a"), Sample(row, 0.4, "a")]
+    assert repeat_spread(quiet) == pytest.approx(1.0025, rel=1e-3)
+    assert repeat_spread(busy) == pytest.approx(4.0)
+    assert math.isnan(repeat_spread([Sample(row, 0.1, "a")]))
