@@ -75,6 +75,9 @@ class VllmSimEngine(SimEngine):
         self.sched.on_cache = self._on_cache
         self.sched.pool.on_evict = self._on_evict
         self._live: dict[int, _Live] = {}
+        #: request id -> (request, tokens with KV) while its seq is in the scheduler, so
+        #: blocks a step fills after its client went away are still published
+        self._kv_src: dict[int, tuple[SimRequest, list[int]]] = {}
         self._pending: list[KVCacheEvent] = []
         self._aborts: list[Seq] = []
         self._driver: asyncio.Task[None] | None = None
@@ -108,11 +111,11 @@ class VllmSimEngine(SimEngine):
     # -- events (called by the scheduler and the pool) -----------------------------
 
     def _on_cache(self, seq: Seq, first: int, end: int) -> None:
-        live = self._live.get(seq.rid)
-        if live is None:
+        src = self._kv_src.get(seq.rid)
+        if src is None:
             return
         keys = list(seq.prompt_keys[:end])
-        self._pending.append(self._stored_event(live.req, keys, live.tokens, first))
+        self._pending.append(self._stored_event(src[0], keys, src[1], first))
 
     def _on_evict(self, key: int) -> None:
         if key >= 0:  # engine hashes; negative keys are the scheduler's own (never here)
@@ -137,6 +140,7 @@ class VllmSimEngine(SimEngine):
         if self.spec.request_overhead_s > 0:  # the modelled API-server latency
             await self.sleep(self.spec.request_overhead_s)
         self._live[rid] = live
+        self._kv_src[rid] = (req, tokens)
         self.sched.add(seq)
         self._counts()
         if self._driver is None:
@@ -163,6 +167,7 @@ class VllmSimEngine(SimEngine):
             self._aborts.append(seq)  # after the step
         else:
             self.sched.abort(seq)
+            self._kv_src.pop(seq.rid, None)
             self._counts()
 
     def _counts(self) -> None:
@@ -210,6 +215,7 @@ class VllmSimEngine(SimEngine):
                         m.time_to_first_token.observe(live.req.ttft)
                         m.prefill_time.observe(now - live.scheduled_at)
                 for s in result.finished:
+                    self._kv_src.pop(s.rid, None)
                     live = self._live.get(s.rid)
                     if live is not None:
                         live.done = True
@@ -217,8 +223,8 @@ class VllmSimEngine(SimEngine):
                             m.decode_time.observe(now - live.first_at)
                 aborts, self._aborts = self._aborts, []
                 for s in aborts:
-                    if s.blocks or s in sched.waiting or s in sched.running:
-                        sched.abort(s)
+                    sched.abort(s)
+                    self._kv_src.pop(s.rid, None)
                 self._flush()
                 self._counts()
         finally:
