@@ -15,7 +15,9 @@ the most negative parameter is pinned to 0 and the rest refitted).  The solve is
 5 x 5 normal-equations system by Gaussian elimination with partial pivoting (numpy is
 not a dependency of the package).
 
-Repeats of one probe are reduced to the fastest (:func:`fastest`) before fitting.
+Repeats of one probe are reduced to the fastest (:func:`fastest`, the default: the
+engine's cost unloaded) or to the median (:func:`typical`: its cost under the load the
+machine had) before fitting.
 
 **Bad input falls back to the priors** (the base preset's parameters), never to NaN:
 
@@ -101,6 +103,21 @@ def fastest(samples: list[Sample]) -> list[Sample]:
         elif s.probe not in best or s.seconds < best[s.probe].seconds:
             best[s.probe] = s
     return [*best.values(), *bad]
+
+
+def typical(samples: list[Sample]) -> list[Sample]:
+    """The median valid sample of each probe (by seconds; the lower middle of an even
+    count): what the engine's steps cost under the machine's usual load, where
+    :func:`fastest` estimates them unloaded.  Invalid samples are kept, to be counted."""
+    by_probe: dict[str, list[Sample]] = {}
+    bad: list[Sample] = []
+    for s in samples:
+        if _reject_reason(s) is not None:
+            bad.append(s)
+        else:
+            by_probe.setdefault(s.probe, []).append(s)
+    mids = [sorted(v, key=lambda s: s.seconds)[(len(v) - 1) // 2] for v in by_probe.values()]
+    return [*mids, *bad]
 
 
 def repeat_spread(samples: list[Sample]) -> float:

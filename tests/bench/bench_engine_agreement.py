@@ -385,11 +385,13 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-async def calibrate_engine(pod: Pod, out: Path, seed: int, repeats: int) -> None:
+async def calibrate_engine(
+    pod: Pod, out: Path, seed: int, repeats: int, estimate: str = "fastest"
+) -> None:
     """``kvroute calibrate`` against ``pod`` (a fresh engine), writing ``out``."""
     argv = [sys.executable, "-m", "router.cli", "calibrate", "--url", pod.url, "--model", MODEL]
     argv += ["--out", str(out), "--max-num-seqs", "8", "--seed", str(seed)]
-    argv += ["--repeats", str(repeats)]
+    argv += ["--repeats", str(repeats), "--repeat-estimate", estimate]
     proc = await asyncio.create_subprocess_exec(*argv)
     if await proc.wait() not in (0,):
         raise RuntimeError(f"kvroute calibrate failed (exit {proc.returncode})")
@@ -397,10 +399,11 @@ async def calibrate_engine(pod: Pod, out: Path, seed: int, repeats: int) -> None
 
 async def run_all(
     targets: Sequence[str], preset_file: Path, pods: int, policy: str, reqs: list[Req],
-    logdir: Path, calibrate: tuple[int, int] | None = None,
+    logdir: Path, calibrate: tuple[int, int, str] | None = None,
     ports: tuple[int, int] = (HTTP_BASE, ZMQ_BASE),
 ) -> list[Outcome]:  # fmt: skip
-    """Real engines first (calibrated first when ``calibrate`` = (seed, repeats) is
+    """Real engines first (calibrated first when ``calibrate`` = (seed, repeats,
+    estimate) is
     given, writing ``preset_file``), then the sim and the replay on ``preset_file``."""
     out: list[Outcome] = []
     if "real" in targets or calibrate is not None:
@@ -443,13 +446,14 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument("--calibrate-seed", type=int, default=11)
     ap.add_argument("--calibrate-repeats", type=int, default=3)
+    ap.add_argument("--repeat-estimate", choices=["fastest", "median"], default="fastest")
     ap.add_argument("--logdir", type=Path, default=Path("/tmp/kvroute-agreement"))
     ns = ap.parse_args(argv)
     shape = Shape(**{f: getattr(ns, f) for f in Shape.__dataclass_fields__})
     ns.logdir.mkdir(parents=True, exist_ok=True)
     targets = [t.strip() for t in ns.targets.split(",") if t.strip()]
     reqs = workload(shape, ns.seed)
-    cal = (ns.calibrate_seed, ns.calibrate_repeats) if ns.calibrate else None
+    cal = (ns.calibrate_seed, ns.calibrate_repeats, ns.repeat_estimate) if ns.calibrate else None
     outcomes = asyncio.run(
         run_all(targets, ns.preset_file, ns.pods, ns.policy, reqs, ns.logdir, cal)
     )

@@ -21,7 +21,7 @@ import pytest
 
 from router.sim import SimPod, SimSettings
 from router.sim.calibrate import calibrate, decode_row, prefill_row
-from scoring.replay.calibrate_fit import Sample, fastest, fit, repeat_spread
+from scoring.replay.calibrate_fit import Sample, fastest, fit, repeat_spread, typical
 from scoring.replay.preset_file import load_preset_file, spec_to_dict, write_preset_file
 from scoring.replay.presets import PRESETS, EngineSpec, PresetError
 from scoring.replay.step_cost import PARAMS, StepCost
@@ -276,6 +276,13 @@ def test_the_replay_adds_the_presets_request_overhead_to_every_ttft(tmp_path: Pa
         cfg = VllmFleetConfig(pods=1, capacity_tokens=65536, block_size=512, engine=engine)
         ttfts.append(replay_policy(trace, build_policy("round_robin"), cfg).ttft_s)
     assert [b - a for a, b in zip(*ttfts, strict=True)] == pytest.approx([0.005] * 4)
+
+
+def test_the_median_estimate_keeps_the_middle_repeat_of_each_probe() -> None:
+    row = (1.0, 10.0, 0.0, 0.0, 0.0)
+    reps = [Sample(row, t, "a") for t in (0.3, 0.1, 0.2)] + [Sample(row, math.nan, "a")]
+    assert typical(reps)[0].seconds == 0.2
+    assert math.isnan(typical(reps)[-1].seconds)  # the invalid one stays, to be counted
 
 
 def test_the_repeat_spread_says_how_much_repeats_of_a_probe_disagree() -> None:

@@ -44,7 +44,7 @@ async def test_replay_real_engines_and_sim_agree_on_hit_rate_and_ttft(tmp_path: 
     preset = tmp_path / "cpu-tiny-calibrated.json"
     outcomes = await bench.run_all(
         ["real", "replay", "sim"], preset, 2, "cost", reqs, tmp_path,
-        calibrate=(11, 2), ports=(18420, 18470),
+        calibrate=(11, 2, "fastest"), ports=(18420, 18470),
     )  # fmt: skip
     rows = {r["target"]: r for r in bench.compare(outcomes)}
     print(bench.table(list(rows.values())))
