@@ -1,4 +1,4 @@
-"""`kvroute` command line: serve | epp | index | sim | replay.
+"""`kvroute` command line: serve | epp | index | sim | replay | calibrate.
 
 Each subcommand lives in its own module with a ``main(argv)``; this file only
 dispatches, importing lazily so `kvroute replay` does not load the web stack.
@@ -15,6 +15,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "index": ("router.indexer.main", "run a KV-event indexer writing into Redis"),
     "sim": ("router.sim.main", "run one simulated vLLM pod"),
     "replay": ("scoring.replay.cli", "replay a trace against simulated pods, per policy"),
+    "calibrate": ("router.sim.calibrate", "fit the replay's engine model to a real vLLM engine"),
 }
 
 
@@ -31,7 +32,7 @@ def version() -> str:
 
 def _usage() -> str:
     lines = ["usage: kvroute COMMAND [options]", "", "commands:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, help_) in _COMMANDS.items()]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in _COMMANDS.items()]
     lines.append("\n`kvroute COMMAND --help` for a command's options; `kvroute --version`.")
     return "\n".join(lines)
 

@@ -123,6 +123,9 @@ class SimEngine:
         limit = max(0, (len(req.prompt_ids) - 1) // self.block_size)
         return self.block_size * min(self.cache.match(req.block_hashes), limit)
 
+    async def close(self) -> None:
+        """Stop background work (none here; the vLLM model's step loop)."""
+
     def reset_prefix_cache(self) -> None:
         """Drop every cached block and publish AllBlocksCleared."""
         self.cache.clear()
@@ -234,6 +237,8 @@ class SimEngine:
                 prefilled = True
             req.ttft = loop.time() - arrival
             m.time_to_first_token.observe(req.ttft)
+            m.prefill_time.observe(req.ttft - req.queue_time)
+            first_at = last_at = loop.time()
             for i in range(req.max_tokens):
                 if i:
                     await self._sleep(1.0 / self.settings.decode_rate)
@@ -241,8 +246,10 @@ class SimEngine:
                 req.output_ids.append(tok)
                 self._active[rid] = n + i
                 m.generation_tokens.inc()
+                last_at = loop.time()
                 yield tok
             req.finish_reason = "length"
+            m.decode_time.observe(last_at - first_at)
         finally:
             if waiting:
                 self.waiting -= 1

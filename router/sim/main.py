@@ -18,6 +18,8 @@ from pydantic import ValidationError
 
 from router.sim.pod import SimPod
 from router.sim.settings import SimSettings
+from scoring.replay.cli import parse_engine_params
+from scoring.replay.preset_file import resolve_engine
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,11 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
     a("--pod-name", default=d.pod_name, help=f"pod name, used in the topic (default {d.pod_name})")
     a("--lora-adapters", default="", help="comma-separated LoRA adapter names")
     a("--block-size", type=int, default=d.block_size, help=f"tokens per block ({d.block_size})")
-    a("--capacity-tokens", type=int, default=d.capacity_tokens, help="KV cache size in tokens")
+    a("--capacity-tokens", type=int, default=None,
+      help=f"KV cache, tokens (default {d.capacity_tokens}; vllm: the preset's)")  # fmt: skip
     a("--prefill-rate", type=float, default=d.prefill_rate, help="prefill tokens/s")
     a("--decode-rate", type=float, default=d.decode_rate, help="decode tokens/s per sequence")
     a("--max-batch", type=int, default=d.max_batch, help="max running requests")
-    a("--max-model-len", type=int, default=d.max_model_len, help="max prompt + output tokens")
+    a("--max-model-len", type=int, default=None,
+      help=f"max prompt + output (default {d.max_model_len}; vllm: the preset's)")  # fmt: skip
+    a("--pod-model", choices=["simple", "vllm"], default=d.pod_model,
+      help="simple (FCFS prefill + per-sequence decode rate) or vllm (the replay's vLLM V1 "
+      "scheduler and step-cost model, in real time)")  # fmt: skip
+    a("--preset", default=None, help="vllm pod model: engine preset (default llama3-8b-h100)")
+    a("--preset-file", default=None, help="vllm pod model: preset file (kvroute calibrate's)")
+    a("--engine-param", action="append", default=[], metavar="KEY=VALUE",
+      help="vllm pod model: override a preset parameter")  # fmt: skip
     a("--output-tokens", type=int, default=d.output_tokens, help="output length w/o max_tokens")
     a("--time-scale", type=float, default=d.time_scale, help="multiply delays; 0 = no sleeping")
     a("--tokenizer", default=d.tokenizer, help="'builtin' or a model directory")
@@ -61,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(ns: argparse.Namespace) -> SimSettings:
     replay = None if str(ns.replay_endpoint).lower() in ("", "none") else ns.replay_endpoint
+    d = SimSettings()
+    capacity, max_len = ns.capacity_tokens, ns.max_model_len
+    engine_params = parse_engine_params(ns.engine_param)
+    if ns.pod_model == "vllm":  # unset sizes come from the engine preset
+        spec = resolve_engine(ns.preset, ns.preset_file, engine_params)
+        capacity = capacity if capacity is not None else spec.kv_capacity_tokens
+        max_len = max_len if max_len is not None else spec.max_model_len
     return SimSettings(
         host=ns.host,
         port=ns.port,
@@ -68,11 +86,15 @@ def settings_from_args(ns: argparse.Namespace) -> SimSettings:
         pod_name=ns.pod_name,
         lora_adapters=[x.strip() for x in ns.lora_adapters.split(",") if x.strip()],
         block_size=ns.block_size,
-        capacity_tokens=ns.capacity_tokens,
+        capacity_tokens=capacity if capacity is not None else d.capacity_tokens,
         prefill_rate=ns.prefill_rate,
         decode_rate=ns.decode_rate,
         max_batch=ns.max_batch,
-        max_model_len=ns.max_model_len,
+        max_model_len=max_len if max_len is not None else d.max_model_len,
+        pod_model=ns.pod_model,
+        preset=ns.preset,
+        preset_file=ns.preset_file,
+        engine_params=engine_params,
         output_tokens=ns.output_tokens,
         time_scale=ns.time_scale,
         tokenizer=ns.tokenizer,
@@ -129,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from_args(ns)
     except ValidationError as exc:
         print(f"kvroute sim: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # PresetError, ReplayConfigError: a bad preset or param
+        print(f"kvroute sim: {exc}", file=sys.stderr)
         return 2
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:

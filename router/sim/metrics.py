@@ -142,6 +142,18 @@ class SimMetrics:
             "Histogram of e2e request latency in seconds.",
             REQUEST_LATENCY_BUCKETS,
         )
+        # vLLM's engine-side phases (``vllm/v1/metrics/loggers.py``): scheduled -> first
+        # token, first -> last token; what ``kvroute calibrate`` reads
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
         #: not a vLLM metric: requests the sim rejected, by HTTP status
         self._rejected = Counter(
             "kvroute_sim_rejected_requests",

@@ -20,6 +20,7 @@ from router.sim.disagg import SimDisagg
 from router.sim.engine import SimEngine
 from router.sim.events import KVEventPublisher
 from router.sim.settings import SimSettings
+from router.sim.vllm_engine import VllmSimEngine
 from router.tokenize import load_tokenizer
 
 
@@ -38,7 +39,9 @@ class SimPod:
     def __init__(self, settings: SimSettings) -> None:
         self.settings = settings
         self.tokenizer = load_tokenizer(settings.tokenizer)
-        self.engine = SimEngine(settings)
+        self.engine: SimEngine = (
+            VllmSimEngine(settings) if settings.pod_model == "vllm" else SimEngine(settings)
+        )
         self.disagg = SimDisagg(settings, self.engine)
         self.app: FastAPI = build_app(settings, self.engine, self.tokenizer, self.disagg)
         self.publisher: KVEventPublisher | None = None
@@ -121,6 +124,7 @@ class SimPod:
             self._sock.close()
             self._sock = None
         await self.disagg.close()
+        await self.engine.close()
         await self._stop_publisher()
 
     async def _stop_publisher(self) -> None:

@@ -6,6 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from scoring.replay.preset_file import resolve_engine
+from scoring.replay.presets import EngineSpec, PresetError
+
 
 class SimSettings(BaseModel):
     """Everything a :class:`router.sim.pod.SimPod` needs; unknown fields are an error.
@@ -15,6 +18,11 @@ class SimSettings(BaseModel):
     decodes one token per ``1 / decode_rate`` seconds, with at most ``max_batch``
     requests running.  Every simulated delay is multiplied by ``time_scale``
     (``0`` = never sleep, for fast tests).
+
+    ``pod_model="vllm"`` replaces that time model with the replay's vLLM engine model
+    (:mod:`router.sim.vllm_engine`): ``preset`` / ``preset_file`` (+ ``engine_params``)
+    give its step costs, ``max_num_batched_tokens`` and ``max_num_seqs``;
+    ``prefill_rate``, ``decode_rate`` and ``max_batch`` do not apply.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -39,6 +47,15 @@ class SimSettings(BaseModel):
     output_tokens: int = Field(default=16, gt=0)
     #: LoRA adapter names a request's ``model`` may name
     lora_adapters: list[str] = Field(default_factory=list)
+
+    #: "simple": the time model above; "vllm": vLLM V1's scheduler + step-cost model
+    pod_model: Literal["simple", "vllm"] = "simple"
+    #: vllm pod model: a built-in preset (scoring.replay.presets; default llama3-8b-h100)
+    preset: str | None = None
+    #: vllm pod model: a preset file (what ``kvroute calibrate`` writes)
+    preset_file: str | None = None
+    #: vllm pod model: preset overrides (scoring.replay.presets.ENGINE_PARAMS)
+    engine_params: dict[str, int | float] = Field(default_factory=dict)
 
     kv_events: bool = True
     #: PUB endpoint.  Binds when it contains ``*`` or ``::``, is ipc:// or inproc://
@@ -99,9 +116,22 @@ class SimSettings(BaseModel):
         ):
             if ep is not None and "://" not in ep:
                 raise ValueError(f"{name} must be a ZMQ endpoint like tcp://host:port, got {ep!r}")
+        if self.pod_model == "vllm":
+            if self.role != "both":
+                raise ValueError("pod_model 'vllm' serves role 'both' only (no P/D)")
+            try:
+                self.engine_spec()
+            except PresetError as exc:
+                raise ValueError(str(exc)) from None
+        elif self.preset or self.preset_file or self.engine_params:
+            raise ValueError("preset, preset_file and engine_params apply to pod_model 'vllm'")
         if self.model in self.lora_adapters:
             raise ValueError(f"lora_adapters must not repeat the base model name {self.model!r}")
         return self
+
+    def engine_spec(self) -> EngineSpec:
+        """The vLLM engine model's preset (``pod_model="vllm"``)."""
+        return resolve_engine(self.preset, self.preset_file, self.engine_params)
 
     @property
     def capacity_blocks(self) -> int:

@@ -27,7 +27,8 @@ import yaml
 from scoring.policies.registry import PolicyConfigError, available_policies, build_policy
 from scoring.replay.ceilings import pooled_ceiling
 from scoring.replay.engine import replay_policy
-from scoring.replay.presets import ENGINE_PARAMS, PRESETS, PresetError, resolve_preset
+from scoring.replay.preset_file import resolve_engine
+from scoring.replay.presets import ENGINE_PARAMS, PRESETS, PresetError
 from scoring.replay.report import format_table, summarize
 from scoring.replay.simpod import FleetConfig, ReplayConfigError
 from scoring.replay.trace import MOONCAKE_BLOCK_TOKENS, Trace, TraceFormatError, load_trace
@@ -73,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset",
         default=None,
         help=f"vllm pod model: engine preset ({', '.join(PRESETS)}; default {DEFAULT_PRESET})",
+    )
+    ap.add_argument(
+        "--preset-file",
+        default=None,
+        metavar="FILE.json",
+        help="vllm pod model: engine preset from a file (what `kvroute calibrate` writes)",
     )
     ap.add_argument(
         "--engine-param",
@@ -243,7 +250,7 @@ def fleet_config(args: argparse.Namespace, block_size: int) -> FleetConfig | Vll
             )
         try:
             overrides = parse_engine_params(args.engine_param)
-            spec = resolve_preset(args.preset or DEFAULT_PRESET, overrides)
+            spec = resolve_engine(args.preset, args.preset_file, overrides, default=DEFAULT_PRESET)
         except PresetError as exc:
             raise ReplayConfigError(str(exc)) from None
         if not spec.calibrated:
@@ -259,8 +266,10 @@ def fleet_config(args: argparse.Namespace, block_size: int) -> FleetConfig | Vll
             block_size=block_size,
             engine=spec,
         ).validate()
-    if args.preset is not None or args.engine_param:
-        raise ReplayConfigError("--preset and --engine-param apply to --pod-model vllm")
+    if args.preset is not None or args.preset_file is not None or args.engine_param:
+        raise ReplayConfigError(
+            "--preset, --preset-file and --engine-param apply to --pod-model vllm"
+        )
     if args.capacity_tokens is None:
         raise ReplayConfigError("capacity-tokens is required with --pod-model simple")
     settings: dict[str, Any] = {

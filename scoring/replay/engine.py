@@ -208,6 +208,7 @@ def _replay_vllm(
     pods = [VllmPod(f"pod-{i}", cfg, cfg.pod_capacity(i)) for i in range(cfg.pods)]
     index_of = {p.name: i for i, p in enumerate(pods)}
     run = _new_run(policy, [p.name for p in pods], reqs)
+    overhead = cfg.engine.request_overhead_s  # outside engine steps, added to each TTFT
     heap: list[tuple[float, int, int]] = []  # (step end, seq, pod)
     seq = 0
     push, pop = heapq.heappush, heapq.heappop
@@ -229,9 +230,10 @@ def _replay_vllm(
         result = pod.finish_step()
         for s in result.first_tokens:
             r = reqs[s.rid]
-            run.ttft_s[s.rid] = now - r.arrival_s
+            ttft = now - r.arrival_s + overhead
+            run.ttft_s[s.rid] = ttft
             pod.outstanding -= r.prompt_tokens
-            policy.on_first_token(r.route, pod.name, now - r.arrival_s)
+            policy.on_first_token(r.route, pod.name, ttft)
         for s in result.finished:
             r = reqs[s.rid]
             run.hit_tokens[s.rid] = run.gpu_hit_tokens[s.rid] = s.hit_tokens

@@ -24,13 +24,22 @@ Modelled on vLLM V1's ``BlockPool`` (``vllm/v1/core/block_pool.py``) and its
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 class BlockPool:
     """Physical KV blocks with ref counts, an LRU free queue and a prefix-cache map."""
 
-    __slots__ = ("_cached", "_dups", "_free", "_key", "_never_used", "_ref", "num_blocks")
+    __slots__ = (
+        "_cached",
+        "_dups",
+        "_free",
+        "_key",
+        "_never_used",
+        "_ref",
+        "num_blocks",
+        "on_evict",
+    )
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -42,6 +51,9 @@ class BlockPool:
         self._key: list[int | None] = [None] * num_blocks
         self._cached: dict[int, int] = {}  # key -> the block a lookup returns
         self._dups: dict[int, list[int]] = {}  # key -> further blocks caching that key
+        #: called with the key of each cached block an allocation evicts (a simulated
+        #: server publishes BlockRemoved from it); None in the replay
+        self.on_evict: Callable[[int], None] | None = None
 
     # --- what the engine and the router see -------------------------------------
 
@@ -144,6 +156,8 @@ class BlockPool:
         key = self._key[block]
         assert key is not None
         self._key[block] = None
+        if self.on_evict is not None:
+            self.on_evict(key)
         dups = self._dups.get(key)
         if self._cached[key] == block:
             if dups:

@@ -56,6 +56,7 @@ measured: a ``calibrate`` step is to fit them by least squares
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,12 +121,24 @@ class EngineSpec:
     kv_capacity_tokens: int
     calibrated: bool = True  # False: a placeholder whose costs are not measured
     summary: str = ""
+    #: seconds a request spends outside engine steps before its first token reaches
+    #: the client (the API server's HTTP, tokenization, output processing): added to
+    #: every TTFT.  ``kvroute calibrate`` measures it (client TTFT - the engine's queue
+    #: and prefill time); 0 in the built-in presets (not modelled)
+    request_overhead_s: float = 0.0
 
     def validate(self) -> EngineSpec:
         try:
             self.cost.validate()
         except StepCostError as exc:
             raise PresetError(str(exc)) from None
+        v = self.request_overhead_s
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float))
+            or not (math.isfinite(v) and v >= 0)
+        ):
+            raise PresetError(f"request_overhead_s must be a finite number >= 0, got {v!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -215,7 +228,13 @@ PRESETS: dict[str, EngineSpec] = {
 }
 
 #: engine parameters ``--engine-param`` may override
-ENGINE_PARAMS = (*PARAMS, "max_num_batched_tokens", "max_num_seqs", "max_model_len")
+ENGINE_PARAMS = (
+    *PARAMS,
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "request_overhead_s",
+)
 
 
 def resolve_preset(name: str, overrides: dict[str, Any] | None = None) -> EngineSpec:
@@ -223,6 +242,11 @@ def resolve_preset(name: str, overrides: dict[str, Any] | None = None) -> Engine
     spec = PRESETS.get(name)
     if spec is None:
         raise PresetError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
+    return override_spec(spec, overrides)
+
+
+def override_spec(spec: EngineSpec, overrides: dict[str, Any] | None = None) -> EngineSpec:
+    """``spec`` with ``overrides`` (any of :data:`ENGINE_PARAMS`) applied, validated."""
     cost_kw: dict[str, Any] = {}
     spec_kw: dict[str, Any] = {}
     for key, value in (overrides or {}).items():

@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from scoring.replay.kv_blocks import BlockPool
@@ -58,7 +58,9 @@ class Seq:
     """One request inside the engine."""
 
     rid: int
-    prompt_keys: Sequence[int]  # keys of the prompt's full blocks that have one
+    #: keys of the request's full blocks that have one: the prompt's (replay), or the
+    #: prompt's and its known output's (a simulated server, whose output is fixed)
+    prompt_keys: Sequence[int]
     prompt_tokens: int
     max_output: int  # >= 1
     num_computed: int = 0
@@ -127,6 +129,9 @@ class Scheduler:
         self.steps = 0
         self.preemptions = 0
         self._plan: StepPlan | None = None
+        #: called as ``on_cache(seq, first, end)`` when blocks ``first .. end-1`` of
+        #: ``seq`` become full and cached (a simulated server publishes BlockStored)
+        self.on_cache: Callable[[Seq, int, int], None] | None = None
 
     @property
     def stepping(self) -> bool:
@@ -139,6 +144,19 @@ class Scheduler:
 
     def add(self, seq: Seq) -> None:
         self.waiting.append(seq)
+
+    def abort(self, seq: Seq) -> None:
+        """Drop ``seq`` (a client went away), as vLLM's ``finish_requests`` does: it
+        leaves the queues and frees its blocks (their cached prefixes stay, free).
+        Not while a step is planned: the step's results would name it."""
+        if self._plan is not None:
+            raise RuntimeError("abort called while a step is planned")
+        if seq in self.running:
+            self.running.remove(seq)
+            self.pool.free(reversed(seq.blocks))
+            seq.blocks = []
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
 
     # --- one step -------------------------------------------------------------------
 
@@ -268,10 +286,15 @@ class Scheduler:
 
     def _cache_full_blocks(self, s: Seq) -> None:
         full = s.num_computed // self.block_size
+        first = s.num_cached_blocks
+        if full <= first:
+            return
         cache, blocks = self.pool.cache, s.blocks
-        for j in range(s.num_cached_blocks, full):
+        for j in range(first, full):
             cache(blocks[j], s.key(j))
         s.num_cached_blocks = full
+        if self.on_cache is not None:
+            self.on_cache(s, first, full)
 
     def _preempt(self, s: Seq) -> None:
         self.pool.free(reversed(s.blocks))

