@@ -202,8 +202,10 @@ class CostPolicy(Policy):
         self._p: CostParams = self.params
         # Requests are keyed by (request_id, id(request)): a client may reuse an id, and
         # the router hands the same RouteRequest object to pick / on_routed / on_complete.
-        # key -> (prompt tokens, {pod: predicted uncached tokens}), until routed
-        self._scored: OrderedDict[tuple[str, int], tuple[int, dict[str, int]]] = OrderedDict()
+        # key -> (prompt tokens, {pod: predicted cached tokens}, the views), until routed
+        self._scored: OrderedDict[
+            tuple[str, int], tuple[int, dict[str, int], Sequence[PodView]]
+        ] = OrderedDict()
         # key -> (pod, prompt tokens, predicted uncached tokens), until complete
         self._live: dict[tuple[str, int], tuple[str, int, int]] = {}
         # pod -> block key -> number of live requests routed there that carry it
@@ -286,7 +288,9 @@ class CostPolicy(Policy):
         evicted: dict[str, int] = {}
         hot_set = self._hot if p.hot_window_s > 0 else None
         now = self.clock() if hot_set is not None else 0.0
-        charge = p.charge_hot_evictions
+        # hot counts are read only where they matter: every pod when misses are
+        # charged their evictions, else only the tied pods of a room tie-break
+        charge = hot_set is not None and p.charge_hot_evictions
         best = None
         for pod, q, uncached in rows:
             name = pod.pod
@@ -306,13 +310,11 @@ class CostPolicy(Policy):
             if running is None:
                 running = pod.inflight
             miss = prompt - c
-            if hot_set is not None:
-                if pod.capacity_blocks is not None:
-                    self._capacity[name] = pod.capacity_blocks
-                h = hot[name] = hot_set.count(name, now)
+            if charge:
+                h = hot[name] = hot_set.count(name, now)  # type: ignore[union-attr]
                 # hot blocks this request's freshly computed blocks push out: each is
                 # a miss a later request pays (0 while the hot set fits the cache)
-                e = evicted_hot(h, len(keys) - c // bs, pod.capacity_blocks) if charge else 0
+                e = evicted_hot(h, len(keys) - c // bs, pod.capacity_blocks)
                 if e:
                     evicted[name] = e
                     miss += e * bs
@@ -323,7 +325,11 @@ class CostPolicy(Policy):
         limit = best + p.tie_epsilon_s  # type: ignore[operator]
         tied = [name for name, t in predicted.items() if t <= limit]
         if len(tied) > 1 and p.tie_break_by_room:
-            tied = most_room([v for v in pods if predicted[v.pod] <= limit], hot)
+            tied_views = [v for v in pods if predicted[v.pod] <= limit]
+            if hot_set is not None and not charge:
+                for v in tied_views:
+                    hot[v.pod] = hot_set.count(v.pod, now)
+            tied = most_room(tied_views, hot)
         chosen = tied[0]
         if len(tied) > 1:  # rendezvous: the highest hash (the first of equal ones) wins
             rid = request.request_id.encode() + b"\x00"
@@ -336,7 +342,7 @@ class CostPolicy(Policy):
                     chosen = name
         # the predicted uncached tokens per pod are prompt - cached (on_routed)
         scored = self._scored
-        scored[(request.request_id, id(request))] = (prompt, cached)  # _key(request)
+        scored[(request.request_id, id(request))] = (prompt, cached, pods)  # _key(request)
         if len(scored) > _MAX_SCORED:  # picks never routed must not pile up
             scored.popitem(last=False)
         return Decision(
@@ -358,9 +364,15 @@ class CostPolicy(Policy):
             prompt = request.prompt_tokens
             miss = prompt
         else:
-            prompt, cached = scored
+            prompt, cached, views = scored
             c = cached.get(pod)
             miss = prompt if c is None else prompt - c
+            if self._p.hot_window_s > 0:
+                for v in views:
+                    if v.pod == pod:
+                        if v.capacity_blocks is not None:
+                            self._capacity[pod] = v.capacity_blocks
+                        break
         old = self._live.pop(key, None)
         if old is not None:  # routed again (retry): forget the first attempt
             self._unledger(old[0], old[1], old[2], request.block_keys)
