@@ -202,10 +202,11 @@ class CostPolicy(Policy):
         self._p: CostParams = self.params
         # Requests are keyed by (request_id, id(request)): a client may reuse an id, and
         # the router hands the same RouteRequest object to pick / on_routed / on_complete.
-        # key -> (prompt tokens, {pod: predicted cached tokens}, the views), until routed
-        self._scored: OrderedDict[
-            tuple[str, int], tuple[int, dict[str, int], Sequence[PodView]]
-        ] = OrderedDict()
+        # key -> (prompt tokens, {pod: predicted cached tokens}, chosen pod, its
+        # capacity in blocks), until routed
+        self._scored: OrderedDict[tuple[str, int], tuple[int, dict[str, int], str, int | None]] = (
+            OrderedDict()
+        )
         # key -> (pod, prompt tokens, predicted uncached tokens), until complete
         self._live: dict[tuple[str, int], tuple[str, int, int]] = {}
         # pod -> block key -> number of live requests routed there that carry it
@@ -342,7 +343,13 @@ class CostPolicy(Policy):
                     chosen = name
         # the predicted uncached tokens per pod are prompt - cached (on_routed)
         scored = self._scored
-        scored[(request.request_id, id(request))] = (prompt, cached, pods)  # _key(request)
+        cap = None
+        if hot_set is not None:  # the chosen pod's cache bounds its hot set (on_routed)
+            for v in pods:
+                if v.pod == chosen:
+                    cap = v.capacity_blocks
+                    break
+        scored[(request.request_id, id(request))] = (prompt, cached, chosen, cap)
         if len(scored) > _MAX_SCORED:  # picks never routed must not pile up
             scored.popitem(last=False)
         return Decision(
@@ -364,15 +371,11 @@ class CostPolicy(Policy):
             prompt = request.prompt_tokens
             miss = prompt
         else:
-            prompt, cached, views = scored
+            prompt, cached, chosen, cap = scored
             c = cached.get(pod)
             miss = prompt if c is None else prompt - c
-            if self._p.hot_window_s > 0:
-                for v in views:
-                    if v.pod == pod:
-                        if v.capacity_blocks is not None:
-                            self._capacity[pod] = v.capacity_blocks
-                        break
+            if cap is not None and pod == chosen:
+                self._capacity[pod] = cap
         old = self._live.pop(key, None)
         if old is not None:  # routed again (retry): forget the first attempt
             self._unledger(old[0], old[1], old[2], request.block_keys)

@@ -18,9 +18,11 @@ For candidate pod ``p`` (``P`` prompt tokens, ``now`` the policy's clock)::
     D          = E[output] * step_p(decoding + 1)             # its decode time
     rho        = min(1, measured prefill utilisation)
     x          = b_p * rho * D / tau                          # prefill slowed by its decode
-    w          = s + x                                        # work it adds to the pod
+    e          = clamp(hot_p + new - capacity_p, 0, new)      # hot blocks it evicts
+    r          = e * B * tau                                  # their recompute, later
+    w          = s + x + r                                    # work it adds to the pod
     N          = lambda_p * (V + w)                           # requests queued behind it
-    score(p)   = ttft + w * N                                 # seconds of delay caused
+    score(p)   = ttft + r + w * N                             # seconds of delay caused
 
 ``a_p, b_p, c_p`` (prefill s/token, its slowdown per running request, per-request
 overhead) and ``step_p`` (decode seconds per step, and per decoding request) are fitted
@@ -34,6 +36,15 @@ per second, while the work ahead of them (``V + w``) drains, each delayed by ``w
 elsewhere (measured: with the busy-period factor the policy hoards misses on idle pods;
 docs/replay.md).  A miss (large ``U``) is therefore expensive where the pod is busy and
 cheap where it is idle; no backlog multiplier.
+
+``e`` is the duplicated prefix's cost in cache room: ``hot_p`` is the pod's hot set as
+this policy knows it (the distinct blocks it routed there in the last ``hot_window_s``,
+:class:`scoring.policies.hot_set.HotBlocks`, the same bookkeeping as ``cost``), ``new``
+the request's full blocks not cached there, ``capacity_p`` the pod's ``num_gpu_blocks``.
+While the hot set and the new blocks fit, nothing is charged; past that each new block
+pushes a hot one out (vLLM evicts LRU), a recompute of ``B`` tokens some later request
+pays on this pod (``r``, once for its owner and, as work, for the requests behind it).
+Unknown capacity, or ``hot_window_s = 0``: no charge.
 
 The smallest score wins; scores within ``tie_epsilon_s`` tie.  Ties narrow to the pods
 with the most free KV room as vLLM has it: blocks held by running requests are
