@@ -28,7 +28,10 @@ plus the new blocks overflow the pod's cache, each new block pushes a hot one ou
 progress) pays: ``evicted`` charges it now, at the same price as the request's own
 misses (zero while the hot set fits, or when the capacity is unknown; without the
 option, zero).  It raises hit rates but lengthens TTFT tails on overloaded small-cache
-fleets (scoring/policies/README.md has the numbers), so it is opt-in.
+fleets (scoring/policies/README.md has the numbers), so it is opt-in.  Hot counts are
+read only where they change the decision: every pod with the charge, else only the tied
+pods of a room tie-break (the hot set is kept incrementally, so a read is one comparison
+until the pod's oldest block leaves the window).
 
 The pod with the smallest score wins.  Pods within ``tie_epsilon_s`` of the minimum
 are tied.  With ``tie_break_by_room`` (default on) the tie narrows to the pods with the
