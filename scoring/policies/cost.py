@@ -28,7 +28,10 @@ plus the new blocks overflow the pod's cache, each new block pushes a hot one ou
 progress) pays: ``evicted`` charges it now, at the same price as the request's own
 misses (zero while the hot set fits, or when the capacity is unknown; without the
 option, zero).  It raises hit rates but lengthens TTFT tails on overloaded small-cache
-fleets (scoring/policies/README.md has the numbers), so it is opt-in.
+fleets (scoring/policies/README.md has the numbers), so it is opt-in.  Hot counts are
+read only where they change the decision: every pod with the charge, else only the tied
+pods of a room tie-break (the hot set is kept incrementally, so a read is one comparison
+until the pod's oldest block leaves the window).
 
 The pod with the smallest score wins.  Pods within ``tie_epsilon_s`` of the minimum
 are tied.  With ``tie_break_by_room`` (default on) the tie narrows to the pods with the
@@ -202,8 +205,11 @@ class CostPolicy(Policy):
         self._p: CostParams = self.params
         # Requests are keyed by (request_id, id(request)): a client may reuse an id, and
         # the router hands the same RouteRequest object to pick / on_routed / on_complete.
-        # key -> (prompt tokens, {pod: predicted uncached tokens}), until routed
-        self._scored: OrderedDict[tuple[str, int], tuple[int, dict[str, int]]] = OrderedDict()
+        # key -> (prompt tokens, {pod: predicted cached tokens}, chosen pod, its
+        # capacity in blocks), until routed
+        self._scored: OrderedDict[tuple[str, int], tuple[int, dict[str, int], str, int | None]] = (
+            OrderedDict()
+        )
         # key -> (pod, prompt tokens, predicted uncached tokens), until complete
         self._live: dict[tuple[str, int], tuple[str, int, int]] = {}
         # pod -> block key -> number of live requests routed there that carry it
@@ -286,7 +292,9 @@ class CostPolicy(Policy):
         evicted: dict[str, int] = {}
         hot_set = self._hot if p.hot_window_s > 0 else None
         now = self.clock() if hot_set is not None else 0.0
-        charge = p.charge_hot_evictions
+        # hot counts are read only where they matter: every pod when misses are
+        # charged their evictions, else only the tied pods of a room tie-break
+        charge = hot_set is not None and p.charge_hot_evictions
         best = None
         for pod, q, uncached in rows:
             name = pod.pod
@@ -306,13 +314,11 @@ class CostPolicy(Policy):
             if running is None:
                 running = pod.inflight
             miss = prompt - c
-            if hot_set is not None:
-                if pod.capacity_blocks is not None:
-                    self._capacity[name] = pod.capacity_blocks
-                h = hot[name] = hot_set.count(name, now)
+            if charge:
+                h = hot[name] = hot_set.count(name, now)  # type: ignore[union-attr]
                 # hot blocks this request's freshly computed blocks push out: each is
                 # a miss a later request pays (0 while the hot set fits the cache)
-                e = evicted_hot(h, len(keys) - c // bs, pod.capacity_blocks) if charge else 0
+                e = evicted_hot(h, len(keys) - c // bs, pod.capacity_blocks)
                 if e:
                     evicted[name] = e
                     miss += e * bs
@@ -323,7 +329,11 @@ class CostPolicy(Policy):
         limit = best + p.tie_epsilon_s  # type: ignore[operator]
         tied = [name for name, t in predicted.items() if t <= limit]
         if len(tied) > 1 and p.tie_break_by_room:
-            tied = most_room([v for v in pods if predicted[v.pod] <= limit], hot)
+            tied_views = [v for v in pods if predicted[v.pod] <= limit]
+            if hot_set is not None and not charge:
+                for v in tied_views:
+                    hot[v.pod] = hot_set.count(v.pod, now)
+            tied = most_room(tied_views, hot)
         chosen = tied[0]
         if len(tied) > 1:  # rendezvous: the highest hash (the first of equal ones) wins
             rid = request.request_id.encode() + b"\x00"
@@ -336,7 +346,13 @@ class CostPolicy(Policy):
                     chosen = name
         # the predicted uncached tokens per pod are prompt - cached (on_routed)
         scored = self._scored
-        scored[(request.request_id, id(request))] = (prompt, cached)  # _key(request)
+        cap = None
+        if hot_set is not None:  # the chosen pod's cache bounds its hot set (on_routed)
+            for v in pods:
+                if v.pod == chosen:
+                    cap = v.capacity_blocks
+                    break
+        scored[(request.request_id, id(request))] = (prompt, cached, chosen, cap)
         if len(scored) > _MAX_SCORED:  # picks never routed must not pile up
             scored.popitem(last=False)
         return Decision(
@@ -358,9 +374,11 @@ class CostPolicy(Policy):
             prompt = request.prompt_tokens
             miss = prompt
         else:
-            prompt, cached = scored
+            prompt, cached, chosen, cap = scored
             c = cached.get(pod)
             miss = prompt if c is None else prompt - c
+            if cap is not None and pod == chosen:
+                self._capacity[pod] = cap
         old = self._live.pop(key, None)
         if old is not None:  # routed again (retry): forget the first attempt
             self._unledger(old[0], old[1], old[2], request.block_keys)

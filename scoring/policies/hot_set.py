@@ -31,19 +31,26 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from scoring.policies.base import PodView
-from scoring.policies.measured import free_blocks
+from scoring.policies.room import free_blocks
 
 #: a pod's remembered keys are bounded (memory) when its capacity is unknown
 MAX_KEYS_PER_POD = 1 << 20
+_INF = float("inf")
 
 
 class HotBlocks:
-    """Per pod: the distinct block keys routed there in the last ``window_s`` seconds."""
+    """Per pod: the distinct block keys routed there in the last ``window_s`` seconds.
+
+    Bookkeeping is incremental: :meth:`routed` costs one dictionary update per key, and
+    :meth:`count` is a comparison with the time the pod's oldest key leaves the window
+    (kept per pod) until that time passes; only then are the expired keys dropped."""
 
     def __init__(self, window_s: float, max_keys: int = MAX_KEYS_PER_POD) -> None:
         self.window_s = window_s
         self.max_keys = max_keys
         self._pods: dict[str, OrderedDict[int, float]] = {}
+        # pod -> when its oldest remembered key leaves the window (absent: no keys)
+        self._next_expiry: dict[str, float] = {}
 
     def routed(
         self, pod: str, keys: Sequence[int], now: float, capacity: int | None = None
@@ -59,29 +66,34 @@ class HotBlocks:
             if k in seen:
                 move(k)
             seen[k] = now
-        self._expire(seen, now)
         limit = self.max_keys if capacity is None else min(self.max_keys, 2 * capacity)
         while len(seen) > limit:
             seen.popitem(last=False)
+        self._expire(pod, seen, now)
 
     def count(self, pod: str, now: float) -> int:
         """Distinct keys routed to ``pod`` within the window before ``now``."""
+        if now < self._next_expiry.get(pod, -_INF):
+            return len(self._pods[pod])
         seen = self._pods.get(pod)
         if not seen:
             return 0
-        self._expire(seen, now)
+        self._expire(pod, seen, now)
         return len(seen)
 
     def forget(self, pod: str) -> None:
         self._pods.pop(pod, None)
+        self._next_expiry.pop(pod, None)
 
-    def _expire(self, seen: OrderedDict[int, float], now: float) -> None:
+    def _expire(self, pod: str, seen: OrderedDict[int, float], now: float) -> None:
         horizon = now - self.window_s
         while seen:
-            k = next(iter(seen))
-            if seen[k] >= horizon:
+            t = seen[next(iter(seen))]
+            if t >= horizon:
+                self._next_expiry[pod] = t + self.window_s
                 return
-            del seen[k]
+            seen.popitem(last=False)
+        self._next_expiry.pop(pod, None)
 
 
 def room(view: PodView, hot: int) -> float | None:

@@ -18,9 +18,11 @@ For candidate pod ``p`` (``P`` prompt tokens, ``now`` the policy's clock)::
     D          = E[output] * step_p(decoding + 1)             # its decode time
     rho        = min(1, measured prefill utilisation)
     x          = b_p * rho * D / tau                          # prefill slowed by its decode
-    w          = s + x                                        # work it adds to the pod
+    e          = clamp(hot_p + new - capacity_p, 0, new)      # hot blocks it evicts
+    r          = e * B * tau                                  # their recompute, later
+    w          = s + x + r                                    # work it adds to the pod
     N          = lambda_p * (V + w)                           # requests queued behind it
-    score(p)   = ttft + w * N                                 # seconds of delay caused
+    score(p)   = ttft + r + w * N                             # seconds of delay caused
 
 ``a_p, b_p, c_p`` (prefill s/token, its slowdown per running request, per-request
 overhead) and ``step_p`` (decode seconds per step, and per decoding request) are fitted
@@ -34,6 +36,15 @@ per second, while the work ahead of them (``V + w``) drains, each delayed by ``w
 elsewhere (measured: with the busy-period factor the policy hoards misses on idle pods;
 docs/replay.md).  A miss (large ``U``) is therefore expensive where the pod is busy and
 cheap where it is idle; no backlog multiplier.
+
+``e`` is the duplicated prefix's cost in cache room: ``hot_p`` is the pod's hot set as
+this policy knows it (the distinct blocks it routed there in the last ``hot_window_s``,
+:class:`scoring.policies.hot_set.HotBlocks`, the same bookkeeping as ``cost``), ``new``
+the request's full blocks not cached there, ``capacity_p`` the pod's ``num_gpu_blocks``.
+While the hot set and the new blocks fit, nothing is charged; past that each new block
+pushes a hot one out (vLLM evicts LRU), a recompute of ``B`` tokens some later request
+pays on this pod (``r``, once for its owner and, as work, for the requests behind it).
+Unknown capacity, or ``hot_window_s = 0``: no charge.
 
 The smallest score wins; scores within ``tie_epsilon_s`` tie.  Ties narrow to the pods
 with the most free KV room as vLLM has it: blocks held by running requests are
@@ -60,7 +71,9 @@ from pydantic import Field, field_validator
 
 from scoring.index.base import DEFAULT_TIERS
 from scoring.policies.base import Decision, PodView, Policy, PolicyParams, RouteRequest
+from scoring.policies.hot_set import HotBlocks, evicted_hot
 from scoring.policies.pod_rates import Calibration, PodRates, Priors, valid_observation
+from scoring.policies.room import free_blocks
 from scoring.policies.select import require_candidates
 from scoring.policies.tiers import tier_hits
 
@@ -93,6 +106,12 @@ class MeasuredParams(PolicyParams):
     )
     tiers: tuple[str, ...] = DEFAULT_TIERS
     count_inflight_prefixes: bool = True
+    hot_window_s: float = Field(
+        default=300.0,
+        ge=0.0,
+        description="blocks routed to a pod this recently are hot: a miss that evicts them "
+        "is charged their recompute (0: off)",
+    )
     tie_epsilon_s: float = Field(default=0.001, ge=0.0)
     seed: int = 0
 
@@ -121,19 +140,6 @@ class _PodBook:
     queued_prompt: int = 0  # own live requests not past their first token
     queued_uncached: int = 0
     decoding: int = 0  # own live requests past their first token
-
-
-def free_blocks(view: PodView) -> float | None:
-    """Free KV room as vLLM has it (blocks not held by running requests), or ``None``."""
-    cap = view.capacity_blocks
-    if cap is None:
-        return None
-    usage = view.kv_usage
-    if usage is not None and math.isfinite(usage):
-        return cap * (1.0 - min(1.0, max(0.0, usage)))
-    if view.resident_blocks is not None:
-        return float(cap - view.resident_blocks)
-    return None
 
 
 def _most_room(tied: Sequence[PodView]) -> list[str]:
@@ -179,6 +185,8 @@ class MeasuredPolicy(Policy):
         self._live: dict[tuple[str, int], _Live] = {}
         self._live_keys: dict[str, dict[int, int]] = {}
         self._out_mean = p.output_tokens
+        self._hot = HotBlocks(p.hot_window_s)
+        self._capacity: dict[str, int] = {}
         self._out_w = 1.0 - 1.0 / p.memory
 
     def pod_rates(self, pod: str) -> PodRates:
@@ -213,6 +221,8 @@ class MeasuredPolicy(Policy):
         scores: dict[str, float] = {}
         cached: dict[str, int] = {}
         running_of: dict[str, int] = {}
+        evicted: dict[str, int] = {}
+        hot = self._hot if p.hot_window_s > 0 else None
         best = math.inf
         tiers, load_rates = p.tiers, p.tier_load_rates_tokens_per_s
         for view in pods:
@@ -243,9 +253,20 @@ class MeasuredPolicy(Policy):
             s = overhead + (prompt - c) * tau
             rho = min(rates.utilisation(now), 1.0)  # busy share of time
             x = rates.slowdown_s_per_token() * rho * out * rates.decode_step_s(decoding + 1) / tau
-            w = s + x
+            # hot blocks its fresh blocks push out of the cache: each a recompute on
+            # this pod that a later request pays
+            r = 0.0
+            if hot is not None:
+                cap = view.capacity_blocks
+                if cap is not None:
+                    self._capacity[name] = cap
+                    e = evicted_hot(hot.count(name, now), len(keys) - c // bs, cap)
+                    if e:
+                        r = e * bs * tau
+                        evicted[name] = e
+            w = s + x + r
             n_delayed = rates.arrival_rate(now) * (v + w)
-            score = v + s + transfer + w * n_delayed
+            score = v + s + transfer + r + w * n_delayed
             if not math.isfinite(score):  # cannot happen with validated fits; never NaN
                 self.calibration.reject(name, "score", score)
                 score = 1e30
@@ -272,7 +293,12 @@ class MeasuredPolicy(Policy):
         scored[(request.request_id, id(request))] = (prompt, cached, running_of)
         if len(scored) > _MAX_SCORED:
             scored.popitem(last=False)
-        return Decision(chosen, scores, True, {"cached_tokens": cached, "tied": len(tied)})
+        return Decision(
+            chosen,
+            scores,
+            True,
+            {"cached_tokens": cached, "tied": len(tied), "evicted_hot_blocks": evicted},
+        )
 
     # --- observations -------------------------------------------------------------
 
@@ -302,6 +328,8 @@ class MeasuredPolicy(Policy):
             for k in request.block_keys:
                 live[k] = live.get(k, 0) + 1
         self.pod_rates(pod).arrived(now)
+        if self._p.hot_window_s > 0:
+            self._hot.routed(pod, request.block_keys, now, self._capacity.get(pod))
 
     def on_first_token(self, request: RouteRequest, pod: str, ttft_s: float) -> None:
         entry = self._live.get((request.request_id, id(request)))
@@ -355,6 +383,8 @@ class MeasuredPolicy(Policy):
         self._books.pop(pod, None)
         self._live_keys.pop(pod, None)
         self.rates.pop(pod, None)
+        self._hot.forget(pod)
+        self._capacity.pop(pod, None)
         for key in [k for k, v in self._live.items() if v.pod == pod]:
             del self._live[key]
 

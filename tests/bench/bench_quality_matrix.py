@@ -38,6 +38,7 @@ from scoring.replay.matrix import (
     summarize,
 )
 from scoring.replay.matrix_report import markdown, summary_table
+from scoring.replay.matrix_targets import targets, targets_table
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,12 +66,29 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pod-model", choices=POD_MODELS, default=POD_MODELS[0])
     ap.add_argument("--out", type=Path, help="write OUT.md and OUT.json")
     ap.add_argument("--list", action="store_true", help="print the selected cell ids and exit")
+    ap.add_argument(
+        "--targets",
+        metavar="POLICY",
+        default="cost",
+        help="print issue #9's targets for POLICY (default cost; skipped if not in the run)",
+    )
+    ap.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="FILE",
+        help="no replay: print the summary and targets of an earlier run's OUT.json",
+    )
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
+    if a.from_json is not None:
+        old = json.loads(a.from_json.read_text())
+        print(summary_table(old["summary"]))
+        print_targets(old["cells"], old["run"]["seeds"], a.targets)
+        return 0
     seeds: list[int] = a.seed or [0]
     if len(set(seeds)) != len(seeds):
         print("bench_quality_matrix: --seed values must differ", file=sys.stderr)
@@ -131,14 +149,23 @@ def main(argv: list[str] | None = None) -> int:
         "cells": results,
     }
     print(summary_table(summary))
+    print_targets(results, seeds, a.targets)
     print(f"\n{total} cell runs in {wall_s:.0f} s", file=sys.stderr)
     if a.out is not None:
         base = a.out.with_suffix("") if a.out.suffix in (".md", ".json") else a.out
         base.parent.mkdir(parents=True, exist_ok=True)
         Path(f"{base}.json").write_text(json.dumps(doc, indent=1) + "\n")
-        Path(f"{base}.md").write_text(markdown(doc))
+        text = markdown(doc)
+        if any(a.targets in r["policies"] for r in results):
+            text += "\n" + targets_table(a.targets, targets(results, seeds, a.targets)) + "\n"
+        Path(f"{base}.md").write_text(text)
         print(f"wrote {base}.md and {base}.json", file=sys.stderr)
     return 0
+
+
+def print_targets(results: list[dict[str, Any]], seeds: list[int], policy: str) -> None:
+    if any(policy in r["policies"] for r in results):
+        print("\n" + targets_table(policy, targets(results, seeds, policy)))
 
 
 if __name__ == "__main__":

@@ -212,6 +212,32 @@ def test_a_hit_beats_a_miss_on_an_equally_loaded_fleet() -> None:
     assert pol.pick(req("r", keys), views).pod == "hit"
 
 
+def test_a_miss_that_pushes_hot_blocks_out_pays_their_recompute() -> None:
+    """Both pods idle and cold for the request; p0's cache (20 blocks) is full of blocks
+    routed there a moment ago (a conversation in progress), p1's is empty: the 8 blocks
+    computed on p0 would evict 8 hot ones, each a recompute a later request pays."""
+    pol, clock = policy()
+    warm = req("warm", list(range(20)))
+    pol.pick(warm, [PodView(pod="p0", capacity_blocks=20)])
+    pol.on_routed(warm, "p0")
+    pol.on_complete(warm, "p0")
+    clock.t += 1.0
+    views = [
+        PodView(pod="p0", resident_blocks=20, capacity_blocks=20, kv_usage=0.0),
+        PodView(pod="p1", resident_blocks=20, capacity_blocks=20, kv_usage=0.0),
+    ]
+    d = pol.pick(req("new", list(range(100, 108))), views)
+    assert d.pod == "p1"
+    assert d.detail["evicted_hot_blocks"] == {"p0": 8}
+    assert d.scores["p0"] == pytest.approx(d.scores["p1"] + 8 * BS / 5000.0)
+    # hot tracking off: the two pods tie (equal free room) and no eviction is charged
+    off, _ = policy(hot_window_s=0.0)
+    off.on_routed(warm, "p0")
+    off.on_complete(warm, "p0")
+    d = off.pick(req("new", list(range(100, 108))), views)
+    assert d.detail["evicted_hot_blocks"] == {} and d.scores["p0"] == d.scores["p1"]
+
+
 def test_rates_fit_stays_finite_on_degenerate_input() -> None:
     rates = PodRates(
         Priors(
