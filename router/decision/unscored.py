@@ -18,6 +18,7 @@ from router.decision.responses import Unscored, to_chat
 from router.decision.views import ViewBuilder
 from router.errors import RouterError, bad_request
 from router.fleet.pods import PodRegistry, PodState
+from router.fleet.roles import can_decode
 from router.logs import RateLimitedLog
 from router.metrics import RouterMetrics
 
@@ -162,8 +163,10 @@ class UnscoredRoutes:
         request_id: str,
     ) -> Routed:
         """Embeddings and passthrough requests: no prefix to follow (an embedding leaves
-        no reusable KV cache), so least in-flight, ties rotated."""
-        names = [p.name for p in pods]
+        no reusable KV cache), so least in-flight, ties rotated.  A whole request goes
+        to a pod that may take one: prefill-only pods only when no other pod is left."""
+        whole = [p for p in pods if can_decode(p.role_for(model))]
+        names = [p.name for p in (whole or pods)]
         views = await self.views.views((), names)
         self._rr += 1
         order = sorted(

@@ -283,6 +283,18 @@ async def test_route_explains_the_decode_pod_the_prefill_pod_and_the_split() -> 
         assert "uncached_decode_tokens" in pd["predicted"]
 
 
+async def test_whole_requests_without_a_prompt_to_split_go_to_pods_that_decode() -> None:
+    # embeddings and passthrough requests are routed least loaded, never to a pod that
+    # only prefills (it would answer a whole request nobody sized it for)
+    async with pd_router() as h:
+        for i in range(6):
+            r = await h.client.post(
+                "/v1/embeddings", json={"model": MODEL, "input": f"text number {i}"}
+            )
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvroute-pod"] in ("sim-d0", "sim-d1")
+
+
 # -- failures ---------------------------------------------------------------------------
 
 
