@@ -124,7 +124,7 @@ def count_usage(metrics: RouterMetrics, routed: Routed, pod: str, usage: Usage |
     predicted = min(routed.cached_tokens(pod), (routed.route.prompt_tokens - 1) // bs * bs)
     m = metrics
     m.child(m.engine_cached_tokens, routed.model, pod).inc(reported)
-    if predicted > reported:
-        m.child(m.cache_prediction_error, routed.model, pod, "over").inc(predicted - reported)
-    elif reported > predicted:
-        m.child(m.cache_prediction_error, routed.model, pod, "under").inc(reported - predicted)
+    # both directions move (by 0 when right), so each pod's series exist from its first
+    # reported answer: a panel shows "no error" rather than "no data"
+    m.child(m.cache_prediction_error, routed.model, pod, "over").inc(max(predicted - reported, 0))
+    m.child(m.cache_prediction_error, routed.model, pod, "under").inc(max(reported - predicted, 0))
