@@ -46,11 +46,10 @@ from router.fleet.dns import zmq_endpoint as _endpoint
 from router.fleet.pods import PodRegistry, PodSpec
 from router.fleet.roles import (
     Role,
+    RoleSpelling,
     parse_role,
     parse_role_map,
     role_overrides,
-    role_value,
-    roles_value,
 )
 from router.logs import RateLimitedLog
 
@@ -63,7 +62,7 @@ class DiscoveryError(RuntimeError):
     """Discovery cannot run as configured (the message says what is missing)."""
 
 
-class StaticPod(BaseModel):
+class StaticPod(RoleSpelling):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, description="unique pod name (metrics label, header)")
@@ -79,16 +78,6 @@ class StaticPod(BaseModel):
     roles: dict[str, Role] = Field(
         default_factory=dict, description="per-model P/D roles, {model: role}"
     )
-
-    @field_validator("role", mode="before")
-    @classmethod
-    def _role(cls, v: object) -> object:
-        return role_value(v)
-
-    @field_validator("roles", mode="before")
-    @classmethod
-    def _roles(cls, v: object) -> object:
-        return roles_value(v)
 
     @field_validator("url")
     @classmethod

@@ -33,16 +33,16 @@ import socket
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field
 
 from router.fleet.pods import PodRegistry, PodSpec
-from router.fleet.roles import Role, role_overrides, role_value, roles_value
+from router.fleet.roles import Role, RoleSpelling, role_overrides
 from router.logs import RateLimitedLog
 
 log = logging.getLogger("router.fleet.discovery")
 
 
-class DnsDiscoverySettings(BaseModel):
+class DnsDiscoverySettings(RoleSpelling):
     """One DNS source."""
 
     model_config = ConfigDict(extra="forbid")
@@ -60,16 +60,6 @@ class DnsDiscoverySettings(BaseModel):
     roles: dict[str, Role] = Field(
         default_factory=dict, description="per-model P/D roles of every address"
     )
-
-    @field_validator("role", mode="before")
-    @classmethod
-    def _role(cls, v: object) -> object:
-        return role_value(v)
-
-    @field_validator("roles", mode="before")
-    @classmethod
-    def _roles(cls, v: object) -> object:
-        return roles_value(v)
 
 
 def host_in_url(ip: str) -> str:

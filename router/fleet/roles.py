@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal, get_args
 
+from pydantic import BaseModel, field_validator
+
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = get_args(Role)
 
@@ -83,3 +85,18 @@ def roles_value(v: object) -> object:
     if isinstance(v, dict):
         return {k: parse_role(r, f"roles[{k}]") if isinstance(r, str) else r for k, r in v.items()}
     return v
+
+
+class RoleSpelling(BaseModel):
+    """A settings model's ``role`` / ``roles`` fields read with llm-d's spellings (the
+    fields themselves are the subclass's, with its own descriptions)."""
+
+    @field_validator("role", mode="before", check_fields=False)
+    @classmethod
+    def _role(cls, v: object) -> object:
+        return role_value(v)
+
+    @field_validator("roles", mode="before", check_fields=False)
+    @classmethod
+    def _roles(cls, v: object) -> object:
+        return roles_value(v)
