@@ -110,8 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_quality_matrix: --seed values must differ", file=sys.stderr)
         return 2
     if a.merge:
+        docs = [json.loads(f.read_text()) for f in a.merge]
         try:
-            results, seeds = merge_runs([json.loads(f.read_text()) for f in a.merge], a.seed)
+            results, seeds = merge_runs(docs, a.seed)
+            same = {(d["run"]["block_size"], d["run"]["pod_model"]) for d in docs}
+            if len(same) > 1:
+                raise ValueError(f"runs differ in (block size, pod model): {sorted(same)}")
         except ValueError as e:
             print(f"bench_quality_matrix: --merge: {e}", file=sys.stderr)
             return 2
@@ -122,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
                 "tuning_seed": seeds[0],
                 "held_out_seeds": seeds[1:],
                 "merged": [str(f) for f in a.merge],
+                "policies": list(results[0]["policies"]) if results else [],
+                "block_size": docs[0]["run"]["block_size"],
+                "pod_model": docs[0]["run"]["pod_model"],
+                "wall_s": sum(d["run"]["wall_s"] for d in docs),
+                "jobs": len(docs),
             },
             "summary": summarize(results, seeds),
             "cells": results,
