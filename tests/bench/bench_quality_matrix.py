@@ -110,33 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_quality_matrix: --seed values must differ", file=sys.stderr)
         return 2
     if a.merge:
-        docs = [json.loads(f.read_text()) for f in a.merge]
-        try:
-            results, seeds = merge_runs(docs, a.seed)
-            same = {(d["run"]["block_size"], d["run"]["pod_model"]) for d in docs}
-            if len(same) > 1:
-                raise ValueError(f"runs differ in (block size, pod model): {sorted(same)}")
-        except ValueError as e:
-            print(f"bench_quality_matrix: --merge: {e}", file=sys.stderr)
-            return 2
-        merged: dict[str, Any] = {
-            "run": {
-                "command": "python tests/bench/bench_quality_matrix.py " + shlex.join(argv),
-                "seeds": seeds,
-                "tuning_seed": seeds[0],
-                "held_out_seeds": seeds[1:],
-                "merged": [str(f) for f in a.merge],
-                "policies": list(results[0]["policies"]) if results else [],
-                "block_size": docs[0]["run"]["block_size"],
-                "pod_model": docs[0]["run"]["pod_model"],
-                "wall_s": sum(d["run"]["wall_s"] for d in docs),
-                "jobs": len(docs),
-            },
-            "summary": summarize(results, seeds),
-            "cells": results,
-        }
-        finish(merged, a.targets, a.out)
-        return 0
+        return merge_main(a, argv)
     if a.jobs < 1 or (a.limit is not None and a.limit < 2) or a.block_size < 1:
         print("bench_quality_matrix: --jobs >= 1, --limit >= 2, --block-size >= 1", file=sys.stderr)
         return 2
@@ -174,25 +148,63 @@ def main(argv: list[str] | None = None) -> int:
         traces_dir=a.traces,
         pod_model=a.pod_model,
     )
-    summary = summarize(results, seeds)
     wall_s = time.perf_counter() - wall0
-    doc: dict[str, Any] = {
+    doc = report(
+        argv,
+        seeds,
+        results,
+        policies=policies,
+        block_size=a.block_size,
+        limit=a.limit,
+        pod_model=a.pod_model,
+        jobs=a.jobs,
+        wall_s=wall_s,
+    )
+    print(f"\n{total} cell runs in {wall_s:.0f} s", file=sys.stderr)
+    finish(doc, a.targets, a.out)
+    return 0
+
+
+def report(
+    argv: list[str], seeds: list[int], results: list[dict[str, Any]], **run: Any
+) -> dict[str, Any]:
+    """The run's document: how it was run (``run`` adds to the command and seeds), the
+    summary, every cell."""
+    return {
         "run": {
             "command": "python tests/bench/bench_quality_matrix.py " + shlex.join(argv),
             "seeds": seeds,
             "tuning_seed": seeds[0],
             "held_out_seeds": seeds[1:],
-            "policies": policies,
-            "block_size": a.block_size,
-            "limit": a.limit,
-            "pod_model": a.pod_model,
-            "jobs": a.jobs,
-            "wall_s": wall_s,
+            **run,
         },
-        "summary": summary,
+        "summary": summarize(results, seeds),
         "cells": results,
     }
-    print(f"\n{total} cell runs in {wall_s:.0f} s", file=sys.stderr)
+
+
+def merge_main(a: argparse.Namespace, argv: list[str]) -> int:
+    """``--merge``: join the runs, report, write."""
+    docs = [json.loads(f.read_text()) for f in a.merge]
+    try:
+        results, seeds = merge_runs(docs, a.seed)
+        same = {(d["run"]["block_size"], d["run"]["pod_model"]) for d in docs}
+        if len(same) > 1:
+            raise ValueError(f"runs differ in (block size, pod model): {sorted(same)}")
+    except ValueError as e:
+        print(f"bench_quality_matrix: --merge: {e}", file=sys.stderr)
+        return 2
+    doc = report(
+        argv,
+        seeds,
+        results,
+        merged=[str(f) for f in a.merge],
+        policies=list(results[0]["policies"]) if results else [],
+        block_size=docs[0]["run"]["block_size"],
+        pod_model=docs[0]["run"]["pod_model"],
+        wall_s=sum(d["run"]["wall_s"] for d in docs),
+        jobs=len(docs),
+    )
     finish(doc, a.targets, a.out)
     return 0
 
