@@ -11,8 +11,8 @@ For candidate pod ``p`` (``P`` prompt tokens, ``now`` the policy's clock)::
     n          = running requests (scraped; router in-flight when not scraped)
     tau        = a_p + b_p * n                                # s per prefill token now
     Q          = uncached tokens queued ahead (own ledger; other routers' outstanding
-                 prompts scaled by the ledger's miss share)
-    V          = Q * tau                                      # queue wait
+                 prompts scaled by the ledger's miss share); k = own requests queued
+    V          = Q * tau + k * c_p                            # queue wait
     s          = c_p + U * tau                                # own prefill
     ttft       = V + s + transfer
     D          = E[output] * step_p(decoding + 1)             # its decode time
@@ -21,7 +21,9 @@ For candidate pod ``p`` (``P`` prompt tokens, ``now`` the policy's clock)::
     e          = clamp(hot_p + new - capacity_p, 0, new)      # hot blocks it evicts
     r          = e * B * tau                                  # their recompute, later
     w          = s + x + r                                    # work it adds to the pod
-    N          = lambda_p * (V + w)                           # requests queued behind it
+    N_pod      = lambda_p * (V + w)                           # queued behind it, here
+    N_fleet    = mean_q(lambda_q) * (mean_q(V_q) + w / pods)  # behind it, fleet-wide
+    N          = max(N_pod, N_fleet)                          # requests it delays
     score(p)   = ttft + r + w * N                             # seconds of delay caused
 
 ``a_p, b_p, c_p`` (prefill s/token, its slowdown per running request, per-request
@@ -36,6 +38,19 @@ per second, while the work ahead of them (``V + w``) drains, each delayed by ``w
 elsewhere (measured: with the busy-period factor the policy hoards misses on idle pods;
 docs/replay.md).  A miss (large ``U``) is therefore expensive where the pod is busy and
 cheap where it is idle; no backlog multiplier.
+
+``V`` counts ``c_p`` once per queued request: the fit puts into ``c_p`` what the
+predicted uncached tokens miss (hits the ledger counted that are evicted before the
+request runs), and every queued request pays it (without it, on a small bursty RAG
+fleet, a pod whose queue takes 40 s was scored as if it took about 1 s).
+
+``N_fleet`` is the same count for a fleet that shares its backlog: when every pod has a
+queue, the router spreads later arrivals over the pods, so ``w`` seconds of work
+anywhere delay every request the fleet receives until its mean queue ``mean_q(V_q)``
+drains, each by ``w / pods``: ``pods * mean(lambda) * (mean V + w / pods)`` requests
+times ``w / pods`` seconds is ``w * N_fleet``.  The larger of the two counts is used
+(the pod's own followers are among the fleet's when it is balanced; a pod hotter than
+the fleet delays more of its own).  ``pooled_delay: false`` keeps ``N_pod`` alone.
 
 ``e`` is the duplicated prefix's cost in cache room: ``hot_p`` is the pod's hot set as
 this policy knows it (the distinct blocks it routed there in the last ``hot_window_s``,
@@ -113,6 +128,10 @@ class MeasuredParams(PolicyParams):
         "is charged their recompute (0: off)",
     )
     tie_epsilon_s: float = Field(default=0.001, ge=0.0)
+    pooled_delay: bool = Field(
+        default=True,
+        description="count the requests a fleet-wide backlog queues behind the work too",
+    )
     seed: int = 0
 
     @field_validator("tier_load_rates_tokens_per_s")
@@ -139,6 +158,7 @@ class _Live:
 class _PodBook:
     queued_prompt: int = 0  # own live requests not past their first token
     queued_uncached: int = 0
+    queued: int = 0  # how many they are
     decoding: int = 0  # own live requests past their first token
 
 
@@ -224,6 +244,7 @@ class MeasuredPolicy(Policy):
         evicted: dict[str, int] = {}
         hot = self._hot if p.hot_window_s > 0 else None
         best = math.inf
+        rows: list[tuple[str, float, float, float, float]] = []
         tiers, load_rates = p.tiers, p.tier_load_rates_tokens_per_s
         for view in pods:
             name = view.pod
@@ -249,7 +270,7 @@ class MeasuredPolicy(Policy):
                 q = float(outstanding)
             tau = rates.token_s(running)
             overhead = rates.prefill.theta[0]
-            v = q * tau
+            v = q * tau + (book.queued * overhead if book is not None else 0.0)
             s = overhead + (prompt - c) * tau
             rho = min(rates.utilisation(now), 1.0)  # busy share of time
             x = rates.slowdown_s_per_token() * rho * out * rates.decode_step_s(decoding + 1) / tau
@@ -265,14 +286,22 @@ class MeasuredPolicy(Policy):
                         r = e * bs * tau
                         evicted[name] = e
             w = s + x + r
-            n_delayed = rates.arrival_rate(now) * (v + w)
-            score = v + s + transfer + r + w * n_delayed
+            rows.append((name, v, s + transfer + r, w, rates.arrival_rate(now)))
+            cached[name] = c
+            running_of[name] = running
+        pooled = p.pooled_delay
+        n = len(rows)
+        lam_f = sum(row[4] for row in rows) / n
+        v_f = sum(row[1] for row in rows) / n
+        for name, v, own, w, lam in rows:
+            n_delayed = lam * (v + w)
+            if pooled:
+                n_delayed = max(n_delayed, lam_f * (v_f + w / n))
+            score = v + own + w * n_delayed
             if not math.isfinite(score):  # cannot happen with validated fits; never NaN
                 self.calibration.reject(name, "score", score)
                 score = 1e30
             scores[name] = score
-            cached[name] = c
-            running_of[name] = running
             if score < best:
                 best = score
         limit = best + p.tie_epsilon_s
@@ -323,6 +352,7 @@ class MeasuredPolicy(Policy):
         book = self._books.setdefault(pod, _PodBook())
         book.queued_prompt += prompt
         book.queued_uncached += miss
+        book.queued += 1
         if self._p.count_inflight_prefixes:
             live = self._live_keys.setdefault(pod, {})
             for k in request.block_keys:
@@ -339,6 +369,7 @@ class MeasuredPolicy(Policy):
         book = self._books.setdefault(pod, _PodBook())
         book.queued_prompt -= entry.prompt
         book.queued_uncached -= entry.uncached
+        book.queued -= 1
         entry.decoding = book.decoding
         book.decoding += 1
         entry.first_token_at = now
@@ -394,6 +425,7 @@ class MeasuredPolicy(Policy):
             if entry.first_token_at is None:
                 book.queued_prompt -= entry.prompt
                 book.queued_uncached -= entry.uncached
+                book.queued -= 1
             else:
                 book.decoding -= 1
         live = self._live_keys.get(entry.pod)

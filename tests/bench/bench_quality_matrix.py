@@ -3,6 +3,8 @@
     python tests/bench/bench_quality_matrix.py --quick --out /tmp/matrix
     python tests/bench/bench_quality_matrix.py --jobs 2 --seed 0 --seed 1 --seed 2 --out /tmp/full
     python tests/bench/bench_quality_matrix.py --cells 'agentic/*' --cells '*/p16-*/*/load110'
+    python tests/bench/bench_quality_matrix.py --merge /tmp/peers.json --merge /tmp/mine.json \
+        --seed 0 --seed 1 --seed 2 --targets measured --out /tmp/both
 
 Runs :func:`scoring.replay.matrix.run_matrix` (see that module for the dimensions and
 metrics) and writes ``OUT.md`` (the summary, then one row per cell, seed and policy) and
@@ -11,6 +13,11 @@ The first ``--seed`` is the tuning seed, the others are held out: compare a poli
 summary columns for the two groups before believing a constant.  The Mooncake traces
 (``--traces``, default ``../shared/traces/`` next to the repo) are the same for every
 seed.  Policies are whatever the registry holds (``--policy`` to pick some).
+``--merge`` (repeatable) replays nothing: it joins earlier runs' ``OUT.json`` cell by
+cell (the policies of the same cell and seed side by side, a later file winning for a
+policy in both; the replay is in virtual time, so a policy's numbers do not depend on
+the run it came from), recomputes the ratios to each cell's best, the summary and the
+targets.  It refuses cells whose traces differ or whose policy sets end up different.
 
 Cost: ``--quick`` (14 cells, 8 policies) takes about 2 minutes on the 2 shared cores;
 the full matrix (378 cells) an estimated 40 minutes with ``--jobs 2`` (docs/replay.md).
@@ -31,6 +38,7 @@ from scoring.replay.matrix import (
     MOONCAKE,
     POD_MODELS,
     TRACES_DIR,
+    add_ratios,
     full_matrix,
     quick_matrix,
     run_matrix,
@@ -73,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="print issue #9's targets for POLICY (default cost; skipped if not in the run)",
     )
     ap.add_argument(
+        "--merge",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="FILE",
+        help="no replay: join earlier runs' OUT.json (repeatable; --seed orders the seeds)",
+    )
+    ap.add_argument(
         "--from-json",
         type=Path,
         metavar="FILE",
@@ -93,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(set(seeds)) != len(seeds):
         print("bench_quality_matrix: --seed values must differ", file=sys.stderr)
         return 2
+    if a.merge:
+        return merge_main(a, argv)
     if a.jobs < 1 or (a.limit is not None and a.limit < 2) or a.block_size < 1:
         print("bench_quality_matrix: --jobs >= 1, --limit >= 2, --block-size >= 1", file=sys.stderr)
         return 2
@@ -130,37 +148,111 @@ def main(argv: list[str] | None = None) -> int:
         traces_dir=a.traces,
         pod_model=a.pod_model,
     )
-    summary = summarize(results, seeds)
     wall_s = time.perf_counter() - wall0
-    doc: dict[str, Any] = {
+    doc = report(
+        argv,
+        seeds,
+        results,
+        policies=policies,
+        block_size=a.block_size,
+        limit=a.limit,
+        pod_model=a.pod_model,
+        jobs=a.jobs,
+        wall_s=wall_s,
+    )
+    print(f"\n{total} cell runs in {wall_s:.0f} s", file=sys.stderr)
+    finish(doc, a.targets, a.out)
+    return 0
+
+
+def report(
+    argv: list[str], seeds: list[int], results: list[dict[str, Any]], **run: Any
+) -> dict[str, Any]:
+    """The run's document: how it was run (``run`` adds to the command and seeds), the
+    summary, every cell."""
+    return {
         "run": {
             "command": "python tests/bench/bench_quality_matrix.py " + shlex.join(argv),
             "seeds": seeds,
             "tuning_seed": seeds[0],
             "held_out_seeds": seeds[1:],
-            "policies": policies,
-            "block_size": a.block_size,
-            "limit": a.limit,
-            "pod_model": a.pod_model,
-            "jobs": a.jobs,
-            "wall_s": wall_s,
+            **run,
         },
-        "summary": summary,
+        "summary": summarize(results, seeds),
         "cells": results,
     }
-    print(summary_table(summary))
-    print_targets(results, seeds, a.targets)
-    print(f"\n{total} cell runs in {wall_s:.0f} s", file=sys.stderr)
-    if a.out is not None:
-        base = a.out.with_suffix("") if a.out.suffix in (".md", ".json") else a.out
-        base.parent.mkdir(parents=True, exist_ok=True)
-        Path(f"{base}.json").write_text(json.dumps(doc, indent=1) + "\n")
-        text = markdown(doc)
-        if any(a.targets in r["policies"] for r in results):
-            text += "\n" + targets_table(a.targets, targets(results, seeds, a.targets)) + "\n"
-        Path(f"{base}.md").write_text(text)
-        print(f"wrote {base}.md and {base}.json", file=sys.stderr)
+
+
+def merge_main(a: argparse.Namespace, argv: list[str]) -> int:
+    """``--merge``: join the runs, report, write."""
+    docs = [json.loads(f.read_text()) for f in a.merge]
+    try:
+        results, seeds = merge_runs(docs, a.seed)
+        same = {(d["run"]["block_size"], d["run"]["pod_model"]) for d in docs}
+        if len(same) > 1:
+            raise ValueError(f"runs differ in (block size, pod model): {sorted(same)}")
+    except ValueError as e:
+        print(f"bench_quality_matrix: --merge: {e}", file=sys.stderr)
+        return 2
+    doc = report(
+        argv,
+        seeds,
+        results,
+        merged=[str(f) for f in a.merge],
+        policies=list(results[0]["policies"]) if results else [],
+        block_size=docs[0]["run"]["block_size"],
+        pod_model=docs[0]["run"]["pod_model"],
+        wall_s=sum(d["run"]["wall_s"] for d in docs),
+        jobs=len(docs),
+    )
+    finish(doc, a.targets, a.out)
     return 0
+
+
+def finish(doc: dict[str, Any], policy: str, out: Path | None) -> None:
+    """Print the summary and ``policy``'s targets; write ``out``.md / .json if given."""
+    results, seeds = doc["cells"], doc["run"]["seeds"]
+    print(summary_table(doc["summary"]))
+    print_targets(results, seeds, policy)
+    if out is None:
+        return
+    base = out.with_suffix("") if out.suffix in (".md", ".json") else out
+    base.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{base}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    text = markdown(doc)
+    if any(policy in r["policies"] for r in results):
+        text += "\n" + targets_table(policy, targets(results, seeds, policy)) + "\n"
+    Path(f"{base}.md").write_text(text)
+    print(f"wrote {base}.md and {base}.json", file=sys.stderr)
+
+
+def merge_runs(
+    docs: list[dict[str, Any]], seeds: list[int] | None
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """The cells of several runs joined per (cell, seed), ratios recomputed, and the
+    seeds (``seeds`` if given, else in order of appearance); raises ``ValueError``."""
+    merged: dict[tuple[str, int], dict[str, Any]] = {}
+    order: list[int] = []
+    for doc in docs:
+        for r in doc["cells"]:
+            if r["seed"] not in order:
+                order.append(r["seed"])
+            key = (r["cell"], r["seed"])
+            have = merged.get(key)
+            if have is None:
+                merged[key] = {**r, "policies": dict(r["policies"])}
+            elif have["requests"] != r["requests"] or have["ceilings"] != r["ceilings"]:
+                raise ValueError(f"{key[0]} seed {key[1]}: the runs replayed different traces")
+            else:
+                have["policies"].update(r["policies"])
+    sets = {tuple(sorted(r["policies"])) for r in merged.values()}
+    if len(sets) > 1:
+        raise ValueError(f"cells have different policy sets: {sorted(sets)}")
+    seeds = list(seeds) if seeds else order
+    results = [merged[k] for k in sorted(merged) if k[1] in seeds]
+    for r in results:
+        add_ratios(r)
+    return results, seeds
 
 
 def print_targets(results: list[dict[str, Any]], seeds: list[int], policy: str) -> None:

@@ -205,6 +205,46 @@ def test_a_miss_costs_more_where_requests_will_queue_behind_it() -> None:
     assert d.pod == "calm"
 
 
+def test_every_queued_request_pays_the_pods_learned_per_request_time() -> None:
+    """'a' has learned that a request costs it 0.5 s beyond its tokens (in the replay:
+    hits the router counted that were evicted before the request ran); six queued
+    requests predicted all-hit still make a 3 s queue, so a small miss on idle 'b' wins."""
+    pol, clock = policy(prefill_rate_tokens_per_s=5000)
+    for i in range(200):
+        tokens = 200 + 300 * (i % 13)
+        serve(pol, clock, "a", f"w{i}", tokens, 0.5 + tokens / 5000)
+    c = pol.rates["a"].prefill.theta[0]
+    assert c == pytest.approx(0.5, abs=0.02)
+    keys = list(range(100))
+    for i in range(6):  # queued on 'a', every block predicted cached, never answered
+        r = req(f"q{i}", keys)
+        pol.pick(r, [PodView(pod="a", hits={"GPU": 100})])
+        pol.on_routed(r, "a")
+    d = pol.pick(req("x", keys), [PodView(pod="a", hits={"GPU": 100}), PodView(pod="b")])
+    assert d.scores["a"] >= 6 * c
+    assert d.pod == "b"
+
+
+def test_when_the_whole_fleet_queues_a_miss_is_charged_for_the_fleets_followers() -> None:
+    """'a' and 'c' take a request every 0.1 s, 'b' one a second, none answered: every
+    pod has a queue.  'a' holds the prompt (1.6 s queue), 'b' would miss it (0.32 s of
+    work behind a 0.16 s queue).  Counting only b's own followers, b wins; but the
+    router spreads the fleet's later arrivals, so the work delays the fleet's followers
+    (``N_fleet``), and the hit on 'a' costs less delay."""
+    picks = {}
+    for pooled in (False, True):
+        pol, clock = policy(prefill_rate_tokens_per_s=5000, pooled_delay=pooled)
+        for i in range(20):
+            for pod in ("a", "c", "b") if i % 10 == 0 else ("a", "c"):
+                r = req(f"{pod}{i}", prompt=400)
+                pol.pick(r, [PodView(pod=pod)])
+                pol.on_routed(r, pod)
+            clock.t += 0.1
+        views = [PodView(pod="a", hits={"GPU": 100}), PodView(pod="b"), PodView(pod="c")]
+        picks[pooled] = pol.pick(req("x", list(range(100))), views).pod
+    assert picks == {False: "b", True: "a"}
+
+
 def test_a_hit_beats_a_miss_on_an_equally_loaded_fleet() -> None:
     pol, _ = policy()
     keys = list(range(64))

@@ -1,0 +1,47 @@
+"""``bench_quality_matrix.py --merge``: runs of different policies on the same cells,
+joined cell by cell, their ratios recomputed against the joined cell's best."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_quality_matrix.py"
+_spec = importlib.util.spec_from_file_location("bench_quality_matrix", _BENCH)
+assert _spec is not None and _spec.loader is not None
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def cell(name: str, seed: int, requests: int = 100, **p90: float) -> dict[str, Any]:
+    return {
+        "cell": name,
+        "seed": seed,
+        "requests": requests,
+        "ceilings": {"infinite": 0.5, "pooled": 0.4},
+        "policies": {
+            p: {"ttft_p50_s": t / 2, "ttft_p90_s": t, "ttft_p99_s": 2 * t} for p, t in p90.items()
+        },
+    }
+
+
+def test_merge_joins_policies_per_cell_and_recomputes_the_ratios() -> None:
+    peers = {"cells": [cell("a", 0, cost=2.0, llmd=4.0), cell("a", 1, cost=3.0, llmd=1.5)]}
+    mine = {"cells": [cell("a", 1, measured=1.0), cell("a", 0, measured=8.0)]}
+    results, seeds = bench.merge_runs([peers, mine], None)
+    assert seeds == [0, 1]
+    by_seed = {r["seed"]: r["policies"] for r in results}
+    assert by_seed[0]["cost"]["p90_vs_best"] == 1.0
+    assert by_seed[0]["measured"]["p90_vs_best"] == 4.0
+    assert by_seed[1]["llmd"]["p90_vs_best"] == 1.5  # measured's 1.0 is now the best
+
+
+def test_merge_refuses_different_traces_and_incomplete_cells() -> None:
+    a = {"cells": [cell("a", 0, cost=1.0)]}
+    with pytest.raises(ValueError, match="different traces"):
+        bench.merge_runs([a, {"cells": [cell("a", 0, requests=99, measured=1.0)]}], None)
+    with pytest.raises(ValueError, match="policy sets"):
+        bench.merge_runs([a, {"cells": [cell("b", 0, measured=1.0)]}], None)
