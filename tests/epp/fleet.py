@@ -16,6 +16,9 @@ from router.sim.pod import SimPod
 from router.sim.settings import SimSettings
 
 MODEL = "sim-model"
+#: the gRPC server of the EPPs :func:`running_epp` starts (the ``grpc_server`` fixture
+#: of tests/epp/conftest.py runs a test on each)
+GRPC_SERVER = "h2"
 
 
 def sim(i: int, **kw: Any) -> SimSettings:
@@ -62,7 +65,12 @@ async def running_epp(
     settings: Settings, *, endpoints: int = 1
 ) -> AsyncIterator[tuple[EppServer, grpc.aio.Channel]]:
     """An EPP on free loopback ports and a gRPC channel to it."""
-    server = EppServer(EndpointPicker(settings, endpoints=endpoints), grpc_port=0, metrics_port=0)
+    server = EppServer(
+        EndpointPicker(settings, endpoints=endpoints),
+        grpc_port=0,
+        metrics_port=0,
+        grpc_server=GRPC_SERVER,
+    )
     await server.start()
     try:
         async with grpc.aio.insecure_channel(server.grpc_address) as channel:

@@ -221,6 +221,7 @@ async def test_a_picker_reading_the_redis_index_of_kvroute_index_sends_them_ther
     assert abs(epp_hit_rate - served_hit_rate) <= 0.02
 
 
+@pytest.mark.usefixtures("grpc_server")
 async def test_a_streamed_answer_flows_through_envoy_and_its_usage_is_read() -> None:
     async with sim_pods(2) as pods, epp_envoy(pods, settings_for(pods)) as (server, client, proxy):
         body: dict[str, Any] = {
@@ -259,6 +260,7 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.usefixtures("grpc_server")
 async def test_a_fallback_list_is_walked_and_the_endpoint_that_served_is_accounted() -> None:
     async with sim_pods(1) as pods:
         dead = {"name": "dead-0", "url": f"http://127.0.0.1:{_closed_port()}", "models": [MODEL]}
@@ -300,6 +302,7 @@ class _Unreachable:
         self.url = url
 
 
+@pytest.mark.usefixtures("grpc_server")
 async def test_no_ready_pod_is_a_503_from_the_picker_through_envoy() -> None:
     async with sim_pods(1) as pods:
         dead = {"name": "dead-0", "url": f"http://127.0.0.1:{_closed_port()}", "models": [MODEL]}
@@ -328,6 +331,7 @@ async def test_when_the_picker_is_down_envoy_fails_open_or_closed_as_configured(
     assert statuses == [expected] * 2
 
 
+@pytest.mark.usefixtures("grpc_server")
 async def test_kvroute_serve_and_envoy_agree_on_errors_for_a_bad_body() -> None:
     async with sim_pods(1) as pods, epp_envoy(pods, settings_for(pods)) as (_, client, _):
         r = await client.post(
@@ -339,6 +343,7 @@ async def test_kvroute_serve_and_envoy_agree_on_errors_for_a_bad_body() -> None:
     assert r.json()["error"]["code"] == "invalid_json"
 
 
+@pytest.mark.usefixtures("grpc_server")
 async def test_many_concurrent_requests_through_envoy_all_complete_and_release_their_load() -> None:
     async with sim_pods(3) as pods, epp_envoy(pods, settings_for(pods)) as (server, client, _):
 
