@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_router_overhead import Conn, Proc, cpu_seconds, free_port, pct  # noqa: E402
-from epp_echo import start_echo  # noqa: E402
+from epp_echo import MODES, start_echo  # noqa: E402
 
 from tests.epp.envoy_proxy import Envoy, envoy_binary, envoy_config  # noqa: E402
 
@@ -219,20 +219,27 @@ def start_sim(i: int) -> tuple[Proc, str]:
     return Proc(f"sim-{i}", p), str(info["url"])
 
 
-def start_epp(urls: list[str], config_dir: Path, root: Path = ROOT) -> tuple[Proc, int]:
+def start_epp(
+    urls: list[str], config_dir: Path, root: Path = ROOT, server: str | None = None
+) -> tuple[Proc, int]:
+    """`kvroute epp` from the checkout ``root`` as a user runs it (its own event loop),
+    on the gRPC server ``server`` (None: its default)."""
     static = [{"name": f"sim-{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)]
     config = config_dir / f"epp-{free_port()}.json"  # JSON is YAML
     config.write_text(json.dumps({"discovery": {"static": static}, "fleet": {"enabled": False}}))
     # no KV events (blank pods publish none; the sims' endpoints are not passed): the
     # index stays empty, the decision still tokenizes, hashes and looks up every prompt
     grpc_port = free_port()
-    code = "import sys, uvloop; uvloop.install(); from router.cli import main; sys.exit(main())"
     args = ["epp", "--grpc-port", str(grpc_port), "--metrics-port", str(free_port())]
+    if server is not None:
+        args += ["--grpc-server", server]
+    args += ["--config", str(config), "--log-level", "warning"]
     p = subprocess.Popen(
-        [sys.executable, "-c", code, *args, "--config", str(config), "--log-level", "warning"],
+        [sys.executable, "-m", "router.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env={**os.environ, "PYTHONPATH": str(root)},
+        cwd=str(root),
     )
     assert p.stdout is not None
     line = p.stdout.readline().decode()  # "kvroute epp: ext_proc on ..., metrics on ..."
@@ -246,6 +253,14 @@ def host_port(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _modes(value: str) -> list[str]:
+    modes = [m for m in value.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            raise argparse.ArgumentTypeError(f"unknown server {m!r} (one of {', '.join(MODES)})")
+    return modes
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--pods", type=int, default=4)
@@ -254,13 +269,26 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,20,32")
     ap.add_argument("--sizes", default="small,200k")
     ap.add_argument(
+        "--servers",
+        default="",
+        help="`kvroute epp --grpc-server` of each picker target, comma separated "
+        "(h2, grpcio; default: one picker on its default server)",
+    )
+    ap.add_argument(
         "--floor",
         nargs="?",
         const=["aio"],
         default="",
-        type=lambda v: [m for m in v.split(",") if m],
+        type=_modes,
         help="also Envoy + a picker deciding nothing, on grpc.aio (aio: the default), "
-        "grpc.aio on uvloop (uvloop) or grpc's threaded server (sync); comma separated",
+        "grpc.aio on uvloop (uvloop), grpc's threaded server (sync), grpclib "
+        "(grpclib) or grpclib on uvloop (grpclib-uvloop); comma separated",
+    )
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="with --floor: print each do-nothing picker's messages per stream (in and "
+        "out, in order) and the median time of each since the stream's first message",
     )
     ap.add_argument(
         "--baseline",
@@ -300,16 +328,20 @@ def main() -> int:
                 proc, url = start_blank(i, args.pod_delay_ms)
             procs.append(proc)
             urls.append(url)
-        epp, grpc_port = start_epp(urls, tmp)
-        procs.append(epp)
         pods = [host_port(u) for u in urls]
         rr = Envoy(envoy_config(pods, None), binary).start()
         envoys.append(rr)
-        picked = Envoy(envoy_config(pods, ("127.0.0.1", grpc_port)), binary).start()
-        envoys.append(picked)
         targets = {"envoy rr": int(rr.url.rsplit(":", 1)[1])}
-        targets["envoy + epp"] = int(picked.url.rsplit(":", 1)[1])
-        watched = {"envoy + epp": epp}
+        watched: dict[str, Proc] = {}
+        servers: list[str | None] = [s for s in args.servers.split(",") if s] or [None]
+        for server in servers:
+            epp, grpc_port = start_epp(urls, tmp, server=server)
+            procs.append(epp)
+            picked = Envoy(envoy_config(pods, ("127.0.0.1", grpc_port)), binary).start()
+            envoys.append(picked)
+            name = "envoy + epp" + (f" ({server})" if server else "")
+            targets[name] = int(picked.url.rsplit(":", 1)[1])
+            watched[name] = epp
         for other in args.baseline:
             base, base_port = start_epp(urls, tmp, Path(other).resolve())
             procs.append(base)
@@ -318,8 +350,11 @@ def main() -> int:
             name = f"envoy + epp @ {other}"
             targets[name] = int(envoy_base.url.rsplit(":", 1)[1])
             watched[name] = base
+        traces: dict[str, Path] = {}
         for mode in args.floor:
-            echo, echo_port = start_echo(urls, mode)
+            if args.trace:
+                traces[mode] = tmp / f"trace-{mode}.jsonl"
+            echo, echo_port = start_echo(urls, mode, traces.get(mode))
             procs.append(echo)
             floor = Envoy(envoy_config(pods, ("127.0.0.1", echo_port)), binary).start()
             envoys.append(floor)
@@ -346,6 +381,8 @@ def main() -> int:
                             (pct(lat, 0.5), pct(lat, 0.9), rps, cpu / max(1, len(lat)))
                         )
         print_table(rows)
+        for mode, path in traces.items():
+            print_trace(mode, path)
     finally:
         for e in envoys:
             e.stop()
@@ -376,6 +413,23 @@ def print_table(rows: dict[tuple[str, int], dict[str, list[Any]]]) -> None:
                 f"| {size} | {c} | {name} | {p50:.2f} / {p90:.2f} ms | {added} "
                 f"| {med(r[2] for r in runs):.0f} | {cpu} |"
             )
+
+
+def print_trace(mode: str, path: Path) -> None:
+    """The two most common message sequences of the do-nothing picker ``mode``'s
+    streams, each message with its median time since the stream's first one."""
+    streams = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    groups: dict[tuple[tuple[str, str], ...], list[list[Any]]] = {}
+    for events in streams:
+        groups.setdefault(tuple((d, k) for _, d, k in events), []).append(events)
+    print(f"\n{mode}: {len(streams)} streams")
+    ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))[:2]
+    for signature, members in ranked:
+        ins = sum(d == "in" for d, _ in signature)
+        print(f"  {len(members)} streams of {ins} messages in, {len(signature) - ins} out:")
+        for i, (direction, kind) in enumerate(signature):
+            t = statistics.median(m[i][0] for m in members)
+            print(f"    {t / 1e3:10.3f} ms  {direction:3}  {kind}")
 
 
 if __name__ == "__main__":
