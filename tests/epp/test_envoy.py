@@ -28,14 +28,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.config import Settings
-from router.epp.server import EppServer
 from router.indexer.main import Indexer
 from router.proxy.app import create_app
 from router.proxy.serve import RunningServer
 from router.sim.pod import SimPod
-from tests.epp.envoy_proxy import Envoy, envoy_binary, envoy_config
-from tests.epp.fleet import MODEL, host_port, running_epp, settings_for, sim_pods
+from tests.epp.envoy_proxy import envoy_binary
+from tests.epp.fleet import MODEL, envoy, epp_envoy, settings_for, sim_pods
 from tests.support.aio import wait_until
 
 BINARY = envoy_binary()
@@ -57,32 +55,6 @@ FROZEN = {"scrape": {"interval_s": 3600.0}}
 #: decisions take a few ms each: no event of the round reaches the index before its last
 #: decision
 SLOW = {"prefill_rate": 1000.0, "decode_rate": 10.0, "time_scale": 0.5}
-
-
-@contextlib.asynccontextmanager
-async def envoy(pods: list[SimPod], epp: tuple[str, int] | None, **kw: Any) -> AsyncIterator[Envoy]:
-    """Envoy in front of ``pods``, started off the loop (its start waits for its first
-    health check of the EPP, which this loop answers)."""
-    assert BINARY is not None
-    proc = Envoy(envoy_config([host_port(p.url) for p in pods], epp, **kw), BINARY)
-    try:
-        yield await asyncio.to_thread(proc.start)
-    finally:
-        await asyncio.to_thread(proc.stop)
-
-
-@contextlib.asynccontextmanager
-async def epp_envoy(
-    pods: list[SimPod], settings: Settings, **kw: Any
-) -> AsyncIterator[tuple[EppServer, httpx.AsyncClient, Envoy]]:
-    endpoints = kw.pop("endpoints", 1)
-    async with running_epp(settings, endpoints=endpoints) as (server, _):
-        address = ("127.0.0.1", server.grpc_port)
-        async with (
-            envoy(pods, address, **kw) as proxy,
-            httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
-        ):
-            yield server, client, proxy
 
 
 async def settled(core: Any, pods: list[SimPod]) -> None:
