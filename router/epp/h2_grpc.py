@@ -33,9 +33,11 @@ from urllib.parse import quote
 
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import hyperframe.frame
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +188,8 @@ class Call:
             headers = [(":status", "200"), ("content-type", "application/grpc")]
             if not pending and self._trailers is not None:  # trailers only
                 h2c.send_headers(sid, headers + self._trailers, end_stream=True)
-                self._headers_sent, self._trailers, self.closed = True, None, True
+                self._headers_sent, self._trailers = True, None
+                self._closed(h2c)
                 return True
             h2c.send_headers(sid, headers)
             self._headers_sent = True
@@ -203,8 +206,17 @@ class Call:
                 pending[0] = data[window:]
         if self._trailers is not None:
             h2c.send_headers(sid, self._trailers, end_stream=True)
-            self._trailers, self.closed = None, True
+            self._trailers = None
+            self._closed(h2c)
         return True
+
+    def _closed(self, h2c: h2.connection.H2Connection) -> None:
+        """Our side is over; a client still sending is told to stop (RST_STREAM
+        NO_ERROR after the status, as HTTP/2 has a server that answered early do)."""
+        self.closed = True
+        if not self.input_done:
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                h2c.reset_stream(self.stream_id, h2.errors.ErrorCodes.NO_ERROR)
 
 
 class _Connection(asyncio.Protocol):
@@ -314,6 +326,7 @@ class _Connection(asyncio.Protocol):
             ]
             with contextlib.suppress(h2.exceptions.ProtocolError):
                 self.h2.send_headers(stream_id, trailers, end_stream=True)
+                self.h2.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
             return
         call = Call(self, stream_id, method)
         self.calls[stream_id] = call
@@ -375,10 +388,14 @@ class _Connection(asyncio.Protocol):
             self.transport.write(data)
 
     def goaway(self) -> None:
+        """Tell the client to open no more streams; the open ones go on (h2's own
+        ``close_connection`` would end the connection's state machine)."""
         if self.transport is not None:
-            with contextlib.suppress(h2.exceptions.ProtocolError):
-                self.h2.close_connection()
             self.flush()
+            frame = hyperframe.frame.GoAwayFrame(
+                stream_id=0, last_stream_id=self.h2.highest_inbound_stream_id, error_code=0
+            )
+            self.transport.write(frame.serialize())
 
 
 class H2GrpcServer:
