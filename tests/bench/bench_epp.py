@@ -223,7 +223,8 @@ def start_epp(
     urls: list[str], config_dir: Path, root: Path = ROOT, server: str | None = None
 ) -> tuple[Proc, int]:
     """`kvroute epp` from the checkout ``root`` as a user runs it (its own event loop),
-    on the gRPC server ``server`` (None: its default)."""
+    on the gRPC server ``server`` (None: its default; ``SERVER/LOOP``, e.g.
+    ``h2/asyncio``: on that event loop)."""
     static = [{"name": f"sim-{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)]
     config = config_dir / f"epp-{free_port()}.json"  # JSON is YAML
     config.write_text(json.dumps({"discovery": {"static": static}, "fleet": {"enabled": False}}))
@@ -232,7 +233,8 @@ def start_epp(
     grpc_port = free_port()
     args = ["epp", "--grpc-port", str(grpc_port), "--metrics-port", str(free_port())]
     if server is not None:
-        args += ["--grpc-server", server]
+        name, _, loop = server.partition("/")
+        args += ["--grpc-server", name] + (["--loop", loop] if loop else [])
     args += ["--config", str(config), "--log-level", "warning"]
     p = subprocess.Popen(
         [sys.executable, "-m", "router.cli", *args],
@@ -272,7 +274,8 @@ def main() -> int:
         "--servers",
         default="",
         help="`kvroute epp --grpc-server` of each picker target, comma separated "
-        "(h2, grpcio; default: one picker on its default server)",
+        "(h2, grpcio, or SERVER/LOOP such as h2/asyncio for --loop; default: one "
+        "picker on its defaults)",
     )
     ap.add_argument(
         "--floor",

@@ -190,9 +190,7 @@ async def _run_h2(port: int, stream: Callable[[], EchoStream]) -> None:
     server = h2_grpc.H2GrpcServer(
         {
             f"/{EXT_PROC}/Process": h2_grpc.Method(process, P.ProcessingRequest),
-            "/grpc.health.v1.Health/Check": h2_grpc.Method(
-                check, health_pb2.HealthCheckRequest
-            ),
+            "/grpc.health.v1.Health/Check": h2_grpc.Method(check, health_pb2.HealthCheckRequest),
         }
     )
     await server.start("127.0.0.1", port)
