@@ -86,6 +86,8 @@ class Call:
         self._unacked = 0
         #: the client ended its side (or reset the stream, or the connection went)
         self.input_done = False
+        #: the handler returned: what still arrives is acknowledged at once (dropped)
+        self._released = False
         #: the stream was reset or the connection lost: writes go nowhere
         self.reset = False
         self.reset_event = asyncio.Event()
@@ -130,6 +132,9 @@ class Call:
 
     def feed(self, data: bytes, flow_controlled: int) -> None:
         self._unacked += flow_controlled
+        if self._released:
+            self.release()
+            return
         if self.error is not None:  # the call is failing: the rest is dropped
             return
         buf = self._buf
@@ -154,6 +159,15 @@ class Call:
             got = True
         if got or self.error is not None:
             self._wake()
+
+    def release(self) -> None:
+        """The handler is done: acknowledge what it left unread (else the connection's
+        window would shrink by it for good)."""
+        self._released = True
+        self._messages.clear()
+        if self._unacked:
+            self._conn.ack(self.stream_id, self._unacked)
+            self._unacked = 0
 
     def end_input(self) -> None:
         self.input_done = True
@@ -349,6 +363,7 @@ class _Connection(asyncio.Protocol):
             log.exception("gRPC handler failed")
             code, message = UNKNOWN, "handler error"
         finally:
+            call.release()
             call.finish(code, message)
 
     def ack(self, stream_id: int, size: int) -> None:

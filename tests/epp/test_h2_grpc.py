@@ -38,6 +38,13 @@ async def _echo(call: h2_grpc.Call) -> None:
         )
 
 
+async def _first_only(call: h2_grpc.Call) -> None:
+    """Reads one message and answers 0.2 s later, while the client goes on sending."""
+    await call.read()
+    await asyncio.sleep(0.2)
+    call.write(ep.ProcessingResponse())
+
+
 async def _fails(call: h2_grpc.Call) -> None:
     await call.read()
     raise RuntimeError("a bug")
@@ -49,6 +56,7 @@ async def echo_server() -> AsyncIterator[tuple[h2_grpc.H2GrpcServer, grpc.aio.Ch
         {
             ECHO: h2_grpc.Method(_echo, ep.ProcessingRequest),
             "/test.Echo/Fails": h2_grpc.Method(_fails, ep.ProcessingRequest),
+            "/test.Echo/FirstOnly": h2_grpc.Method(_first_only, ep.ProcessingRequest),
         }
     )
     port = await server.start("127.0.0.1", 0)
@@ -98,14 +106,45 @@ async def test_concurrent_calls_on_one_connection_each_get_their_own_answers() -
         assert answers == [f"{i}-{j}".encode() * (1 + 5000 * (j % 2)) for j in range(4)]
 
 
+async def test_what_a_call_leaves_unread_is_acknowledged_and_the_connection_keeps_flowing() -> None:
+    # each call ends after its first message while its client sends ~12 MB: what arrives
+    # after the end must still be acknowledged, or the connection's 8 MiB window would
+    # close for good after a few such calls
+    big = body(b"x" * 400_000)
+    async with echo_server() as (_, channel):
+        for _ in range(4):
+            call = _method(channel, "/test.Echo/FirstOnly")(iter([big] * 30), timeout=10)
+            try:
+                async for _answer in call:
+                    pass
+            except grpc.aio.AioRpcError as err:
+                # grpcio's client reports its own send cut short by the status as INTERNAL;
+                # a window closed for good would be DEADLINE_EXCEEDED
+                assert err.code() == grpc.StatusCode.INTERNAL, err
+        after = [
+            r.request_body.response.body_mutation.body
+            async for r in _method(channel, ECHO)(iter([big]), timeout=10)
+        ]
+    assert after == [big.request_body.body]
+
+
 async def test_an_unknown_method_is_unimplemented_and_a_failing_handler_unknown() -> None:
     async with echo_server() as (_, channel):
+
+        def unary(path: str) -> grpc.aio.UnaryUnaryMultiCallable:
+            # (a unary call sends its message with its headers: a status that comes
+            # back before a streamed message went would be reported by the client as its
+            # own failure to send)
+            return channel.unary_unary(
+                path,
+                request_serializer=ep.ProcessingRequest.SerializeToString,
+                response_deserializer=ep.ProcessingResponse.FromString,
+            )
+
         with pytest.raises(grpc.aio.AioRpcError) as unknown:
-            async for _ in _method(channel, "/test.Echo/Nope")(iter([body(b"x")])):
-                pass
+            await unary("/test.Echo/Nope")(body(b"x"))
         with pytest.raises(grpc.aio.AioRpcError) as failed:
-            async for _ in _method(channel, "/test.Echo/Fails")(iter([body(b"x")])):
-                pass
+            await unary("/test.Echo/Fails")(body(b"x"))
         still = [r async for r in _method(channel, ECHO)(iter([body(b"after")]))]
     assert unknown.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert failed.value.code() == grpc.StatusCode.UNKNOWN
@@ -114,12 +153,11 @@ async def test_an_unknown_method_is_unimplemented_and_a_failing_handler_unknown(
 
 async def test_a_message_that_does_not_parse_fails_its_call_with_internal() -> None:
     async with echo_server() as (_, channel):
-        raw = channel.stream_stream(
+        raw = channel.unary_unary(
             ECHO, request_serializer=lambda b: b, response_deserializer=lambda b: b
         )
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in raw(iter([b"\xff\xff\xff"])):
-                pass
+            await raw(b"\xff\xff\xff")
         still = [r async for r in _method(channel, ECHO)(iter([body(b"after")]))]
     assert err.value.code() == grpc.StatusCode.INTERNAL
     assert "parse" in (err.value.details() or "")
