@@ -8,6 +8,7 @@ Usage::
 
     kvroute epp [--grpc-host 0.0.0.0] [--grpc-port 9002] \\
         [--metrics-host 0.0.0.0] [--metrics-port 9090] [--endpoints 1] \\
+        [--grpc-server h2|grpcio] [--loop uvloop|asyncio] \\
         [--config FILE] [any `kvroute serve` setting flag]
 
 Settings come from the same model as ``kvroute serve`` (``--config`` YAML, ``KVROUTE_*``
@@ -33,9 +34,10 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from router.config import Settings
+from router.epp.fronts import SERVERS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,6 +54,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc and gRPC health port")
     p.add_argument("--metrics-host", default="127.0.0.1", help="listen address of /metrics")
     p.add_argument("--metrics-port", type=int, default=9090, help="/metrics, /health port")
+    p.add_argument(
+        "--grpc-server",
+        choices=SERVERS,
+        default="h2",
+        help="the gRPC server of ext_proc and health: h2 (HTTP/2 on the event loop, the "
+        "default) or grpcio (grpc.aio); docs/gateway.md compares them",
+    )
+    p.add_argument(
+        "--loop",
+        choices=("uvloop", "asyncio"),
+        default="uvloop",
+        help="the event loop (uvloop, the default; asyncio's own)",
+    )
     p.add_argument(
         "--endpoints",
         type=int,
@@ -89,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         fleet.start()
         settings = fleet.attach(settings)
     try:
-        asyncio.run(_serve(settings, args))
+        with asyncio.Runner(loop_factory=_loop_factory(args.loop)) as runner:
+            runner.run(_serve(settings, args))
     except OSError as exc:  # a port taken, discovery failing at start...
         print(f"kvroute epp: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -97,6 +113,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if fleet is not None:
             fleet.stop()
     return 0
+
+
+def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    if name == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    return None
 
 
 async def _serve(settings: Settings, args: argparse.Namespace) -> None:
@@ -113,6 +137,7 @@ async def _serve(settings: Settings, args: argparse.Namespace) -> None:
         grpc_port=args.grpc_port,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
+        grpc_server=args.grpc_server,
     )
     await server.start()
     print(

@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_router_overhead import Conn, Proc, cpu_seconds, free_port, pct  # noqa: E402
+from epp_echo import MODES, start_echo  # noqa: E402
 
 from tests.epp.envoy_proxy import Envoy, envoy_binary, envoy_config  # noqa: E402
 
@@ -83,8 +84,9 @@ def request(port: int, payload: bytes) -> bytes:
 
 async def run(
     port: int, size: str, conns: int, seconds: float, spread_s: float = 0.0
-) -> tuple[float, list[float]]:
-    """``conns`` keep-alive connections sending for ``seconds``; with ``spread_s`` (the
+) -> tuple[float, list[float], dict[str, int]]:
+    """``conns`` keep-alive connections sending for ``seconds`` (returns req/s, the
+    latencies of the answers with status 200 and the failures by kind); with ``spread_s`` (the
     pods' delay) their first requests are spread over it, so that they do not all reach
     the picker at the same instant every cycle (real arrivals are not in lockstep)."""
     cs = []
@@ -94,7 +96,6 @@ async def run(
         cs.append(c)
     await asyncio.gather(*(c.open() for c in cs))
     lat: list[float] = []
-    errors = 0
     failures: dict[str, int] = {}
 
     async def warm(c: Conn) -> None:
@@ -105,31 +106,27 @@ async def run(
     stop_at = time.perf_counter() + seconds
 
     async def worker(i: int, c: Conn) -> None:
-        nonlocal errors
         await asyncio.sleep(spread_s * i / conns)
         while time.perf_counter() < stop_at:
             t0 = time.perf_counter()
             try:
                 status = await c.call()
             except (ConnectionError, asyncio.IncompleteReadError) as exc:
-                errors += 1
                 failures[type(exc).__name__] = failures.get(type(exc).__name__, 0) + 1
                 c.close()
                 await c.open()  # (the same request on a new connection)
                 continue
-            lat.append(time.perf_counter() - t0)
-            errors += status != 200
             if status != 200:
                 failures[str(status)] = failures.get(str(status), 0) + 1
+            else:
+                lat.append(time.perf_counter() - t0)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(i, c) for i, c in enumerate(cs)))
     elapsed = time.perf_counter() - t0
     for c in cs:
         c.close()
-    if errors:
-        raise RuntimeError(f"{errors} failed requests through port {port}: {failures}")
-    return len(lat) / elapsed, lat
+    return len(lat) / elapsed, lat, failures
 
 
 _ANSWER = json.dumps(
@@ -218,20 +215,29 @@ def start_sim(i: int) -> tuple[Proc, str]:
     return Proc(f"sim-{i}", p), str(info["url"])
 
 
-def start_epp(urls: list[str], config_dir: Path, root: Path = ROOT) -> tuple[Proc, int]:
+def start_epp(
+    urls: list[str], config_dir: Path, root: Path = ROOT, server: str | None = None
+) -> tuple[Proc, int]:
+    """`kvroute epp` from the checkout ``root`` as a user runs it (its own event loop),
+    on the gRPC server ``server`` (None: its default; ``SERVER/LOOP``, e.g.
+    ``h2/asyncio``: on that event loop)."""
     static = [{"name": f"sim-{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)]
     config = config_dir / f"epp-{free_port()}.json"  # JSON is YAML
     config.write_text(json.dumps({"discovery": {"static": static}, "fleet": {"enabled": False}}))
     # no KV events (blank pods publish none; the sims' endpoints are not passed): the
     # index stays empty, the decision still tokenizes, hashes and looks up every prompt
     grpc_port = free_port()
-    code = "import sys, uvloop; uvloop.install(); from router.cli import main; sys.exit(main())"
     args = ["epp", "--grpc-port", str(grpc_port), "--metrics-port", str(free_port())]
+    if server is not None:
+        name, _, loop = server.partition("/")
+        args += ["--grpc-server", name] + (["--loop", loop] if loop else [])
+    args += ["--config", str(config), "--log-level", "warning"]
     p = subprocess.Popen(
-        [sys.executable, "-c", code, *args, "--config", str(config), "--log-level", "warning"],
+        [sys.executable, "-m", "router.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env={**os.environ, "PYTHONPATH": str(root)},
+        cwd=str(root),
     )
     assert p.stdout is not None
     line = p.stdout.readline().decode()  # "kvroute epp: ext_proc on ..., metrics on ..."
@@ -240,130 +246,17 @@ def start_epp(urls: list[str], config_dir: Path, root: Path = ROOT) -> tuple[Pro
     return Proc("epp", p), grpc_port
 
 
-def serve_echo(port: int, endpoints: list[str], mode: str = "aio") -> None:
-    """A picker that decides nothing (``--floor``): round robin over ``endpoints``, every
-    body sent back as it came, on the same gRPC server and message code as kvroute's."""
-    import itertools
-
-    import grpc
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-
-    from router.epp import protocol as P
-
-    turn = itertools.cycle(endpoints)
-
-    class Echo(ep_grpc.ExternalProcessorServicer):
-        async def Process(self, request_iterator: Any, context: Any) -> None:
-            size = 0
-            held: list[bytes] = []  # the body, until its end: the pick answers first
-            while True:
-                req = await context.read()
-                if req is grpc.aio.EOF:
-                    return
-                which = req.WhichOneof("request")
-                out: list[Any] = []
-                if which == "request_body":
-                    b = req.request_body
-                    size += len(b.body)
-                    held.append(b.body)
-                    if b.end_of_stream:
-                        out = [P.pick_headers_response(next(turn), size)]
-                        for i, chunk in enumerate(held):
-                            out += P.body_responses(True, chunk, i == len(held) - 1)
-                elif which == "response_headers":
-                    out = [P.headers_response(False)]
-                elif which == "response_body":
-                    b = req.response_body
-                    out = list(P.body_responses(False, b.body, b.end_of_stream))
-                elif which in ("request_trailers", "response_trailers"):
-                    out = [P.trailers_response(which == "request_trailers")]
-                for r in out:
-                    await context.write(r)
-
-    class SyncEcho(ep_grpc.ExternalProcessorServicer):
-        """The same, on grpc's synchronous server (a thread per stream)."""
-
-        def Process(self, request_iterator: Any, context: Any) -> Any:
-            size = 0
-            held: list[bytes] = []
-            for req in request_iterator:
-                which = req.WhichOneof("request")
-                if which == "request_body":
-                    b = req.request_body
-                    size += len(b.body)
-                    held.append(b.body)
-                    if b.end_of_stream:
-                        yield P.pick_headers_response(next(turn), size)
-                        for i, chunk in enumerate(held):
-                            yield from P.body_responses(True, chunk, i == len(held) - 1)
-                elif which == "response_headers":
-                    yield P.headers_response(False)
-                elif which == "response_body":
-                    b = req.response_body
-                    yield from P.body_responses(False, b.body, b.end_of_stream)
-                elif which in ("request_trailers", "response_trailers"):
-                    yield P.trailers_response(which == "request_trailers")
-
-    def run_sync() -> None:
-        from concurrent import futures
-
-        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
-        ep_grpc.add_ExternalProcessorServicer_to_server(SyncEcho(), server)
-        checker = health.HealthServicer()
-        checker.set(
-            "envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.SERVING
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        server.start()
-        print("echo ext_proc on", port, flush=True)
-        server.wait_for_termination()
-
-    async def run_server() -> None:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-        from grpc_health.v1.health import aio as health_aio
-
-        server = grpc.aio.server()
-        ep_grpc.add_ExternalProcessorServicer_to_server(Echo(), server)
-        health = health_aio.HealthServicer()  # Envoy health-checks its ext_proc service
-        await health.set(
-            "envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.SERVING
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        print("echo ext_proc on", port, flush=True)
-        await server.wait_for_termination()
-
-    if mode == "sync":
-        run_sync()
-        return
-    if mode == "uvloop":
-        import uvloop
-
-        uvloop.install()
-    asyncio.run(run_server())
-
-
-def start_echo(urls: list[str], mode: str = "aio") -> tuple[Proc, int]:
-    port = free_port()
-    endpoints = ",".join("{}:{}".format(*host_port(u)) for u in urls)
-    p = subprocess.Popen(
-        [sys.executable, __file__, "--serve-echo", str(port), endpoints, mode],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert p.stdout is not None
-    p.stdout.readline()
-    return Proc(f"echo-{mode}", p), port
-
-
 def host_port(url: str) -> tuple[str, int]:
     host, port = url.split("//", 1)[1].rsplit(":", 1)
     return host, int(port)
+
+
+def _modes(value: str) -> list[str]:
+    modes = [m for m in value.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            raise argparse.ArgumentTypeError(f"unknown server {m!r} (one of {', '.join(MODES)})")
+    return modes
 
 
 def main() -> int:
@@ -374,13 +267,27 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,20,32")
     ap.add_argument("--sizes", default="small,200k")
     ap.add_argument(
+        "--servers",
+        default="",
+        help="`kvroute epp --grpc-server` of each picker target, comma separated "
+        "(h2, grpcio, or SERVER/LOOP such as h2/asyncio for --loop; default: one "
+        "picker on its defaults)",
+    )
+    ap.add_argument(
         "--floor",
         nargs="?",
         const=["aio"],
         default="",
-        type=lambda v: [m for m in v.split(",") if m],
+        type=_modes,
         help="also Envoy + a picker deciding nothing, on grpc.aio (aio: the default), "
-        "grpc.aio on uvloop (uvloop) or grpc's threaded server (sync); comma separated",
+        "grpc.aio on uvloop (uvloop), grpc's threaded server (sync), grpclib "
+        "(grpclib) or grpclib on uvloop (grpclib-uvloop); comma separated",
+    )
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="with --floor: print each do-nothing picker's messages per stream (in and "
+        "out, in order) and the median time of each since the stream's first message",
     )
     ap.add_argument(
         "--baseline",
@@ -398,15 +305,9 @@ def main() -> int:
         help="blank pods answer this long after the body (the engine's time; default 0)",
     )
     ap.add_argument("--serve-blank", nargs=2, metavar=("PORT", "DELAY_MS"), help=argparse.SUPPRESS)
-    ap.add_argument(
-        "--serve-echo", nargs=3, metavar=("PORT", "ENDPOINTS", "MODE"), help=argparse.SUPPRESS
-    )
     args = ap.parse_args()
     if args.serve_blank:
         serve_blank(int(args.serve_blank[0]), float(args.serve_blank[1]) / 1e3)
-        return 0
-    if args.serve_echo:
-        serve_echo(int(args.serve_echo[0]), args.serve_echo[1].split(","), args.serve_echo[2])
         return 0
     binary = envoy_binary()
     if binary is None:
@@ -426,16 +327,20 @@ def main() -> int:
                 proc, url = start_blank(i, args.pod_delay_ms)
             procs.append(proc)
             urls.append(url)
-        epp, grpc_port = start_epp(urls, tmp)
-        procs.append(epp)
         pods = [host_port(u) for u in urls]
         rr = Envoy(envoy_config(pods, None), binary).start()
         envoys.append(rr)
-        picked = Envoy(envoy_config(pods, ("127.0.0.1", grpc_port)), binary).start()
-        envoys.append(picked)
         targets = {"envoy rr": int(rr.url.rsplit(":", 1)[1])}
-        targets["envoy + epp"] = int(picked.url.rsplit(":", 1)[1])
-        watched = {"envoy + epp": epp}
+        watched: dict[str, Proc] = {}
+        servers: list[str | None] = [s for s in args.servers.split(",") if s] or [None]
+        for server in servers:
+            epp, grpc_port = start_epp(urls, tmp, server=server)
+            procs.append(epp)
+            picked = Envoy(envoy_config(pods, ("127.0.0.1", grpc_port)), binary).start()
+            envoys.append(picked)
+            name = "envoy + epp" + (f" ({server})" if server else "")
+            targets[name] = int(picked.url.rsplit(":", 1)[1])
+            watched[name] = epp
         for other in args.baseline:
             base, base_port = start_epp(urls, tmp, Path(other).resolve())
             procs.append(base)
@@ -444,8 +349,11 @@ def main() -> int:
             name = f"envoy + epp @ {other}"
             targets[name] = int(envoy_base.url.rsplit(":", 1)[1])
             watched[name] = base
+        traces: dict[str, Path] = {}
         for mode in args.floor:
-            echo, echo_port = start_echo(urls, mode)
+            if args.trace:
+                traces[mode] = tmp / f"trace-{mode}.jsonl"
+            echo, echo_port = start_echo(urls, mode, traces.get(mode))
             procs.append(echo)
             floor = Envoy(envoy_config(pods, ("127.0.0.1", echo_port)), binary).start()
             envoys.append(floor)
@@ -466,12 +374,18 @@ def main() -> int:
                         pids = [picker.popen.pid] if picker is not None else []
                         cpu0 = cpu_seconds(pids)
                         spread = args.pod_delay_ms / 1e3
-                        rps, lat = asyncio.run(run(port, size, c, args.seconds, spread))
+                        rps, lat, failed = asyncio.run(run(port, size, c, args.seconds, spread))
                         cpu = cpu_seconds(pids) - cpu0
+                        if failed:
+                            print(f"{name}, {size}, c{c}: failed {failed}", file=sys.stderr)
+                        lat = lat or [float("nan")]
+                        n = sum(failed.values())
                         cell[name].append(
-                            (pct(lat, 0.5), pct(lat, 0.9), rps, cpu / max(1, len(lat)))
+                            (pct(lat, 0.5), pct(lat, 0.9), rps, cpu / max(1, len(lat)), n)
                         )
         print_table(rows)
+        for mode, path in traces.items():
+            print_trace(mode, path)
     finally:
         for e in envoys:
             e.stop()
@@ -482,10 +396,14 @@ def main() -> int:
 
 def print_table(rows: dict[tuple[str, int], dict[str, list[Any]]]) -> None:
     """Per cell: each target's p50 / p90, the added p50 / p90 over ``envoy rr`` (median
-    over rounds of the same round's difference), req/s, the picker's CPU per request."""
+    over rounds of the same round's difference), req/s, the picker's CPU per request,
+    the failed requests (not counted in the latencies; all rounds)."""
     med = statistics.median
-    print("\n| prompt | c | target | p50 / p90 | added p50 / p90 | req/s | picker CPU us/req |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+    print(
+        "\n| prompt | c | target | p50 / p90 | added p50 / p90 | req/s | picker CPU us/req "
+        "| failed |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
     for (size, c), cell in rows.items():
         rr = cell["envoy rr"]
         for name, runs in cell.items():
@@ -500,8 +418,25 @@ def print_table(rows: dict[tuple[str, int], dict[str, list[Any]]]) -> None:
                 cpu = f"{med(e[3] for e in runs) * 1e6:.0f}"
             print(
                 f"| {size} | {c} | {name} | {p50:.2f} / {p90:.2f} ms | {added} "
-                f"| {med(r[2] for r in runs):.0f} | {cpu} |"
+                f"| {med(r[2] for r in runs):.0f} | {cpu} | {sum(r[4] for r in runs)} |"
             )
+
+
+def print_trace(mode: str, path: Path) -> None:
+    """The two most common message sequences of the do-nothing picker ``mode``'s
+    streams, each message with its median time since the stream's first one."""
+    streams = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    groups: dict[tuple[tuple[str, str], ...], list[list[Any]]] = {}
+    for events in streams:
+        groups.setdefault(tuple((d, k) for _, d, k in events), []).append(events)
+    print(f"\n{mode}: {len(streams)} streams")
+    ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))[:2]
+    for signature, members in ranked:
+        ins = sum(d == "in" for d, _ in signature)
+        print(f"  {len(members)} streams of {ins} messages in, {len(signature) - ins} out:")
+        for i, (direction, kind) in enumerate(signature):
+            t = statistics.median(m[i][0] for m in members)
+            print(f"    {t / 1e3:10.3f} ms  {direction:3}  {kind}")
 
 
 if __name__ == "__main__":

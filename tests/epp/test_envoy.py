@@ -28,14 +28,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.config import Settings
-from router.epp.server import EppServer
 from router.indexer.main import Indexer
 from router.proxy.app import create_app
 from router.proxy.serve import RunningServer
 from router.sim.pod import SimPod
-from tests.epp.envoy_proxy import Envoy, envoy_binary, envoy_config
-from tests.epp.fleet import MODEL, host_port, running_epp, settings_for, sim_pods
+from tests.epp.envoy_proxy import envoy_binary
+from tests.epp.fleet import MODEL, envoy, epp_envoy, settings_for, sim_pods
 from tests.support.aio import wait_until
 
 BINARY = envoy_binary()
@@ -57,32 +55,6 @@ FROZEN = {"scrape": {"interval_s": 3600.0}}
 #: decisions take a few ms each: no event of the round reaches the index before its last
 #: decision
 SLOW = {"prefill_rate": 1000.0, "decode_rate": 10.0, "time_scale": 0.5}
-
-
-@contextlib.asynccontextmanager
-async def envoy(pods: list[SimPod], epp: tuple[str, int] | None, **kw: Any) -> AsyncIterator[Envoy]:
-    """Envoy in front of ``pods``, started off the loop (its start waits for its first
-    health check of the EPP, which this loop answers)."""
-    assert BINARY is not None
-    proc = Envoy(envoy_config([host_port(p.url) for p in pods], epp, **kw), BINARY)
-    try:
-        yield await asyncio.to_thread(proc.start)
-    finally:
-        await asyncio.to_thread(proc.stop)
-
-
-@contextlib.asynccontextmanager
-async def epp_envoy(
-    pods: list[SimPod], settings: Settings, **kw: Any
-) -> AsyncIterator[tuple[EppServer, httpx.AsyncClient, Envoy]]:
-    endpoints = kw.pop("endpoints", 1)
-    async with running_epp(settings, endpoints=endpoints) as (server, _):
-        address = ("127.0.0.1", server.grpc_port)
-        async with (
-            envoy(pods, address, **kw) as proxy,
-            httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
-        ):
-            yield server, client, proxy
 
 
 async def settled(core: Any, pods: list[SimPod]) -> None:
@@ -221,6 +193,7 @@ async def test_a_picker_reading_the_redis_index_of_kvroute_index_sends_them_ther
     assert abs(epp_hit_rate - served_hit_rate) <= 0.02
 
 
+@pytest.mark.usefixtures("grpc_server")
 async def test_a_streamed_answer_flows_through_envoy_and_its_usage_is_read() -> None:
     async with sim_pods(2) as pods, epp_envoy(pods, settings_for(pods)) as (server, client, proxy):
         body: dict[str, Any] = {
@@ -259,6 +232,7 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.usefixtures("grpc_server")
 async def test_a_fallback_list_is_walked_and_the_endpoint_that_served_is_accounted() -> None:
     async with sim_pods(1) as pods:
         dead = {"name": "dead-0", "url": f"http://127.0.0.1:{_closed_port()}", "models": [MODEL]}
@@ -300,6 +274,7 @@ class _Unreachable:
         self.url = url
 
 
+@pytest.mark.usefixtures("grpc_server")
 async def test_no_ready_pod_is_a_503_from_the_picker_through_envoy() -> None:
     async with sim_pods(1) as pods:
         dead = {"name": "dead-0", "url": f"http://127.0.0.1:{_closed_port()}", "models": [MODEL]}
@@ -328,6 +303,7 @@ async def test_when_the_picker_is_down_envoy_fails_open_or_closed_as_configured(
     assert statuses == [expected] * 2
 
 
+@pytest.mark.usefixtures("grpc_server")
 async def test_kvroute_serve_and_envoy_agree_on_errors_for_a_bad_body() -> None:
     async with sim_pods(1) as pods, epp_envoy(pods, settings_for(pods)) as (_, client, _):
         r = await client.post(
@@ -339,6 +315,7 @@ async def test_kvroute_serve_and_envoy_agree_on_errors_for_a_bad_body() -> None:
     assert r.json()["error"]["code"] == "invalid_json"
 
 
+@pytest.mark.usefixtures("grpc_server")
 async def test_many_concurrent_requests_through_envoy_all_complete_and_release_their_load() -> None:
     async with sim_pods(3) as pods, epp_envoy(pods, settings_for(pods)) as (server, client, _):
 

@@ -22,6 +22,8 @@ from tests.epp.fleet import MODEL, endpoint, running_epp, settings_for, sim_pods
 from tests.support.aio import wait_until
 
 CHAT = "/v1/chat/completions"
+#: every test once on each gRPC server (tests/epp/conftest.py)
+pytestmark = pytest.mark.usefixtures("grpc_server")
 
 
 def chat_body(text: str, **kw: object) -> bytes:
