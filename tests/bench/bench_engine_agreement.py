@@ -59,11 +59,12 @@ from typing import Any
 import httpx
 
 from router.sim.calibrate import scrape_values
+from router.sim.calibrate_probes import Probe, ProbeCounts, measure
 from scoring.blocks import BlockHasher
 from scoring.policies import build_policy
 from scoring.policies.base import RouteRequest
 from scoring.replay.engine import replay_policy
-from scoring.replay.preset_file import load_preset_file
+from scoring.replay.preset_file import load_preset_file, spec_to_dict, write_preset_file
 from scoring.replay.presets import EngineSpec
 from scoring.replay.trace import Trace, TraceRequest
 from scoring.replay.vllm_pod import VllmFleetConfig
@@ -545,6 +546,42 @@ async def calibrate_engine(
         raise RuntimeError(f"kvroute calibrate failed (exit {proc.returncode})")
 
 
+async def sim_preset(preset_file: Path, spec: EngineSpec, logdir: Path) -> Path:
+    """The preset file the sims run: ``spec`` with ``request_overhead_s`` less the sim's
+    own share of it.
+
+    ``kvroute calibrate`` measures an engine's overhead as client TTFT minus the engine's
+    queue and prefill time: HTTP both ways, the API server's processing.  A sim pod has
+    an HTTP server of its own, so sleeping the whole overhead would count its HTTP twice.
+    The sim's own overhead is measured the same way (single random probes, the median)
+    on a sim that sleeps none, and subtracted."""
+    zero = logdir / "sim-zero-overhead.json"
+    write_preset_file(zero, spec_to_dict(replace(spec, request_overhead_s=0.0), block_size=BLOCK))
+    pods = start_sims(1, zero, spec, logdir)
+    own: list[float] = []
+    try:
+        rng = random.Random(23)
+        async with httpx.AsyncClient(timeout=60) as client:
+            for n in (32, 128, 512) * 3:
+                probe = Probe(f"prefill/{n}", [[rng.randrange(100, 4000) for _ in range(n)]], 1)
+                m = await measure(client, pods[0].url, MODEL, probe, ProbeCounts())
+                if m is not None and math.isfinite(m.overhead_s):
+                    own.append(m.overhead_s)
+    finally:
+        for p in pods:
+            p.stop()
+    sim_own = statistics.median(own) if own else 0.0
+    out = logdir / "sim-preset.json"
+    left = max(0.0, spec.request_overhead_s - sim_own)
+    write_preset_file(out, spec_to_dict(replace(spec, request_overhead_s=left), block_size=BLOCK))
+    print(
+        f"sim: the engine's request overhead {spec.request_overhead_s * 1e3:.1f} ms, the "
+        f"sim's own {sim_own * 1e3:.1f} ms: the sim sleeps {left * 1e3:.1f} ms",
+        file=sys.stderr,
+    )
+    return out
+
+
 async def calibrate_fleet(
     fleet: Sequence[Pod], out: Path, seed: int, repeats: int, estimate: str, *, alone: bool
 ) -> None:
@@ -602,7 +639,8 @@ async def run_workloads(
         for name, reqs in workloads.items():
             out[name].insert(0, run_replay(reqs, spec, pods, policy))
     if "sim" in targets:
-        fleet = start_sims(pods, preset_file, spec, logdir)
+        sim_file = await sim_preset(preset_file, spec, logdir)
+        fleet = start_sims(pods, sim_file, spec, logdir)
         try:
             for name, reqs in workloads.items():
                 out[name].append(await run_live("sim", fleet, reqs, policy))
