@@ -141,13 +141,19 @@ class EngineSetup:
     def serve_args(self) -> list[str]:
         if self.cache_blocks is None:
             return []
-        max_len = min(2048, self.cache_blocks * BLOCK)
+        max_len = min(2048, self.max_model_len)
         return [
             "--num-gpu-blocks-override",
             str(self.cache_blocks),
             "--max-model-len",
             str(max_len),
         ]
+
+    @property
+    def max_model_len(self) -> int:
+        """vLLM wants one block to spare beyond ``max_model_len`` (64 blocks of 32 tokens
+        serve at most 2,016)."""
+        return (self.cache_blocks or 1 << 20) * BLOCK - BLOCK
 
     def env(self) -> dict[str, str]:
         return {} if self.omp_threads is None else {"OMP_NUM_THREADS": str(self.omp_threads)}
@@ -158,7 +164,9 @@ class EngineSetup:
             return spec
         tokens = self.cache_blocks * BLOCK
         return replace(
-            spec, kv_capacity_tokens=tokens, max_model_len=min(spec.max_model_len, tokens)
+            spec,
+            kv_capacity_tokens=tokens,
+            max_model_len=min(spec.max_model_len, self.max_model_len),
         )
 
 
