@@ -38,6 +38,15 @@ limits come from ``/v1/models`` (``max_model_len``) and ``vllm:cache_config_info
 ``max_num_batched_tokens`` are not exported, so they are flags (default: the base
 preset's).  A pod that never answers, or metrics that make no sense, leave the base
 preset's values (the priors) in place: logged once, counted in the report.
+
+The fit is of the engine *as it runs on its host*.  On a host shared with other work
+(the local CPU engines share 2 cores), start the engine with ``OMP_NUM_THREADS=1`` (with
+one OpenMP thread a core, a step's barriers wait for descheduled threads and its time
+stops depending on its work), probe every engine of a fleet that shares the host at
+once (``tests/bench/bench_engine_agreement.py`` does: a sibling's steps and its
+``sched_yield`` polling slow this engine's steps ~1.5-5x), and take
+``--repeat-estimate median`` (the fastest repeat is the engine with an idle host, which
+the workload will not have).  docs/replay.md, "Where the real engine's TTFT went".
 """
 
 from __future__ import annotations

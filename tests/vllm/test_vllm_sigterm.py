@@ -87,7 +87,10 @@ def engines(tmp_path: Path) -> Iterator[list[EngineProcess]]:
     for i in range(2):
         http, zmq = _ports(taken)
         p = EngineProcess(
-            EngineConfig(), log_path=tmp_path / f"sigterm-{i}.log", http_port=http, zmq_port=zmq
+            EngineConfig(env=(("OMP_NUM_THREADS", "1"),)),
+            log_path=tmp_path / f"sigterm-{i}.log",
+            http_port=http,
+            zmq_port=zmq,
         )
         procs.append(p)
     try:

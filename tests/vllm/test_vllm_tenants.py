@@ -70,7 +70,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EnginePro
     taken: set[int] = set()
     procs = [
         EngineProcess(
-            EngineConfig(hash_algo="sha256"),
+            EngineConfig(hash_algo="sha256", env=(("OMP_NUM_THREADS", "1"),)),
             log_path=Path(logs) / f"tenants-{i}.log",
             http_port=_free(HTTP_PORTS, taken),
             zmq_port=_free(ZMQ_PORTS, taken, offset=100),
