@@ -111,6 +111,15 @@ class OneWriteTransport:
             self._scheduled = True
             self._loop.call_soon(self.flush)
 
+    def write_now(self, data: bytes) -> None:
+        """Write ``data`` at once, after anything written before it in this step (one
+        ``send()``; nothing left for the end of the step)."""
+        if self._buf:
+            self._buf.append(data)
+            self.flush()
+        elif not self._transport.is_closing():
+            self._transport.write(data)
+
     def flush(self) -> None:
         self._scheduled = False
         buf = self._buf
@@ -188,7 +197,7 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         # uvicorn's, plus the head size bound, the 431 / 408 answers and a rate-limited
         # log line for malformed requests
-        self._unset_keepalive_if_required()
+        self._idle_since = None  # _unset_keepalive_if_required, inline (once per read)
         if self._phase != _BODY:
             self._head_raw += len(data)
         try:
@@ -361,7 +370,11 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
         # uvicorn's otherwise, but the keep-alive timer is armed only when none is
         self.server_state.total_requests += 1
         self.flow.resume_reading()
-        self._mark_idle()
+        self._idle_since = self.loop.time()  # _mark_idle, inline (once per response)
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
 
     def timeout_keep_alive_handler(self) -> None:
         self.timeout_keep_alive_task = None

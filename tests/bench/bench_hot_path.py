@@ -1,9 +1,10 @@
-"""Where the router's CPU per request goes, in process (no uvicorn, no client socket).
+"""Where the router's CPU per request goes, in process (no client socket).
 
     python tests/bench/bench_hot_path.py [--requests 30000] [--policy cost] \
         [--router-args=--no-events.enabled] [--only server]
     valgrind --tool=callgrind --callgrind-out-file=/tmp/cg.out \
-        python tests/bench/bench_hot_path.py --only server --requests 3000 --callgrind
+        "$(python -c 'import sys; print(sys.executable)')" \
+        tests/bench/bench_hot_path.py --only server --requests 3000 --callgrind
 
 Starts 4 simulated pods (``kvroute sim --time-scale 0``), builds `kvroute serve`'s app
 in this process and reports CPU microseconds per request (``time.process_time``) for:
@@ -26,7 +27,9 @@ in this process and reports CPU microseconds per request (``time.process_time``)
 ``--callgrind`` (run under ``valgrind --tool=callgrind``): the counters are zeroed
 before and dumped after each measured stage (``callgrind_control``), and the stage's
 instructions per request are printed: a measure that does not move with the machine's
-load (valgrind runs ~50x slower: the health checks' and scrapes' timeouts are raised).
+load (valgrind runs ~50x slower: the health checks' and scrapes' timeouts are raised, and
+the disconnect watchers start after 1 s, not 20 ms).  Name the interpreter itself, not a
+wrapper script (pyenv's shim): valgrind does not follow into a child process.
 
 ``app - relay floor`` is the routing work per request; uvicorn and the client socket come
 on top of ``app`` (bench_router_overhead.py measures the whole process).  The pods run in
@@ -238,6 +241,8 @@ async def measure(
     try:
         gateway = app.state.gateway
         router, policy = gateway.router, gateway.policy
+        if CALLGRIND:  # ~50x slower: answers still come before a disconnect watcher starts
+            gateway.proxy._watch.after_s = 1.0
         headers = {"host": "127.0.0.1", "content-type": "application/json"}
         for _ in range(1000):  # warm up
             await router.decide("completion", parse_body(BODY), headers)
