@@ -151,15 +151,19 @@ async def exchange(server: RunningServer, requests: list[bytes]) -> bytes:
     return DATE.sub(b"\r\ndate: -\r\n", out)
 
 
+async def on_both(stock_app: Any, our_app: Any, requests: list[bytes]) -> tuple[bytes, bytes]:
+    """The bytes answered to ``requests`` by uvicorn's protocol serving ``stock_app`` and
+    by the router's serving ``our_app``."""
+    async with (
+        RunningServer(stock_app, http=HttpToolsProtocol) as stock,
+        RunningServer(our_app, http=OneWriteHttpToolsProtocol) as ours,
+    ):
+        return await exchange(stock, requests), await exchange(ours, requests)
+
+
 @pytest.mark.parametrize("name", list(SCENARIOS))
 async def test_the_router_protocol_answers_byte_for_byte_like_uvicorns(name: str) -> None:
-    requests = SCENARIOS[name]
-    async with (
-        RunningServer(app, http=HttpToolsProtocol) as stock,
-        RunningServer(app, http=OneWriteHttpToolsProtocol) as ours,
-    ):
-        expected = await exchange(stock, requests)
-        got = await exchange(ours, requests)
+    expected, got = await on_both(app, app, SCENARIOS[name])
     assert got == expected
     assert expected.startswith(b"HTTP/1.") or name in NO_ANSWER
 
@@ -263,12 +267,7 @@ LEAN_SCENARIOS: dict[str, tuple[list[bytes], bool]] = {
 async def test_the_lean_path_answers_byte_for_byte_like_uvicorns(name: str) -> None:
     requests, lean = LEAN_SCENARIOS[name]
     stock_app, our_app = LeanApp(), LeanApp()
-    async with (
-        RunningServer(stock_app, http=HttpToolsProtocol) as stock,
-        RunningServer(our_app, http=OneWriteHttpToolsProtocol) as ours,
-    ):
-        expected = await exchange(stock, requests)
-        got = await exchange(ours, requests)
+    expected, got = await on_both(stock_app, our_app, requests)
     assert got == expected
     assert expected.startswith(b"HTTP/1.")
     assert stock_app.lean_calls == 0
