@@ -58,6 +58,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(fastapi_app: FastAPI) -> AsyncIterator[None]:
         gateway = Gateway(settings)
         fastapi_app.state.gateway = app.gateway = gateway
+        if not (gateway.tenants.enabled or gateway._api_keys or gateway.access_log.enabled):
+            # the lean path only where a client that leaves before its body is complete
+            # is not observed: a tenant's count, an API key's 401 or an access-log line
+            # would come from a handler run on the partial request (router.proxy.lean)
+            app.lean_routes = lean
         await gateway.start()
         try:
             yield
@@ -218,7 +223,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.fast_routes = dict(_FAST_KINDS)
     app.fast_routes.update((p, "passthrough") for p in settings.proxy.passthrough_paths)
     app.fast_handler = _fast
-    app.lean_routes = LeanRoutes(
+    lean = LeanRoutes(
         {route.encode(): (kind, route) for route, kind in _LEAN_KINDS}, p.max_body_bytes, _fast
     )
 
@@ -382,7 +387,7 @@ class _GatewayApp(FastAPI):
     #: what a client connection may do, read by the HTTP protocol (router.proxy.protocol)
     client_limits: ClientLimits
     #: the requests the HTTP protocol hands to ``fast_handler`` itself (router.proxy.lean)
-    lean_routes: LeanRoutes
+    lean_routes: LeanRoutes | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":

@@ -13,6 +13,14 @@ disconnect, keep-alive, flow control) and its task wrapper (``run_asgi``: a fail
 before the answer is its 500).  The app behind it is the same code as on the ASGI path
 (API keys, tenants, access log, limits, errors, failover, streaming).
 
+The app offers the lean path only without tenants, router API keys or an access log:
+a client that leaves (or is refused, 408) before its body is complete then runs no
+handler, where through ASGI the handler would have run on the partial request and
+answered a closed connection; with any of the three that run is observed (a tenant's
+count, an API key's 401, a log line).  One difference remains: through ASGI a client
+that leaves before any body byte arrived is counted as an ``invalid_json`` bad request
+(its body reads as empty); on the lean path it is not counted.
+
 Any other request (another method or path, a query string, HTTP/1.0, ``Expect:
 100-continue``, a chunked or undeclared or too large body, a request pipelined behind
 one still answering, uvicorn's ``root_path`` or ``limit_concurrency``, an app wrapped
