@@ -249,6 +249,7 @@ class RouterMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._pods: dict[tuple[str, str, str], PodMetrics] = {}
+        self._usage: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
         # per-request families: HotFamily (see there); the rest: prometheus_client
         self.requests = self._hot(
             "counter",
@@ -440,6 +441,23 @@ class RouterMetrics:
             c = self._pods[key] = PodMetrics(self, model, pod, policy)
         return c
 
+    def usage_children(self, model: str, pod: str) -> tuple[Any, Any, Any]:
+        """The children an answer's reported cached tokens move, for ``model`` on
+        ``pod``: ``engine_cached_tokens``, ``cache_prediction_error`` over and under
+        (cached like :meth:`child`, in one lookup)."""
+        key = (model, pod)
+        c = self._usage.get(key)
+        if c is None:
+            if len(self._usage) > 65_536:  # unbounded label values: stay bounded
+                self._usage.clear()
+            error = self.cache_prediction_error
+            c = self._usage[key] = (
+                self.engine_cached_tokens.labels(model, pod),
+                error.labels(model, pod, "over"),
+                error.labels(model, pod, "under"),
+            )
+        return c
+
     def forget_pod(self, pod: str) -> None:
         """Drop a departed pod's series from every family labelled by pod (and every
         cached child, which may hold one of them): with pods coming and going under new
@@ -448,6 +466,7 @@ class RouterMetrics:
         counter reset."""
         self._children.clear()
         self._pods.clear()
+        self._usage.clear()
         for family in (
             self.requests,
             self.prompt_tokens,

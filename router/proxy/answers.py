@@ -122,9 +122,9 @@ def count_usage(metrics: RouterMetrics, routed: Routed, pod: str, usage: Usage |
     # as vLLM serves a hit: whole blocks only, and the last prompt token always computed
     bs = routed.route.block_size
     predicted = min(routed.cached_tokens(pod), (routed.route.prompt_tokens - 1) // bs * bs)
-    m = metrics
-    m.child(m.engine_cached_tokens, routed.model, pod).inc(reported)
+    cached, over, under = metrics.usage_children(routed.model, pod)
+    cached.inc(reported)
     # both directions move (by 0 when right), so each pod's series exist from its first
     # reported answer: a panel shows "no error" rather than "no data"
-    m.child(m.cache_prediction_error, routed.model, pod, "over").inc(max(predicted - reported, 0))
-    m.child(m.cache_prediction_error, routed.model, pod, "under").inc(max(reported - predicted, 0))
+    over.inc(max(predicted - reported, 0))
+    under.inc(max(reported - predicted, 0))

@@ -57,13 +57,13 @@ def send_whole(send: Any, status: int, headers: list[tuple[bytes, bytes]], body:
     ):
         return False
     every = cycle.default_headers + headers
-    names = [n for n, _ in every]
+    names, values = zip(*every, strict=True) if every else ((), ())
     joined = b"".join(names)
     if (
         joined != joined.lower()
         or not _FRAMING.isdisjoint(names)
         or HEADER_RE.search(joined) is not None
-        or HEADER_VALUE_RE.search(b"\t".join([v for _, v in every])) is not None
+        or HEADER_VALUE_RE.search(b"\t".join(values)) is not None
     ):
         return False  # uvicorn's path: it lowercases, frames, or refuses the header
     parts = [STATUS_LINE[status]]
@@ -79,8 +79,7 @@ def send_whole(send: Any, status: int, headers: list[tuple[bytes, bytes]], body:
     cycle.chunked_encoding = False
     cycle.expected_content_length = 0
     cycle.response_complete = True
-    transport.write(b"".join(parts))
-    transport.flush()  # the whole response is here: no reason to wait for the step's end
+    transport.write_now(b"".join(parts))  # the whole response: no wait for the step's end
     cycle.message_event.set()
     if not keep_alive:
         transport.close()

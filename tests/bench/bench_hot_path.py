@@ -1,7 +1,10 @@
-"""Where the router's CPU per request goes, in process (no uvicorn, no client socket).
+"""Where the router's CPU per request goes, in process (no client socket).
 
     python tests/bench/bench_hot_path.py [--requests 30000] [--policy cost] \
-        [--router-args=--no-events.enabled]
+        [--router-args=--no-events.enabled] [--only server]
+    valgrind --tool=callgrind --callgrind-out-file=/tmp/cg.out \
+        "$(python -c 'import sys; print(sys.executable)')" \
+        tests/bench/bench_hot_path.py --only server --requests 3000 --callgrind
 
 Starts 4 simulated pods (``kvroute sim --time-scale 0``), builds `kvroute serve`'s app
 in this process and reports CPU microseconds per request (``time.process_time``) for:
@@ -12,8 +15,21 @@ in this process and reports CPU microseconds per request (``time.process_time``)
 * ``app``          — the whole ASGI app per request, 32 concurrent callers: decide, proxy
                      bookkeeping and metrics, the pod's HTTP exchange (our side of the
                      socket), the response messages;
+* ``server``       — the whole server side as `kvroute serve` runs it: raw HTTP/1.1
+                     requests (as wrk sends them) fed to kvroute's uvicorn protocol
+                     (router.proxy.protocol, its lean path included) on 32 in-memory
+                     connections, the app behind it, the response bytes taken from the
+                     protocol's transport: ``app`` plus uvicorn and the protocol, less
+                     only the client socket's syscalls;
 * ``relay floor``  — a bare ASGI relay on the same pod transport (round robin, no routing,
                      no metrics): what ``app`` costs with nothing of kvroute's own.
+
+``--callgrind`` (run under ``valgrind --tool=callgrind``): the counters are zeroed
+before and dumped after each measured stage (``callgrind_control``), and the stage's
+instructions per request are printed: a measure that does not move with the machine's
+load (valgrind runs ~50x slower: the health checks' and scrapes' timeouts are raised, and
+the disconnect watchers start after 1 s, not 20 ms).  Name the interpreter itself, not a
+wrapper script (pyenv's shim): valgrind does not follow into a child process.
 
 ``app - relay floor`` is the routing work per request; uvicorn and the client socket come
 on top of ``app`` (bench_router_overhead.py measures the whole process).  The pods run in
@@ -101,7 +117,113 @@ async def cpu_per_request(app: App, n: int, concurrency: int = 32) -> float:
     return 1e6 * used / done
 
 
-async def measure(urls: list[str], n: int, extra: list[str]) -> dict[str, float]:
+class _MemoryTransport(asyncio.Transport):
+    """What uvicorn's protocol needs of a client connection, in memory: each write goes
+    to ``on_write``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_write: Callable[[bytes], None] = lambda data: None
+        self._closing = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 1)}.get(name, default)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.on_write(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        self._closing = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def wire_request() -> bytes:
+    """The request as wrk sends it (bench_wrk_overhead.py's headers)."""
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(BODY)
+    ) + BODY
+
+
+async def server_cpu_per_request(app: App, n: int, concurrency: int = 32) -> float:
+    """CPU us per request of the protocol + app on in-memory connections (``server``)."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from router.proxy.protocol import OneWriteHttpToolsProtocol
+
+    config = uvicorn.Config(  # as `kvroute serve` configures it (router/proxy/serve.py)
+        app,
+        http=OneWriteHttpToolsProtocol,
+        proxy_headers=False,
+        server_header=False,
+        access_log=False,
+        lifespan="off",
+        log_level="warning",
+    )
+    config.load()
+    state = ServerState()
+    state.default_headers = [(b"date", b"Wed, 02 Dec 2026 00:00:00 GMT")]
+    loop = asyncio.get_running_loop()
+    request = wire_request()
+    statuses: dict[bytes, int] = {}
+
+    async def connection(k: int) -> None:
+        transport = _MemoryTransport()
+        protocol = OneWriteHttpToolsProtocol(
+            config=config, server_state=state, app_state={}, _loop=loop
+        )
+        protocol.connection_made(transport)
+        for _ in range(k):
+            answered: asyncio.Future[bytes] = loop.create_future()
+            transport.on_write = answered.set_result
+            protocol.data_received(request)
+            status = (await answered)[9:12]
+            statuses[status] = statuses.get(status, 0) + 1
+        protocol.connection_lost(None)
+
+    await asyncio.gather(*(connection(20) for _ in range(concurrency)))  # warm up
+    statuses.clear()
+    await callgrind("-z")
+    t0 = time.process_time()
+    await asyncio.gather(*(connection(n // concurrency) for _ in range(concurrency)))
+    used = time.process_time() - t0
+    done = sum(statuses.values())
+    await callgrind("-d", done)
+    if statuses.get(b"200", 0) != done:
+        raise RuntimeError(f"not every request succeeded: {statuses}")
+    return 1e6 * used / done
+
+
+CALLGRIND = False
+
+
+async def callgrind(command: str, requests: int = 0) -> None:
+    """Under callgrind (``--callgrind``): zero (``-z``) or dump (``-d``) this process's
+    counters; after a dump, print the instructions of the window per request."""
+    if not CALLGRIND:
+        return
+    import os
+
+    proc = await asyncio.create_subprocess_exec(
+        "callgrind_control", command, str(os.getpid()), stdout=asyncio.subprocess.DEVNULL
+    )
+    await proc.wait()
+    if command == "-d":
+        print(f"# callgrind: dumped {requests} requests (callgrind_annotate the last dump)")
+
+
+async def measure(
+    urls: list[str], n: int, extra: list[str], only: str | None = None
+) -> dict[str, float]:
     static = [{"name": f"sim-{i}", "url": u, "models": ["sim-model"]} for i, u in enumerate(urls)]
     settings = Settings.load(
         ["--discovery.static", json.dumps(static), "--log-level", "warning", *extra]
@@ -119,6 +241,8 @@ async def measure(urls: list[str], n: int, extra: list[str]) -> dict[str, float]
     try:
         gateway = app.state.gateway
         router, policy = gateway.router, gateway.policy
+        if CALLGRIND:  # ~50x slower: answers still come before a disconnect watcher starts
+            gateway.proxy._watch.after_s = 1.0
         headers = {"host": "127.0.0.1", "content-type": "application/json"}
         for _ in range(1000):  # warm up
             await router.decide("completion", parse_body(BODY), headers)
@@ -129,14 +253,18 @@ async def measure(urls: list[str], n: int, extra: list[str]) -> dict[str, float]
             policy.on_first_token(routed.route, routed.ranking[0], 0.01)
             policy.on_finished(routed.route, routed.ranking[0], None)
             policy.on_complete(routed.route, routed.ranking[0])
-        decide = 1e6 * (time.process_time() - t0) / n
-        whole = await cpu_per_request(app, n)
-        floor = await cpu_per_request(overhead.relay_app(urls), n)
+        result = {"decide": 1e6 * (time.process_time() - t0) / n}
+        if only in (None, "app"):
+            result["app"] = await cpu_per_request(app, n)
+        if only in (None, "server"):
+            result["server"] = await server_cpu_per_request(app, n)
+        if only is None:
+            result["relay floor"] = await cpu_per_request(overhead.relay_app(urls), n)
     finally:
         await inbox.put({"type": "lifespan.shutdown"})
         await outbox.get()
         await lifespan
-    return {"decide": decide, "app": whole, "relay floor": floor}
+    return result
 
 
 def main() -> int:
@@ -149,20 +277,33 @@ def main() -> int:
         help="more `kvroute serve` flags, e.g. '--speculative.routed-ttl-s 2'",
     )
     ap.add_argument("--policy", default="cost", help="routing policy (default cost)")
+    ap.add_argument("--only", choices=["app", "server"], help="measure decide and this stage")
+    ap.add_argument(
+        "--callgrind", action="store_true", help="running under callgrind: zero / dump per stage"
+    )
     args = ap.parse_args()
+    global CALLGRIND
+    CALLGRIND = args.callgrind
     sims = [overhead.start_sim(i) for i in range(args.pods)]
     try:
         for _, url in sims:
             overhead.wait_completion(int(url.rsplit(":", 1)[1]))
         extra = ["--policy", args.policy, *shlex.split(args.router_args)]
-        result = uvloop.run(measure([u for _, u in sims], args.requests, extra))
+        if args.callgrind:  # ~50x slower: no pod ejected, no scrape gone stale
+            extra += ["--health.timeout-s", "60", "--health.failure-threshold", "1000"]
+            extra += ["--scrape.timeout-s", "60", "--scrape.stale-after-s", "600"]
+            # and the background (scrapes, health checks) out of the measured windows
+            extra += ["--scrape.interval-s", "300", "--health.interval-s", "300"]
+            extra += ["--proxy.read-timeout-s", "600"]
+        result = uvloop.run(measure([u for _, u in sims], args.requests, extra, args.only))
     finally:
         for proc, _ in sims:
             proc.stop()
     print("| part | CPU us / request |\n|---|---:|")
     for name, us in result.items():
         print(f"| {name} | {us:.1f} |")
-    print(f"| app - relay floor (routing work) | {result['app'] - result['relay floor']:.1f} |")
+    if "relay floor" in result:
+        print(f"| app - relay floor (routing work) | {result['app'] - result['relay floor']:.1f} |")
     return 0
 
 
