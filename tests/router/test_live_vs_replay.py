@@ -19,6 +19,8 @@ from types import ModuleType
 
 import pytest
 
+from tests.fixtures.tokenizers.build import fixture_dirs
+
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -48,7 +50,7 @@ def test_replay_and_live_order_policies_alike_by_hit_rate(tmp_path: Path) -> Non
         [*shape, "--pods", "3", "--capacity-tokens", "65536", "--prefill-rate", "50000"]
     )
     args.output_tokens = args.max_tokens
-    tokenizer = bench.build_tokenizer(tmp_path / "tok", vocab=1024)
+    tokenizer = fixture_dirs()["chatml"]  # byte-level BPE with a chat template, ~1 s to build
     shape_fields = vars(bench.ChatShape())
     reqs = bench.generate(
         bench.ChatShape(**{f: getattr(args, f) for f in shape_fields}),
