@@ -427,6 +427,8 @@ def ceiling_hit_rate(out: Path, prefix_length: int, block_size: int = 16) -> flo
     computed: dict[str, int] = {}
     hits = queries = 0
     for r in rows:
+        if "usage_prompt_tokens" not in r["metrics"]:  # a failed request: no usage
+            continue
         conv, turn = r["metadata"]["conversation_id"], r["metadata"]["turn_index"]
         prompt = int(r["metrics"]["usage_prompt_tokens"]["value"])
         answer = int(r["metrics"]["usage_completion_tokens"]["value"])
