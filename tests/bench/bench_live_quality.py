@@ -70,6 +70,8 @@ from bench_router_overhead import (
     wait_http,
 )
 
+from scoring.policies import available_policies
+
 MODEL = "sim-model"
 
 TARGETS = [
@@ -80,6 +82,8 @@ TARGETS = [
     "vllm-router cache_aware",
     "vllm-router round_robin",
 ]
+#: ``--targets`` may also name any other kvroute policy ("kvroute dynamo", ...)
+CHOICES = TARGETS + [f"kvroute {p}" for p in available_policies() if f"kvroute {p}" not in TARGETS]
 
 # -- the tokenizer directory shared by aiperf, the pods and kvroute ----------------------
 
@@ -154,14 +158,30 @@ class Pod:
     replay_endpoint: str
 
 
-def start_pod(i: int, args: argparse.Namespace, tokenizer: Path, logdir: Path) -> Pod:
+def simple_pod_argv(args: argparse.Namespace) -> list[str]:
+    """The pod model's options: ``kvroute sim``'s simple model with a real TTFT model."""
+    return [
+        *["--time-scale", "1", "--prefill-rate", str(args.prefill_rate)],
+        *["--capacity-tokens", str(args.capacity_tokens), "--max-batch", str(args.max_batch)],
+        *["--output-tokens", str(args.output_tokens)],
+    ]
+
+
+def start_pod(
+    i: int,
+    args: argparse.Namespace,
+    tokenizer: Path,
+    logdir: Path,
+    model_argv: list[str] | None = None,
+) -> Pod:
+    """One ``kvroute sim`` pod; ``model_argv`` (default :func:`simple_pod_argv`) sets its
+    pod model and time model."""
     # under uvloop, as bench_router_overhead.start_sim does (TCP_NODELAY on accepted sockets)
     code = "import sys, uvloop; uvloop.install(); from router.cli import main; sys.exit(main())"
     argv = [
         *["sim", "--port", "0", "--pod-name", f"sim-{i}", "--model", MODEL],
-        *["--time-scale", "1", "--prefill-rate", str(args.prefill_rate)],
-        *["--capacity-tokens", str(args.capacity_tokens), "--max-batch", str(args.max_batch)],
-        *["--output-tokens", str(args.output_tokens), "--tokenizer", str(tokenizer)],
+        *(simple_pod_argv(args) if model_argv is None else model_argv),
+        *["--tokenizer", str(tokenizer)],
     ]
     with open(logdir / f"sim-{i}.log", "ab") as err:
         p = subprocess.Popen(
@@ -205,7 +225,17 @@ def reset_cache(url: str) -> None:
 # -- targets ---------------------------------------------------------------------------------
 
 
-def start_kvroute(pods: list[Pod], policy: str, tokenizer: Path, logdir: Path) -> tuple[Proc, int]:
+def start_kvroute(
+    pods: list[Pod],
+    policy: str,
+    tokenizer: Path,
+    logdir: Path,
+    policy_params: dict[str, object] | None = None,
+    env_extra: dict[str, str] | None = None,
+) -> tuple[Proc, int]:
+    """``kvroute serve --policy POLICY`` over ``pods`` with KV events; ``policy_params``
+    go to ``--policy-params``, ``env_extra`` into its environment (e.g. ``PYTHONPATH`` of
+    another checkout)."""
     port = free_port()
     static = [
         {
@@ -218,12 +248,14 @@ def start_kvroute(pods: list[Pod], policy: str, tokenizer: Path, logdir: Path) -
         for i, p in enumerate(pods)
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    env.update(env_extra or {})
+    params = ["--policy-params", json.dumps(policy_params)] if policy_params else []
     with open(logdir / f"kvroute-{policy}.log", "ab") as err:
         p = subprocess.Popen(
             [
                 *[sys.executable, "-m", "router.cli", "serve", "--port", str(port)],
                 *["--log-level", "warning", "--policy", policy, "--tokenizer", str(tokenizer)],
-                *["--discovery.static", json.dumps(static)],
+                *["--discovery.static", json.dumps(static), *params],
             ],
             env=env,
             stdout=subprocess.DEVNULL,
@@ -395,6 +427,8 @@ def ceiling_hit_rate(out: Path, prefix_length: int, block_size: int = 16) -> flo
     computed: dict[str, int] = {}
     hits = queries = 0
     for r in rows:
+        if "usage_prompt_tokens" not in r["metrics"]:  # a failed request: no usage
+            continue
         conv, turn = r["metadata"]["conversation_id"], r["metadata"]["turn_index"]
         prompt = int(r["metrics"]["usage_prompt_tokens"]["value"])
         answer = int(r["metrics"]["usage_completion_tokens"]["value"])
@@ -453,7 +487,7 @@ def main() -> int:
     )
     ap.add_argument("--workdir", type=Path, default=None, help="artifacts (default: a temp dir)")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--targets", nargs="+", default=TARGETS, choices=TARGETS, metavar="TARGET")
+    ap.add_argument("--targets", nargs="+", default=TARGETS, choices=CHOICES, metavar="TARGET")
     ap.add_argument("--json-out", type=Path, default=None, help="write every run as JSON")
     g = ap.add_argument_group("pods")
     g.add_argument("--pods", type=int, default=4)
