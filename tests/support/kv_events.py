@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
@@ -254,3 +255,11 @@ class StalledIndex:
 
     async def close(self) -> None:
         await self.inner.close()
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    """A ZMQ context for the test, destroyed (linger 0) after it."""
+    c = zmq.asyncio.Context()
+    yield c
+    c.destroy(linger=0)
