@@ -49,6 +49,8 @@ from tests.support.kv_events import (
 )
 
 END = (-1).to_bytes(8, "big", signed=True)
+#: how long the flood test waits for its 20,000 messages to be handled
+FLOOD_S = 120.0
 
 
 @pytest.fixture
@@ -203,10 +205,14 @@ async def test_a_flood_of_garbage_quarantines_its_pod_and_leaves_the_others_alon
                 if i % 4000 == 0:
                     await ok.send([stored(chain(1, start=BS * i), [1 + i])])
             await ok.send([stored(chain(1, start=10**6), [10**6])])
-            await h.applied(6, "ok")
+            # 20,000 messages: on a loaded machine they take longer than the usual 20 s
+            await h.applied(6, "ok", timeout=FLOOD_S)
             flood = h.sub.stats.pod("bad")
-            await wait_until(lambda: flood.malformed_frames == 10_000)
-            await wait_until(lambda: flood.decode_errors + flood.rejected["quarantined"] == 10_000)
+            await wait_until(lambda: flood.malformed_frames == 10_000, timeout=FLOOD_S)
+            await wait_until(
+                lambda: flood.decode_errors + flood.rejected["quarantined"] == 10_000,
+                timeout=FLOOD_S,
+            )
             await h.sub.drain()
         good = h.sub.stats.pod("ok")
         assert (good.total_resyncs, good.dropped, good.decode_errors) == (0, 0, 0)

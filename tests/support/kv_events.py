@@ -158,8 +158,8 @@ class Harness:
         hits = await self.index.lookup(self.hasher.keys(tokens))
         return hits.get(pod, {}).get("GPU", 0)
 
-    async def applied(self, n: int, pod: str = "p") -> None:
-        await wait_until(lambda: self.sub.stats.pod(pod).batches >= n)
+    async def applied(self, n: int, pod: str = "p", *, timeout: float = 20.0) -> None:
+        await wait_until(lambda: self.sub.stats.pod(pod).batches >= n, timeout=timeout)
         await self.sub.drain()
 
 
