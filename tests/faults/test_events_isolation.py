@@ -45,6 +45,7 @@ from tests.support.kv_events import (
     dial_pod,
     dial_pods,
     payload,
+    pod_of,
     stored,
 )
 
@@ -331,16 +332,7 @@ async def test_a_join_replay_with_a_hole_resyncs_and_relearns_the_tail(
     await h.index.add("p", h.hasher.keys(stale))  # left by a previous writer
     await h.sub.start()
     try:
-        h.registry.set_pods(
-            [
-                PodSpec(
-                    name="p",
-                    url="http://127.0.0.1:1",
-                    events_endpoint=pub.endpoint,
-                    replay_endpoint=pub.replay_endpoint,
-                )
-            ]
-        )
+        h.registry.set_pods([pod_of(pub)])
         await pub.subscribed()
         await pub.send([stored(chain(1, start=BS * 500), [15])])  # seq 5
         await wait_until(lambda: h.sub.stats.pod("p").last_seq == 5)
@@ -368,16 +360,7 @@ async def test_a_join_replay_that_starts_later_than_asked_resyncs_like_a_gap(
     await h.index.add("p", h.hasher.keys(chain(1, start=BS * 900)))
     await h.sub.start()
     try:
-        h.registry.set_pods(
-            [
-                PodSpec(
-                    name="p",
-                    url="http://127.0.0.1:1",
-                    events_endpoint=pub.endpoint,
-                    replay_endpoint=pub.replay_endpoint,
-                )
-            ]
-        )
+        h.registry.set_pods([pod_of(pub)])
         await pub.subscribed()
         await pub.send([stored(chain(1, start=BS * 500), [15])])
         await wait_until(lambda: h.sub.stats.pod("p").last_seq == 5)

@@ -26,6 +26,7 @@ from tests.support.kv_events import (
     VllmLikePublisher,
     chain,
     dial_pod,
+    pod_of,
     removed,
     stored,
 )
@@ -115,16 +116,7 @@ async def test_a_late_joiner_first_applies_the_pods_replay_buffer(
         await pub.send([stored(tokens[:BS], [1])], publish=False)
         await pub.send([stored(tokens[BS : 2 * BS], [2], parent=1)], publish=False)
         await h.sub.start()
-        h.registry.set_pods(
-            [
-                PodSpec(
-                    name="p",
-                    url="http://127.0.0.1:1",
-                    events_endpoint=pub.endpoint,
-                    replay_endpoint=pub.replay_endpoint,
-                )
-            ]
-        )
+        h.registry.set_pods([pod_of(pub)])
         await pub.subscribed()
         await pub.send([stored(tokens[2 * BS :], [3], parent=2)])  # seq 2: first seen
         await h.applied(3)

@@ -163,6 +163,17 @@ class Harness:
         await self.sub.drain()
 
 
+def pod_of(pub: VllmLikePublisher, name: str = "p", **extra: Any) -> PodSpec:
+    """The pod ``name`` whose events (and replay) ``pub`` publishes."""
+    return PodSpec(
+        name=name,
+        url="http://127.0.0.1:1",
+        events_endpoint=pub.endpoint,
+        replay_endpoint=pub.replay_endpoint,
+        **extra,
+    )
+
+
 @contextlib.asynccontextmanager
 async def dial_pod(
     ctx: zmq.asyncio.Context, *, replay: bool = True, **settings: Any
@@ -171,17 +182,7 @@ async def dial_pod(
     h = Harness(ctx, EventsSettings(mode="dial", **settings))
     pub = VllmLikePublisher(ctx, make_topic("p", MODEL), replay=replay)
     await h.sub.start()
-    h.registry.set_pods(
-        [
-            PodSpec(
-                name="p",
-                url="http://127.0.0.1:1",
-                events_endpoint=pub.endpoint,
-                replay_endpoint=pub.replay_endpoint,
-                models=(MODEL,),
-            )
-        ]
-    )
+    h.registry.set_pods([pod_of(pub, models=(MODEL,))])
     await pub.subscribed()
     try:
         yield h, pub
