@@ -13,7 +13,6 @@ falls back to a default.  ``docs/config.md`` is the table of every setting.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from collections.abc import Sequence
@@ -30,13 +29,12 @@ from pydantic import (
 )
 from pydantic_settings import (
     BaseSettings,
-    CliSettingsSource,
     NoDecode,
-    PydanticBaseSettingsSource,
     SettingsConfigDict,
-    YamlConfigSettingsSource,
 )
 
+from router.config_sources import pop_config_flag, with_sources
+from router.config_table import settings_rows, settings_table
 from router.decision.disagg import PDSettings
 from router.events.settings import EventsSettings
 from router.fleet.discovery import DiscoverySettings
@@ -547,12 +545,12 @@ class Settings(BaseSettings):
     def load(cls, argv: Sequence[str] | None = None, *, env_config: bool = True) -> Settings:
         """Settings from CLI ``argv`` > ``KVROUTE_*`` env > YAML (``--config``) > defaults."""
         args = list(argv or [])
-        config_file, args = _pop_config_flag(args)
+        config_file, args = pop_config_flag(args)
         if config_file is None and env_config:
             config_file = os.environ.get("KVROUTE_CONFIG") or None
         if config_file is not None and not Path(config_file).is_file():
             raise FileNotFoundError(f"--config: no such file: {config_file}")
-        loaded = _with_sources(cls, args, config_file)()
+        loaded = with_sources(cls, args, config_file)()
         return cls.model_validate(loaded.model_dump())
 
     def block_size_for(self, model: str) -> int | None:
@@ -563,171 +561,19 @@ class Settings(BaseSettings):
         return self.tokenizers.get(model, self.tokenizer)
 
 
-def _pop_config_flag(args: list[str]) -> tuple[str | None, list[str]]:
-    out: list[str] = []
-    config: str | None = None
-    i = 0
-    while i < len(args):
-        a = args[i]
-        if a == "--config":
-            if i + 1 >= len(args):
-                raise ValueError("--config needs a file name")
-            config = args[i + 1]
-            i += 2
-            continue
-        if a.startswith("--config="):
-            config = a.split("=", 1)[1]
-        else:
-            out.append(a)
-        i += 1
-    return config, out
-
-
-_HELP = """\
-The OpenAI-compatible router. Every setting below can also come from a YAML file
-(--config FILE, or KVROUTE_CONFIG) or from KVROUTE_* environment variables (nested with
-__: KVROUTE_PROXY__RETRIES=2); flags win over the environment, the environment over the
-file. With no pods configured, an embedded simulated fleet answers at once.
-
-main settings: --policy (cost), --discovery.static / --discovery.kind (dns, k8s),
---tokenizer (builtin | DIR | remote), --redis-url, --port. All: docs/config.md.
-"""
-
-_EXAMPLE = """\
-example (router.yaml):
-  policy: cost
-  tokenizer: /models/Qwen3-8B
-  discovery:
-    static:
-      - {name: pod-a, url: "http://10.0.0.7:8000", events_endpoint: "tcp://10.0.0.7:5557"}
-      - {name: pod-b, url: "http://10.0.0.8:8000", events_endpoint: "tcp://10.0.0.8:5557"}
-
-  kvroute serve --config router.yaml --port 8000
-"""
-
-
-def _root_parser() -> argparse.ArgumentParser:
-    """The CLI's parser: the help shows ``--config`` (taken out of the arguments before
-    the settings are parsed) and an example."""
-    parser = argparse.ArgumentParser(
-        prog="kvroute serve",
-        description=_HELP,
-        epilog=_EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--config", metavar="FILE", help="YAML file of settings (also KVROUTE_CONFIG)"
-    )
-    return parser
-
-
-def _with_sources(
-    base: type[Settings], cli_args: list[str], yaml_file: str | None
-) -> type[Settings]:
-    """A subclass of ``base`` whose sources are exactly CLI > env > YAML > defaults."""
-
-    class _Loaded(base):  # type: ignore[valid-type,misc]
-        model_config = SettingsConfigDict(**{**base.model_config, "yaml_file": yaml_file})
-
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            sources: list[PydanticBaseSettingsSource] = [init_settings]
-            cli: CliSettingsSource[Any] = CliSettingsSource(
-                settings_cls,
-                root_parser=_root_parser(),
-                cli_parse_args=cli_args,
-                cli_prog_name="kvroute serve",
-                cli_kebab_case=True,
-                cli_implicit_flags=True,
-                cli_exit_on_error=True,
-            )
-            sources += [cli, env_settings]
-            if yaml_file is not None:
-                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
-            return tuple(sources)
-
-    _Loaded.__name__ = base.__name__
-    return _Loaded
-
-
 # -- the documentation table ---------------------------------------------------------------
-
-
-def _type_name(annotation: Any) -> str:
-    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
-    return (text or str(annotation).replace("typing.", "")).replace("|", "or")
-
-
-def _bound(meta: Any) -> str:
-    if meta is NoDecode or isinstance(meta, BeforeValidator):  # a Names list
-        return "env: JSON or comma-separated" if meta is NoDecode else ""
-    for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
-        if getattr(meta, attr, None) is not None:
-            return f"{op} {getattr(meta, attr)}"
-    if getattr(meta, "min_length", None) is not None:
-        return f"min length {meta.min_length}"
-    return str(meta)
 
 
 def config_rows(
     model: type[BaseModel] = Settings, prefix: tuple[str, ...] = ()
 ) -> list[tuple[str, str, str, str, str]]:
     """(setting, env var, CLI flag, default, meaning) for every leaf setting."""
-    rows: list[tuple[str, str, str, str, str]] = []
-    for name, info in model.model_fields.items():
-        path = (*prefix, name)
-        ann = info.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows += config_rows(ann, path)
-            continue
-        sub = [a for a in getattr(ann, "__args__", ()) if isinstance(a, type)]
-        models = [a for a in sub if issubclass(a, BaseModel)]
-        if len(models) == 1 and type(None) in sub:  # an optional section: its fields
-            rows.append(
-                (
-                    ".".join(path),
-                    "KVROUTE_" + "__".join(p.upper() for p in path),
-                    "--" + ".".join(p.replace("_", "-") for p in path),
-                    "`None`",
-                    f"optional section; {info.description or ''}".rstrip("; "),
-                )
-            )
-            rows += config_rows(models[0], path)
-            continue
-        default = info.get_default(call_default_factory=True)
-        if isinstance(default, BaseModel):
-            default = default.model_dump()
-        meaning = (info.description or "").replace("|", "\\|")
-        if info.metadata:
-            bounds = ", ".join(b for b in map(_bound, info.metadata) if b)
-            meaning = f"{meaning} ({bounds})" if meaning else bounds
-        rows.append(
-            (
-                ".".join(path),
-                "KVROUTE_" + "__".join(p.upper() for p in path),
-                "--" + ".".join(p.replace("_", "-") for p in path),
-                "required" if info.is_required() else "`" + repr(default).replace("|", "\\|") + "`",
-                f"{_type_name(ann)}; {meaning}".rstrip("; ").replace("\n", " "),
-            )
-        )
-    return rows
+    return settings_rows(model, prefix)
 
 
 def config_table() -> str:
     """The Markdown table of docs/config.md."""
-    lines = [
-        "| setting | env var | CLI flag | default | type; meaning |",
-        "|---|---|---|---|---|",
-    ]
-    lines += ["| " + " | ".join(r) + " |" for r in config_rows()]
-    return "\n".join(lines) + "\n"
+    return settings_table(Settings)
 
 
 if __name__ == "__main__":

@@ -336,3 +336,11 @@ def warm_stack(routers: int = 1) -> Iterator[Stack]:
 def kvroute_stack() -> Iterator[Stack]:
     with warm_stack() as stack:
         yield stack
+
+
+@pytest.fixture
+def no_kvroute_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings reads KVROUTE_* from the environment: start from none."""
+    for name in list(os.environ):
+        if name.startswith("KVROUTE_"):
+            monkeypatch.delenv(name)

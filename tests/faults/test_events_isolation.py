@@ -45,10 +45,13 @@ from tests.support.kv_events import (
     dial_pod,
     dial_pods,
     payload,
+    pod_of,
     stored,
 )
 
 END = (-1).to_bytes(8, "big", signed=True)
+#: how long the flood test waits for its 20,000 messages to be handled
+FLOOD_S = 120.0
 
 
 @pytest.fixture
@@ -203,10 +206,14 @@ async def test_a_flood_of_garbage_quarantines_its_pod_and_leaves_the_others_alon
                 if i % 4000 == 0:
                     await ok.send([stored(chain(1, start=BS * i), [1 + i])])
             await ok.send([stored(chain(1, start=10**6), [10**6])])
-            await h.applied(6, "ok")
+            # 20,000 messages: on a loaded machine they take longer than the usual 20 s
+            await h.applied(6, "ok", timeout=FLOOD_S)
             flood = h.sub.stats.pod("bad")
-            await wait_until(lambda: flood.malformed_frames == 10_000)
-            await wait_until(lambda: flood.decode_errors + flood.rejected["quarantined"] == 10_000)
+            await wait_until(lambda: flood.malformed_frames == 10_000, timeout=FLOOD_S)
+            await wait_until(
+                lambda: flood.decode_errors + flood.rejected["quarantined"] == 10_000,
+                timeout=FLOOD_S,
+            )
             await h.sub.drain()
         good = h.sub.stats.pod("ok")
         assert (good.total_resyncs, good.dropped, good.decode_errors) == (0, 0, 0)
@@ -325,16 +332,7 @@ async def test_a_join_replay_with_a_hole_resyncs_and_relearns_the_tail(
     await h.index.add("p", h.hasher.keys(stale))  # left by a previous writer
     await h.sub.start()
     try:
-        h.registry.set_pods(
-            [
-                PodSpec(
-                    name="p",
-                    url="http://127.0.0.1:1",
-                    events_endpoint=pub.endpoint,
-                    replay_endpoint=pub.replay_endpoint,
-                )
-            ]
-        )
+        h.registry.set_pods([pod_of(pub)])
         await pub.subscribed()
         await pub.send([stored(chain(1, start=BS * 500), [15])])  # seq 5
         await wait_until(lambda: h.sub.stats.pod("p").last_seq == 5)
@@ -362,16 +360,7 @@ async def test_a_join_replay_that_starts_later_than_asked_resyncs_like_a_gap(
     await h.index.add("p", h.hasher.keys(chain(1, start=BS * 900)))
     await h.sub.start()
     try:
-        h.registry.set_pods(
-            [
-                PodSpec(
-                    name="p",
-                    url="http://127.0.0.1:1",
-                    events_endpoint=pub.endpoint,
-                    replay_endpoint=pub.replay_endpoint,
-                )
-            ]
-        )
+        h.registry.set_pods([pod_of(pub)])
         await pub.subscribed()
         await pub.send([stored(chain(1, start=BS * 500), [15])])
         await wait_until(lambda: h.sub.stats.pod("p").last_seq == 5)

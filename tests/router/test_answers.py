@@ -66,11 +66,21 @@ async def test_a_pod_the_index_lost_shows_as_under_predicted() -> None:
         r = await rig.client.post("/v1/chat/completions", json=_body("q1"))
         pod = r.headers["x-kvroute-pod"]
 
-        async def indexed() -> bool:
-            return bool((await rig.gateway.index.pod_entries()).get(pod))
+        async def predicted(question: str) -> tuple[int, int]:
+            """(cached tokens, speculative blocks) /v1/route predicts on the pod."""
+            route = await rig.client.post("/v1/route", json=_body(question))
+            c = next(c for c in route.json()["candidates"] if c["pod"] == pod)
+            return int(c["cached_tokens"]), int(c["speculative_blocks"])
 
+        async def indexed() -> bool:
+            cached, speculative = await predicted("q2")
+            return cached > 0 and speculative == 0
+
+        # the shared blocks announced by the pod's events (and the speculative entries
+        # of a pod that had not published yet confirmed and gone)
         await wait_until(indexed, "the pod's blocks to reach the index")
         await rig.gateway.index.clear_pod(pod)  # the index drifted: it forgot the pod
+        assert await predicted("q2") == (0, 0)
         again = await rig.client.post("/v1/chat/completions", json=_body("q2"))
         reported = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert reported > 0

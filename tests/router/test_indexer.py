@@ -29,6 +29,17 @@ from tests.support.aio import wait_until
 MODEL = "sim-model"
 BS = 16
 REPO = Path(__file__).resolve().parents[2]
+#: the request deadline of the tests' own reads of the index: what they check is what
+#: the indexer wrote, not how fast Redis answers (0.1 s, the default, is missed on a
+#: loaded machine)
+READ_DEADLINE_S = 10.0
+#: how long `kvroute index` may take to stop on SIGTERM, on a loaded machine too
+STOP_TIMEOUT_S = 60.0
+
+
+def reader_of(redis_url: str, namespace: str) -> RedisIndex:
+    """The test's own client of the index the indexer writes."""
+    return RedisIndex.from_url(redis_url, namespace=namespace, request_deadline_s=READ_DEADLINE_S)
 
 
 @pytest.fixture
@@ -125,7 +136,7 @@ async def test_indexer_writes_a_sim_pods_events_into_redis_for_router_replicas(
 ) -> None:
     settings = Settings.load(["--config", str(write_config(tmp_path, sim_pod, redis_namespace))])
     indexer = Indexer(settings, redis_url, metrics_port=0)
-    reader = RedisIndex.from_url(redis_url, namespace=redis_namespace)
+    reader = reader_of(redis_url, redis_namespace)
     hasher = BlockHasher(BS, MODEL)
     await indexer.start()
     try:
@@ -182,7 +193,7 @@ async def test_the_kvroute_index_command_runs_and_stops_on_sigterm(
 ) -> None:
     config = write_config(tmp_path, sim_pod, redis_namespace)
     proc = index_process(redis_url, config)
-    reader = RedisIndex.from_url(redis_url, namespace=redis_namespace)
+    reader = reader_of(redis_url, redis_namespace)
     try:
         async with httpx.AsyncClient(timeout=10) as client:
             n = 0
@@ -200,7 +211,7 @@ async def test_the_kvroute_index_command_runs_and_stops_on_sigterm(
         await reader.close()
         proc.send_signal(signal.SIGTERM)
         try:
-            rc = proc.wait(timeout=20)
+            rc = proc.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -245,7 +256,7 @@ async def test_a_second_indexer_on_the_namespace_waits_as_a_standby_and_takes_ov
     settings = Settings.load(["--config", str(write_config(tmp_path, sim_pod, redis_namespace))])
     first = Indexer(settings, redis_url, metrics_port=0, lease_s=1.5)
     second = Indexer(settings, redis_url, metrics_port=0, lease_s=1.5)
-    reader = RedisIndex.from_url(redis_url, namespace=redis_namespace)
+    reader = reader_of(redis_url, redis_namespace)
     hasher = BlockHasher(BS, MODEL)
     n = 0
 
@@ -287,7 +298,7 @@ async def test_a_second_indexer_on_the_namespace_waits_as_a_standby_and_takes_ov
         await first.stop()
         await reader.close()
     # both stopped: the lease was given up, not left to expire
-    ix = RedisIndex.from_url(redis_url, namespace=redis_namespace)
+    ix = reader_of(redis_url, redis_namespace)
     try:
         assert await ix.writer() is None
     finally:
@@ -299,7 +310,7 @@ async def test_an_indexer_whose_lease_was_taken_stops_writing_and_exits_3(
 ) -> None:
     config = write_config(tmp_path, sim_pod, redis_namespace)
     proc = index_process(redis_url, config, "--lease-seconds", "1.5")
-    ix = RedisIndex.from_url(redis_url, namespace=redis_namespace)
+    ix = reader_of(redis_url, redis_namespace)
     try:
 
         async def holds() -> bool:
@@ -343,7 +354,7 @@ async def test_redis_losing_its_data_is_noticed_and_every_pod_re_learned(
     monkeypatch.setattr(indexer_main, "EPOCH_CHECK_S", 0.1)
     settings = Settings.load(["--config", str(write_config(tmp_path, sim_pod, redis_namespace))])
     indexer = Indexer(settings, redis_url, metrics_port=0)
-    reader = RedisIndex.from_url(redis_url, namespace=redis_namespace)
+    reader = reader_of(redis_url, redis_namespace)
     hasher = BlockHasher(BS, MODEL)
     await indexer.start()
     try:

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
@@ -157,9 +158,20 @@ class Harness:
         hits = await self.index.lookup(self.hasher.keys(tokens))
         return hits.get(pod, {}).get("GPU", 0)
 
-    async def applied(self, n: int, pod: str = "p") -> None:
-        await wait_until(lambda: self.sub.stats.pod(pod).batches >= n)
+    async def applied(self, n: int, pod: str = "p", *, timeout: float = 20.0) -> None:
+        await wait_until(lambda: self.sub.stats.pod(pod).batches >= n, timeout=timeout)
         await self.sub.drain()
+
+
+def pod_of(pub: VllmLikePublisher, name: str = "p", **extra: Any) -> PodSpec:
+    """The pod ``name`` whose events (and replay) ``pub`` publishes."""
+    return PodSpec(
+        name=name,
+        url="http://127.0.0.1:1",
+        events_endpoint=pub.endpoint,
+        replay_endpoint=pub.replay_endpoint,
+        **extra,
+    )
 
 
 @contextlib.asynccontextmanager
@@ -170,17 +182,7 @@ async def dial_pod(
     h = Harness(ctx, EventsSettings(mode="dial", **settings))
     pub = VllmLikePublisher(ctx, make_topic("p", MODEL), replay=replay)
     await h.sub.start()
-    h.registry.set_pods(
-        [
-            PodSpec(
-                name="p",
-                url="http://127.0.0.1:1",
-                events_endpoint=pub.endpoint,
-                replay_endpoint=pub.replay_endpoint,
-                models=(MODEL,),
-            )
-        ]
-    )
+    h.registry.set_pods([pod_of(pub, models=(MODEL,))])
     await pub.subscribed()
     try:
         yield h, pub
@@ -254,3 +256,11 @@ class StalledIndex:
 
     async def close(self) -> None:
         await self.inner.close()
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    """A ZMQ context for the test, destroyed (linger 0) after it."""
+    c = zmq.asyncio.Context()
+    yield c
+    c.destroy(linger=0)
