@@ -44,7 +44,7 @@ import json
 import shlex
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -230,7 +230,7 @@ async def measure(
     )
     app = create_app(settings)
     inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-    outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    outbox: asyncio.Queue[MutableMapping[str, Any]] = asyncio.Queue()
     lifespan = asyncio.create_task(
         app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, inbox.get, outbox.put)
     )

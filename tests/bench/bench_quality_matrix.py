@@ -121,6 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     if not cells:
         print(f"bench_quality_matrix: no cell matches {a.cells}", file=sys.stderr)
         return 2
+    missing = sorted(
+        {str(a.traces / MOONCAKE[c.workload]) for c in cells if c.workload in MOONCAKE}
+        - {str(p) for p in a.traces.glob("*.jsonl")}
+    )
+    if missing:
+        # checked before the first cell: a run of hours must not stop at its first Mooncake cell
+        print(
+            f"bench_quality_matrix: Mooncake trace not found: {missing[0]} "
+            "(pass --traces DIR; the default is ../shared/traces next to the checkout)",
+            file=sys.stderr,
+        )
+        return 2
     policies = a.policy or available_policies()
     # a Mooncake cell is replayed once, for the first seed (run_matrix)
     total = sum(1 for c in cells for s in seeds if c.workload not in MOONCAKE or s == seeds[0])
