@@ -11,32 +11,18 @@ each live hit rate lands near the replay's.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from tests.fixtures.tokenizers.build import fixture_dirs
-
-BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+from tests.support.bench_module import load_bench
 
 
 def _bench() -> ModuleType:
-    sys.path.insert(0, str(BENCH_DIR))  # the bench imports its sibling modules
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "bench_live_vs_replay", BENCH_DIR / "bench_live_vs_replay.py"
-        )
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # its dataclasses look their module up
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH_DIR))
+    return load_bench("bench_live_vs_replay")
 
 
 @pytest.mark.slow

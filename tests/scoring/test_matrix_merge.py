@@ -3,17 +3,13 @@ joined cell by cell, their ratios recomputed against the joined cell's best."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-_BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_quality_matrix.py"
-_spec = importlib.util.spec_from_file_location("bench_quality_matrix", _BENCH)
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from tests.support.bench_module import load_bench
+
+bench = load_bench("bench_quality_matrix")
 
 
 def cell(name: str, seed: int, requests: int = 100, **p90: float) -> dict[str, Any]:

@@ -4,27 +4,18 @@ tests/vllm/test_vllm_engine_agreement.py``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from scoring.replay.presets import PRESETS
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_engine_agreement.py"
+from tests.support.bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_engine_agreement_parts", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("bench_engine_agreement", "bench_engine_agreement_parts")
 
 
 def test_engines_run_one_openmp_thread_and_a_small_cache_when_asked(bench: ModuleType) -> None:

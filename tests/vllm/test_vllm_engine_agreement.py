@@ -17,30 +17,23 @@ minutes or more on 2 shared cores; the TTFT bound is sensitive to the machine's 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.support.bench_module import load_bench
 from tools.capture_vllm_events import missing_engine_reason
 
 pytestmark = pytest.mark.vllm
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_engine_agreement.py"
 PORTS = (18420, 18470)
 FILL_BLOCKS = 64  # KV blocks per engine in the cache-filling variant
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_engine_agreement", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("bench_engine_agreement")
 
 
 @pytest.fixture(scope="module")
