@@ -36,10 +36,8 @@ from router.logs import RateLimitedLog
 from router.metrics import CONTENT_TYPE, kvroute_version
 from router.proxy.access_log import Entry
 from router.proxy.gateway import Gateway
-from router.proxy.lean import LeanRoutes
 from router.proxy.openapi import openapi_document
 from router.proxy.protocol import ClientLimits
-from router.proxy.relay import RawResponse
 from router.tenants.auth import TenantContext
 
 log = logging.getLogger(__name__)
@@ -58,11 +56,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(fastapi_app: FastAPI) -> AsyncIterator[None]:
         gateway = Gateway(settings)
         fastapi_app.state.gateway = app.gateway = gateway
-        if not (gateway.tenants.enabled or gateway._api_keys or gateway.access_log.enabled):
-            # the lean path only where a client that leaves before its body is complete
-            # is not observed: a tenant's count, an API key's 401 or an access-log line
-            # would come from a handler run on the partial request (router.proxy.lean)
-            app.lean_routes = lean
         await gateway.start()
         try:
             yield
@@ -102,14 +95,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         raw_headers: list[tuple[bytes, bytes]],
         receive: Receive,
         entry: Entry | None = None,
-        raw: bytes | None = None,
     ) -> Response:
-        """``raw``: the body, when the protocol already read it (router.proxy.lean)."""
         started = _perf()
         if g._api_keys:
             g.check_api_key(headers)
-        if raw is None:
-            raw = await g.receive_body(headers, receive)
+        raw = await g.receive_body(headers, receive)
         try:
             body = parse_body(raw, g.max_json_depth)
             if ctx is not None:  # the model check, the request bucket, the cache salt
@@ -142,52 +132,39 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         receive: Receive,
         client: Any,
         entry: Entry | None = None,
-        raw: bytes | None = None,
     ) -> Response:
         """:func:`_generate` with the tenant identified first, errors as the tenant may
         see them, and the outcome counted per tenant."""
         gate = g.tenants
         if not gate.enabled:
-            return await _generate(g, None, kind, path, headers, raw_headers, receive, entry, raw)
+            return await _generate(g, None, kind, path, headers, raw_headers, receive, entry)
         try:
             ctx = gate.identify(headers, client)
         except RouterError as err:
             return g.router.reject(err).response()
         try:
-            response = await _generate(
-                g, ctx, kind, path, headers, raw_headers, receive, entry, raw
-            )
+            response = await _generate(g, ctx, kind, path, headers, raw_headers, receive, entry)
         except RouterError as err:
             response = gate.public(err, ctx).response()
         gate.count(ctx, response.status_code)
         return gate.facing(response, g.pod_header_b)
 
-    async def _fast(
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        kind: Kind,
-        path: str,
-        headers: dict[str, str] | None = None,
-        body: bytes | None = None,
-    ) -> None:
+    async def _fast(scope: Scope, receive: Receive, send: Send, kind: Kind, path: str) -> None:
         """The generation endpoints straight on ASGI: no Request object, no routing
         table, no dependency solving; headers as one plain dict (names are lowercase
-        in ASGI; a repeated header keeps its last value).  ``headers`` and ``body``:
-        already read by the protocol's lean path (router.proxy.lean)."""
+        in ASGI; a repeated header keeps its last value)."""
         raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
-        if headers is None:
-            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
         g = app.gateway
         entry = g.access_log.begin(scope, _perf())  # None: not logged
         try:
             if g.tenants.enabled:
                 response = await _serve(
-                    g, kind, path, headers, raw_headers, receive, scope.get("client"), entry, body
+                    g, kind, path, headers, raw_headers, receive, scope.get("client"), entry
                 )
             else:  # what _serve does without tenants, one coroutine less
                 response = await _generate(
-                    g, None, kind, path, headers, raw_headers, receive, entry, body
+                    g, None, kind, path, headers, raw_headers, receive, entry
                 )
         except RouterError as err:
             response = err.response()
@@ -196,8 +173,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             limited.exception(type(exc).__name__, "request failed")
             response = RouterError(500, "internal router error", reason="internal").response()
         if entry is None:
-            if type(response) is not RawResponse or not response.send_whole(send):
-                await response(scope, receive, send)
+            await response(scope, receive, send)
             return
         try:
             await response(scope, receive, entry.watch(send))
@@ -223,9 +199,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.fast_routes = dict(_FAST_KINDS)
     app.fast_routes.update((p, "passthrough") for p in settings.proxy.passthrough_paths)
     app.fast_handler = _fast
-    lean = LeanRoutes(
-        {route.encode(): (kind, route) for route, kind in _LEAN_KINDS}, p.max_body_bytes, _fast
-    )
 
     async def _routed(request: Request, kind: Kind, path: str) -> Response:
         return await _serve(
@@ -363,12 +336,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-_LEAN_KINDS: tuple[tuple[str, Kind], ...] = (
+_FAST_KINDS: tuple[tuple[str, Kind], ...] = (
     ("/v1/chat/completions", "chat"),
     ("/v1/completions", "completion"),
-)
-_FAST_KINDS: tuple[tuple[str, Kind], ...] = (
-    *_LEAN_KINDS,
     ("/v1/embeddings", "embedding"),
     ("/v1/responses", "responses"),
 )
@@ -386,8 +356,6 @@ class _GatewayApp(FastAPI):
     gateway: Gateway
     #: what a client connection may do, read by the HTTP protocol (router.proxy.protocol)
     client_limits: ClientLimits
-    #: the requests the HTTP protocol hands to ``fast_handler`` itself (router.proxy.lean)
-    lean_routes: LeanRoutes | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":

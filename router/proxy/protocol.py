@@ -40,7 +40,6 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.errors import error_body
 from router.logs import RateLimitedLog
-from router.proxy.lean import LeanRoutes, lean_begin, lean_routes_of, run_lean
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.encode
@@ -179,14 +178,9 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
     _deadline = 0.0
     _read_timer: asyncio.TimerHandle | None = None
     _refusal: tuple[int, str, str] | None = None
-    #: the app's lean routes (router.proxy.lean), None: every request goes through ASGI
-    _lean: LeanRoutes | None = None
-    #: the current request takes the lean path: (kind, path, headers) until its body is in
-    _lean_request: tuple[str, str, dict[str, str]] | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(OneWriteTransport(transport, self.loop))  # type: ignore[arg-type]
-        self._lean = lean_routes_of(self.app, self.root_path, self.limit_concurrency)
         limits = self._limits = limits_of(self.app)
         if limits.keepalive_timeout_s is not None:
             self.timeout_keep_alive = limits.keepalive_timeout_s  # type: ignore[assignment]
@@ -263,33 +257,10 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
                 raise _Refused()
         self._phase = _BODY
         self._deadline = 0.0
-        lean = self._lean
-        if lean is not None and self.url in lean.routes:
-            self._lean_request = lean_begin(self, lean)
-            if self._lean_request is not None:
-                return
         super().on_headers_complete()
 
-    def on_body(self, body: bytes) -> None:
-        if self._lean_request is None:
-            super().on_body(body)
-        else:  # no task reads yet: kept whole (at most the declared length)
-            self.cycle.body += body
-
     def on_message_complete(self) -> None:
-        lean = self._lean_request
-        if lean is None:
-            super().on_message_complete()
-        else:
-            self._lean_request = None
-            cycle = self.cycle
-            cycle.more_body = False
-            raw = bytes(cycle.body)
-            cycle.body = bytearray()  # consumed: ``receive`` now waits for a disconnect
-            assert self._lean is not None
-            task = self.loop.create_task(run_lean(self._lean.handler, cycle, *lean, raw))
-            task.add_done_callback(self.tasks.discard)
-            self.tasks.add(task)
+        super().on_message_complete()
         self._phase = _IDLE
         self._head_raw = 0
 

@@ -66,11 +66,6 @@ class RawResponse(Response):
         self.raw_headers = headers
         self.background = None
 
-    def send_whole(self, send: Send) -> bool:
-        """Written in one go (:func:`router.proxy.oneshot.send_whole`); False: not
-        written, the caller awaits the response as ASGI."""
-        return send_whole(send, self.status_code, self.raw_headers, self._content)
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = self._content
         if send_whole(send, self.status_code, self.raw_headers, body):

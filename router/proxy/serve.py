@@ -94,7 +94,7 @@ class RunningServer:
             http=http or _http_impl(),
             loop="none",
             access_log=False,
-            proxy_headers=False,  # as `kvroute serve` runs it (and its lean path needs)
+            proxy_headers=False,  # as `kvroute serve` runs it
             timeout_graceful_shutdown=2,
             timeout_keep_alive=timeout_keep_alive,  # type: ignore[arg-type]
         )

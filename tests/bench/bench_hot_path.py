@@ -17,7 +17,7 @@ in this process and reports CPU microseconds per request (``time.process_time``)
                      socket), the response messages;
 * ``server``       — the whole server side as `kvroute serve` runs it: raw HTTP/1.1
                      requests (as wrk sends them) fed to kvroute's uvicorn protocol
-                     (router.proxy.protocol, its lean path included) on 32 in-memory
+                     (router.proxy.protocol) on 32 in-memory
                      connections, the app behind it, the response bytes taken from the
                      protocol's transport: ``app`` plus uvicorn and the protocol, less
                      only the client socket's syscalls;

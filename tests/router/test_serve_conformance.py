@@ -8,14 +8,12 @@ behind each, on real loopback sockets, the same raw requests, the same raw bytes
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from typing import Any
 
 import pytest
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from router.proxy.lean import LeanRoutes
 from router.proxy.protocol import OneWriteHttpToolsProtocol
 from router.proxy.relay import RawResponse
 from router.proxy.serve import RunningServer
@@ -171,104 +169,3 @@ async def test_the_router_protocol_answers_byte_for_byte_like_uvicorns(name: str
 async def test_an_invalid_header_is_refused_with_no_response_bytes() -> None:
     async with RunningServer(app) as server:
         assert await exchange(server, [req("GET", "/bad-value")]) == b""
-
-
-# -- the lean path (router.proxy.lean) ---------------------------------------------------
-
-
-class LeanApp:
-    """An app with lean routes: the protocol hands ``/lean*`` requests to :meth:`handle`
-    itself (counted in :attr:`lean_calls`); through ASGI the same handler answers after
-    reading the body.  The answer echoes what the handler was given."""
-
-    def __init__(self) -> None:
-        routes = {b"/lean": ("chat", "/lean"), b"/lean-stream": ("chat", "/lean-stream")}
-        routes[b"/lean-error"] = ("completion", "/lean-error")
-        self.lean_routes = LeanRoutes(routes, 64, self.lean)
-        self.lean_calls = 0
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        await self.handle(scope, receive, send, path=scope["path"], headers=headers, body=body)
-
-    async def lean(self, scope: Any, receive: Any, send: Any, **kw: Any) -> None:
-        self.lean_calls += 1
-        assert kw.pop("kind") in ("chat", "completion")
-        await self.handle(scope, receive, send, **kw)
-
-    async def handle(
-        self, scope: Any, receive: Any, send: Any, *, path: str, headers: Any, body: bytes
-    ) -> None:
-        if len(body) > 64:
-            await RawResponse(413, [(b"content-type", b"text/plain")], b"too big")(
-                scope, receive, send
-            )
-            return
-        seen = [scope["method"], scope["path"], scope["raw_path"].decode(), path]
-        seen += [scope["query_string"].decode(), scope["http_version"], headers.get("x-n", "")]
-        echo = json.dumps({"seen": seen, "body": body.decode()}).encode()
-        if path == "/lean-error":
-            raise RuntimeError("boom")  # uvicorn's 500, on both paths
-        if path == "/lean-stream":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": echo, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
-            return
-        await RawResponse(200, [(b"content-type", b"application/json")], echo)(scope, receive, send)
-
-
-BODY = b'{"prompt":"hi"}'
-
-#: (requests, whether ours takes the lean path for them)
-LEAN_SCENARIOS: dict[str, tuple[list[bytes], bool]] = {
-    "lean answer": ([req("POST", "/lean", CLOSE, "x-n: 1", body=BODY)], True),
-    "lean answers on one connection": (
-        [
-            req("POST", "/lean", body=BODY),
-            req("POST", "/lean-stream", body=b"{}"),
-            req("GET", "/length"),
-            req("POST", "/lean", CLOSE, body=BODY),
-        ],
-        True,
-    ),
-    "lean answers pipelined": (
-        [req("POST", "/lean", body=BODY) + req("POST", "/lean", CLOSE, body=b"{}")],
-        True,
-    ),
-    "lean body in parts": ([req("POST", "/lean", CLOSE, body=BODY)[:-5], BODY[-5:]], True),
-    "lean streaming answer": ([req("POST", "/lean-stream", CLOSE, body=BODY)], True),
-    "lean handler fails -> 500": ([req("POST", "/lean-error", body=BODY)], True),
-    "lean path, empty body": ([req("POST", "/lean", CLOSE, "content-length: 0")], True),
-    "query string -> ASGI": ([req("POST", "/lean?x=1", CLOSE, body=BODY)], False),
-    "GET -> ASGI": ([req("GET", "/lean", CLOSE)], False),
-    "HTTP/1.0 -> ASGI": ([req("POST", "/lean", version="1.0", body=BODY)], False),
-    "expect 100-continue -> ASGI": (
-        [req("POST", "/lean", CLOSE, "expect: 100-continue", body=BODY)],
-        False,
-    ),
-    "chunked body -> ASGI": (
-        [req("POST", "/lean", CLOSE, "transfer-encoding: chunked") + b"3\r\nabc\r\n0\r\n\r\n"],
-        False,
-    ),
-    "no content-length -> ASGI": ([req("POST", "/lean", CLOSE)], False),
-    "body over the limit -> ASGI (413)": ([req("POST", "/lean", CLOSE, body=b"x" * 65)], False),
-}
-
-
-@pytest.mark.parametrize("name", list(LEAN_SCENARIOS))
-async def test_the_lean_path_answers_byte_for_byte_like_uvicorns(name: str) -> None:
-    requests, lean = LEAN_SCENARIOS[name]
-    stock_app, our_app = LeanApp(), LeanApp()
-    expected, got = await on_both(stock_app, our_app, requests)
-    assert got == expected
-    assert expected.startswith(b"HTTP/1.")
-    assert stock_app.lean_calls == 0
-    assert (our_app.lean_calls > 0) is lean
