@@ -1,7 +1,8 @@
 """KV-event subscription: vLLM publishers -> (seq tracking, replay, resync) -> index.
 
 See :mod:`router.events.subscriber` (sockets, who may speak for a pod) and
-:mod:`router.events.writer` (sequence semantics, replays, resyncs).
+:mod:`router.events.writer` (sequence semantics, replays, resyncs; the batches' writes in
+:mod:`router.events.writer_batches`).
 """
 
 from router.events.protocol import DecodedBatch, EventSink

@@ -60,9 +60,6 @@ Semantics (the README quotes this):
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
 
 from scoring.blocks import chain_keys, root_key
 from scoring.events.decode import (
@@ -74,182 +71,23 @@ from scoring.events.decode import (
     EventBatch,
     decode_batch,
 )
-from scoring.events.engine_hash import EngineHasher
-from scoring.index.base import BlockIndex
+from scoring.events.ops import IndexOps, SyncIndex
+from scoring.events.registry import DEFAULT_MEDIUM_TIERS, PodRegistry, UnknownPodError
+from scoring.events.state import FAST_TIER, ApplierStats, Held, PodEvents
+
+__all__ = [
+    "DEFAULT_MEDIUM_TIERS",
+    "FAST_TIER",
+    "ApplierStats",
+    "Held",
+    "IndexOps",
+    "KVEventApplier",
+    "PodEvents",
+    "SyncIndex",
+    "UnknownPodError",
+]
 
 log = logging.getLogger(__name__)
-
-#: the tier of vLLM's own KV cache ("GPU" also on CPU engines)
-FAST_TIER = "GPU"
-
-DEFAULT_MEDIUM_TIERS: Mapping[str, str] = {
-    "GPU": "GPU",
-    "CPU": "CPU",
-    "STORAGE": "DISK",
-    "DISK": "DISK",
-}
-
-
-class UnknownPodError(KeyError):
-    """Events arrived for a pod the applier was not told about (``set_pod``)."""
-
-
-class SyncIndex(Protocol):
-    """The synchronous fast path an index may offer (the in-memory one does)."""
-
-    def add_sync(self, pod: str, keys: list[int], tier: str = "GPU") -> None: ...
-    def remove_sync(self, pod: str, keys: list[int], tier: str = "GPU") -> None: ...
-    def clear_pod_sync(self, pod: str, tier: str | None = None) -> None: ...
-
-
-class IndexOps:
-    """Index writes produced by applying events, in order; consecutive writes of the
-    same kind, pod and tier are merged into one call."""
-
-    __slots__ = ("ops",)
-
-    def __init__(self) -> None:
-        #: (kind "add" | "remove" | "clear", pod, tier or None, keys)
-        self.ops: list[tuple[str, str, str | None, list[int]]] = []
-
-    def __len__(self) -> int:
-        return len(self.ops)
-
-    def _push(self, kind: str, pod: str, tier: str | None, keys: Iterable[int]) -> None:
-        ops = self.ops
-        if ops:
-            k, p, t, ks = ops[-1]
-            if k == kind and p == pod and t == tier and kind != "clear":
-                ks.extend(keys)
-                return
-        ops.append((kind, pod, tier, list(keys)))
-
-    def add(self, pod: str, tier: str, keys: Iterable[int]) -> None:
-        self._push("add", pod, tier, keys)
-
-    def remove(self, pod: str, tier: str, keys: Iterable[int]) -> None:
-        self._push("remove", pod, tier, keys)
-
-    def clear(self, pod: str) -> None:
-        self._push("clear", pod, None, ())
-
-    def extend(self, other: IndexOps) -> None:
-        for kind, pod, tier, keys in other.ops:
-            self._push(kind, pod, tier, keys)
-
-    def apply_sync(self, index: SyncIndex) -> None:
-        """Run the writes on an index with a synchronous fast path."""
-        for kind, pod, tier, keys in self.ops:
-            if kind == "add":
-                if keys:
-                    index.add_sync(pod, keys, tier)  # type: ignore[arg-type]
-            elif kind == "remove":
-                if keys:
-                    index.remove_sync(pod, keys, tier)  # type: ignore[arg-type]
-            else:
-                index.clear_pod_sync(pod)
-
-    async def apply(self, index: BlockIndex) -> None:
-        """Run the writes on any index: in one call when it offers
-        ``apply_ops(ops)`` (the Redis index: one round trip), else one awaited call per
-        merged write."""
-        if not self.ops:
-            return
-        apply_ops = getattr(index, "apply_ops", None)
-        if apply_ops is not None:
-            await apply_ops(self.ops)
-            return
-        for kind, pod, tier, keys in self.ops:
-            if kind == "add":
-                if keys:
-                    await index.add(pod, keys, tier)  # type: ignore[arg-type]
-            elif kind == "remove":
-                if keys:
-                    await index.remove(pod, keys, tier)  # type: ignore[arg-type]
-            else:
-                await index.clear_pod(pod)
-
-
-@dataclass(slots=True)
-class ApplierStats:
-    """Counters the router exports as metrics (blocks unless the name says events)."""
-
-    batches: int = 0
-    stored_blocks: int = 0
-    removed_blocks: int = 0
-    cleared: int = 0  # AllBlocksCleared events
-    orphaned_blocks: int = 0
-    orphans_linked: int = 0
-    orphans_dropped: int = 0
-    engine_hash_linked: int = 0  # ancestors indexed from learned engine hashes
-    unknown_removed: int = 0
-    unresolved_blocks: int = 0
-    evicted_blocks: int = 0
-    block_size_mismatches: int = 0
-    decode_errors: int = 0  # whole payloads that could not be decoded
-    bad_events: int = 0  # events skipped as malformed / unusable
-    unknown_events: int = 0  # events of an unknown type, skipped
-    last_error: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class Held:
-    """Stored copies of one block on a pod beyond the common case (one GPU copy)."""
-
-    __slots__ = ("counts", "key")
-
-    def __init__(self, key: int, counts: dict[str, int]) -> None:
-        self.key = key
-        #: tier -> stored copies (> 0)
-        self.counts = counts
-
-    def __repr__(self) -> str:
-        return f"Held({self.key}, {self.counts})"
-
-
-def _key(v: int | Held) -> int:
-    return v if type(v) is int else v.key  # type: ignore[union-attr]
-
-
-@dataclass(slots=True)
-class PodEvents:
-    """What the applier knows about one pod's engine cache."""
-
-    pod: str
-    model: str
-    block_size: int | None = None
-    #: engine hash -> our key (exactly one copy, in the GPU tier: the common case, kept
-    #: as a bare int to save memory) or a :class:`Held` with counts per tier
-    blocks: dict[EngineHash, int | Held] = field(default_factory=dict)
-    #: parent engine hash -> BlockStored events waiting for it
-    orphans: dict[EngineHash, list[BlockStored]] = field(default_factory=dict)
-    orphan_blocks: int = 0
-    #: removals of blocks that sit in a pending orphan: applied when it is linked
-    orphan_removed: dict[EngineHash, int] = field(default_factory=dict)
-    #: events were lost for good (orphans dropped, undecodable payload, bad event)
-    lost: bool = False
-    #: distinct blocks held in the GPU tier (vLLM's own cache: <= its num_gpu_blocks)
-    gpu_blocks: int = 0
-
-    @property
-    def needs_resync(self) -> bool:
-        """True while orphans wait for a parent or events were lost: the router should
-        replay the pod's recent batches or clear and re-learn it."""
-        return self.lost or bool(self.orphans)
-
-    def key_of(self, engine_hash: EngineHash) -> int | None:
-        """Our key for a block the pod holds (None when it holds no such block)."""
-        v = self.blocks.get(engine_hash)
-        return None if v is None else _key(v)
-
-    def copies(self, engine_hash: EngineHash) -> dict[str, int]:
-        """Stored copies of a block per tier ({} when not held)."""
-        v = self.blocks.get(engine_hash)
-        if v is None:
-            return {}
-        return {FAST_TIER: 1} if type(v) is int else dict(v.counts)  # type: ignore[union-attr]
 
 
 def _cache_salt(ev: BlockStored) -> str | None:
@@ -268,94 +106,8 @@ def _cache_salt(ev: BlockStored) -> str | None:
     return None
 
 
-class KVEventApplier:
+class KVEventApplier(PodRegistry):
     """Turns (pod, event) into index writes; see the module docstring."""
-
-    def __init__(
-        self,
-        *,
-        block_size: int | None = None,
-        fallback_block_size: int | None = None,
-        engine_hasher: EngineHasher | None = None,
-        medium_tiers: Mapping[str, str] = DEFAULT_MEDIUM_TIERS,
-        max_orphan_blocks: int = 8192,
-        max_blocks_per_pod: int = 4_000_000,
-    ) -> None:
-        if block_size is not None and block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        if fallback_block_size is not None and fallback_block_size <= 0:
-            raise ValueError(f"fallback_block_size must be positive, got {fallback_block_size}")
-        #: every pod's block size, when configured (else each pod's is given or learned)
-        self.block_size = block_size
-        #: for an event without ``block_size`` from a pod whose size is unknown
-        self.fallback_block_size = fallback_block_size
-        self.hasher = engine_hasher
-        self.medium_tiers = dict(medium_tiers)
-        self.max_orphan_blocks = max_orphan_blocks
-        self.max_blocks_per_pod = max_blocks_per_pod
-        self.stats = ApplierStats()
-        self._pods: dict[str, PodEvents] = {}
-        self._orphan_pods: set[str] = set()
-
-    # -- pods ------------------------------------------------------------------------
-
-    def set_pod(self, pod: str, model: str, block_size: int | None = None) -> PodEvents:
-        """Register ``pod`` serving ``model`` (keeps its state if already known)."""
-        st = self._pods.get(pod)
-        if st is None:
-            st = PodEvents(pod, model, block_size or self.block_size)
-            self._pods[pod] = st
-        else:
-            st.model = model
-            if block_size:
-                st.block_size = block_size
-        return st
-
-    def pod(self, pod: str) -> PodEvents | None:
-        return self._pods.get(pod)
-
-    def pods(self) -> list[PodEvents]:
-        return list(self._pods.values())
-
-    def pods_needing_resync(self) -> list[str]:
-        return [p.pod for p in self._pods.values() if p.needs_resync]
-
-    def clear_pod(self, pod: str) -> IndexOps:
-        """Forget what ``pod`` holds (engine restart, resync); keeps it registered."""
-        ops = IndexOps()
-        st = self._pods.get(pod)
-        if st is not None:
-            self._reset(st)
-        ops.clear(pod)
-        return ops
-
-    def remove_pod(self, pod: str) -> IndexOps:
-        """The pod left the fleet: forget it entirely."""
-        ops = self.clear_pod(pod)
-        self._pods.pop(pod, None)
-        self._orphan_pods.discard(pod)
-        return ops
-
-    def mark_resynced(self, pod: str) -> None:
-        """The caller replayed or re-learned ``pod``: clear the lost-events flag."""
-        st = self._pods.get(pod)
-        if st is not None:
-            st.lost = False
-
-    def _reset(self, st: PodEvents) -> None:
-        st.blocks.clear()
-        st.orphans.clear()
-        st.orphan_blocks = 0
-        st.orphan_removed.clear()
-        st.lost = False
-        st.gpu_blocks = 0
-        self._orphan_pods.discard(st.pod)
-
-    def _state(self, pod: str) -> PodEvents:
-        st = self._pods.get(pod)
-        if st is None:
-            raise UnknownPodError(f"KV events for unknown pod {pod!r}: call set_pod() first")
-        return st
 
     def _bad(self, st: PodEvents, msg: str) -> None:
         # not a warning per event: a batch of 10,000 bad events would write 10,000 lines;
@@ -560,31 +312,6 @@ class KVEventApplier:
         self.stats.evicted_blocks += len(victims)
 
     # -- orphans ---------------------------------------------------------------------
-
-    def _orphan(self, st: PodEvents, parent: EngineHash, ev: BlockStored) -> None:
-        n = len(ev.block_hashes)
-        self.stats.orphaned_blocks += n
-        st.orphans.setdefault(parent, []).append(ev)
-        st.orphan_blocks += n
-        self._orphan_pods.add(st.pod)
-        while st.orphan_blocks > self.max_orphan_blocks and st.orphans:
-            oldest = next(iter(st.orphans))
-            dropped = sum(len(e.block_hashes) for e in st.orphans.pop(oldest))
-            st.orphan_blocks -= dropped
-            self.stats.orphans_dropped += dropped
-            st.lost = True
-        if not st.orphans:
-            self._orphan_pods.discard(st.pod)
-        log.debug("pod %s: %d orphaned blocks wait for parent %r", st.pod, n, parent)
-
-    def _take_orphans(self, st: PodEvents, parent: EngineHash) -> list[BlockStored]:
-        evs = st.orphans.pop(parent, None)
-        if not evs:
-            return []
-        st.orphan_blocks -= sum(len(e.block_hashes) for e in evs)
-        if not st.orphans:
-            self._orphan_pods.discard(st.pod)
-        return evs
 
     def _link_children(self, st: PodEvents, hashes: list[EngineHash], ops: IndexOps) -> None:
         """Apply orphans waiting for any of ``hashes`` (now known)."""
