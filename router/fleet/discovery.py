@@ -17,7 +17,8 @@ subscriber, scraper) which pods came and went.
   else from these settings.  With several ``ports`` (an InferencePool's
   ``targetPorts``), each pod is one endpoint per port, ``<pod>-rank-<i>``, as GIE's
   picker counts them; rank i's KV events on ``events_port + i`` (vLLM's
-  data-parallel convention).  Pod object -> endpoints: :mod:`router.fleet.k8s_endpoints`.
+  data-parallel convention), on the ports GIE's ``inference.networking.k8s.io/active-ports``
+  annotation lists (all without it).  Pod object -> endpoints: :mod:`router.fleet.k8s_endpoints`.
 
 Every source also gives each pod its prefill/decode role (:mod:`router.fleet.roles`):
 ``role`` / ``roles`` on a static pod or the DNS source; on Kubernetes the first of

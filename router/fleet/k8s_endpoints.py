@@ -3,10 +3,19 @@
 Which pods count (:func:`pod_is_ready`) and what each one is (:func:`pod_specs`): its
 port(s), KV-event and replay endpoints, models and prefill/decode role, from its
 annotations and labels, else the discovery settings.
+
+As GIE's endpoint picker does (``pkg/epp/datastore/datastore.go``, now
+``pkg/lwepp/datastore/datastore.go``: ``IsPodReady``, ``extractActivePorts``), a pod
+counts when Ready and not terminating (kvroute also wants its ``podIP``, which GIE copies
+even when empty), and its endpoints are the target ports that its
+``inference.networking.k8s.io/active-ports`` annotation lists (all of them without the
+annotation); a rank keeps its index among the target ports.  GIE does not look at the
+containers' declared ports.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +26,30 @@ from router.fleet.roles import Role, parse_role, parse_role_map, role_overrides
 
 if TYPE_CHECKING:
     from router.fleet.discovery import K8sDiscoverySettings
+
+
+#: GIE's annotation: the comma-separated target ports of a pod that take traffic
+ACTIVE_PORTS_ANNOTATION = "inference.networking.k8s.io/active-ports"
+
+_LEADING_INT = re.compile(r"[+-]?[0-9]+")
+
+
+def active_ports(ann: Mapping[str, str], ports: list[int]) -> list[int]:
+    """The ``ports`` that :data:`ACTIVE_PORTS_ANNOTATION` lists (all without it).
+
+    As GIE's ``extractActivePorts``: each comma-separated entry is read as Go's
+    ``fmt.Sscanf("%d")`` reads it (its leading integer), and entries that do not
+    parse, are not positive or are not among ``ports`` are ignored; an annotation
+    that lists none of them leaves the pod no endpoint."""
+    raw = ann.get(ACTIVE_PORTS_ANNOTATION)
+    if raw is None:
+        return ports
+    listed: set[int] = set()
+    for entry in str(raw).split(","):
+        m = _LEADING_INT.match(entry.strip())
+        if m:
+            listed.add(int(m.group()))
+    return [p for p in ports if p > 0 and p in listed]
 
 
 def pod_is_ready(pod: Mapping[str, Any]) -> bool:
@@ -56,8 +89,9 @@ def _port(ann: Mapping[str, str], key: str, default: int | None) -> int | None:
 def pod_specs(pod: Mapping[str, Any], s: K8sDiscoverySettings) -> list[PodSpec]:
     """The PodSpecs of a Ready pod object: one, or with several ``ports`` one per
     port (``<pod>-rank-<i>``, as GIE's picker names them; rank i's KV events on
-    ``events_port + i``, as vLLM's data-parallel ranks publish them);
-    ``ValueError`` on a bad annotation."""
+    ``events_port + i``, as vLLM's data-parallel ranks publish them), only on the
+    ports that are active (:func:`active_ports`; a rank keeps its index among all
+    the ports); ``ValueError`` on a bad annotation or when no port is active."""
     meta = pod.get("metadata") or {}
     name = meta["name"]
     ann = meta.get("annotations") or {}
@@ -69,8 +103,16 @@ def pod_specs(pod: Mapping[str, Any], s: K8sDiscoverySettings) -> list[PodSpec]:
     models = ann.get(s.models_annotation)
     model_list = [m.strip() for m in models.split(",") if m.strip()] if models else s.models
     role, roles = roles_of(meta, s)
+    active = active_ports(ann, ports)
+    if not active:
+        raise ValueError(
+            f"no port of {ports} is active "
+            f"({ACTIVE_PORTS_ANNOTATION}={ann.get(ACTIVE_PORTS_ANNOTATION)!r})"
+        )
     specs = []
     for rank, port in enumerate(ports):
+        if port not in active:
+            continue
         specs.append(
             PodSpec(
                 name=name if len(ports) == 1 else f"{name}-rank-{rank}",
