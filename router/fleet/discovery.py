@@ -17,7 +17,8 @@ subscriber, scraper) which pods came and went.
   else from these settings.  With several ``ports`` (an InferencePool's
   ``targetPorts``), each pod is one endpoint per port, ``<pod>-rank-<i>``, as GIE's
   picker counts them; rank i's KV events on ``events_port + i`` (vLLM's
-  data-parallel convention).
+  data-parallel convention), on the ports GIE's ``inference.networking.k8s.io/active-ports``
+  annotation lists (all without it).  Pod object -> endpoints: :mod:`router.fleet.k8s_endpoints`.
 
 Every source also gives each pod its prefill/decode role (:mod:`router.fleet.roles`):
 ``role`` / ``roles`` on a static pod or the DNS source; on Kubernetes the first of
@@ -42,15 +43,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from router.fleet.dns import DnsDiscovery, DnsDiscoverySettings
 from router.fleet.dns import host_in_url as _host
-from router.fleet.dns import zmq_endpoint as _endpoint
+from router.fleet.k8s_endpoints import pod_is_ready, pod_specs
 from router.fleet.pods import PodRegistry, PodSpec
-from router.fleet.roles import (
-    Role,
-    RoleSpelling,
-    parse_role,
-    parse_role_map,
-    role_overrides,
-)
+from router.fleet.roles import Role, RoleSpelling, role_overrides
 from router.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -238,15 +233,6 @@ class Discovery(Protocol):
         ...
 
 
-def _offset(port: int | None, rank: int, what: str) -> int | None:
-    """``port + rank`` (vLLM's data-parallel rank ``rank`` publishes there)."""
-    if port is None:
-        return None
-    if port + rank > 65535:
-        raise ValueError(f"the {what} port of rank {rank} would be {port + rank} (> 65535)")
-    return port + rank
-
-
 class StaticDiscovery:
     def __init__(self, pods: list[StaticPod]) -> None:
         self.pods = pods
@@ -257,18 +243,6 @@ class StaticDiscovery:
 
 class _Gone(Exception):
     """The watch's resourceVersion is too old: re-list."""
-
-
-def pod_is_ready(pod: Mapping[str, Any]) -> bool:
-    """Ready=True condition, a podIP, and not being deleted."""
-    meta = pod.get("metadata") or {}
-    status = pod.get("status") or {}
-    if meta.get("deletionTimestamp") or not status.get("podIP"):
-        return False
-    for cond in status.get("conditions") or []:
-        if cond.get("type") == "Ready":
-            return cond.get("status") == "True"
-    return False
 
 
 class K8sDiscovery:
@@ -339,70 +313,14 @@ class K8sDiscovery:
 
     # -- pod -> spec -------------------------------------------------------------------
 
-    def _port(self, ann: Mapping[str, str], key: str, default: int | None, pod: str) -> int | None:
-        raw = ann.get(key)
-        if raw is None:
-            return default
-        try:
-            port = int(raw)
-            if not 0 < port < 65536:
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"annotation {key}={raw!r} is not a port number") from None
-        return port
-
     def spec_of(self, pod: Mapping[str, Any]) -> PodSpec:
         """The PodSpec of a Ready pod object (its first port's); ``ValueError`` on a
         bad annotation."""
         return self.specs_of(pod)[0]
 
     def specs_of(self, pod: Mapping[str, Any]) -> list[PodSpec]:
-        """The PodSpecs of a Ready pod object: one, or with several ``ports`` one per
-        port (``<pod>-rank-<i>``, as GIE's picker names them; rank i's KV events on
-        ``events_port + i``, as vLLM's data-parallel ranks publish them);
-        ``ValueError`` on a bad annotation."""
-        s = self.settings
-        meta = pod.get("metadata") or {}
-        name = meta["name"]
-        ann = meta.get("annotations") or {}
-        ip = pod["status"]["podIP"]
-        annotated = self._port(ann, s.port_annotation, None, name)
-        ports = [annotated] if annotated is not None else (s.ports or [s.port])
-        events = self._port(ann, s.events_port_annotation, s.events_port, name)
-        replay = self._port(ann, s.replay_port_annotation, s.replay_port, name)
-        models = ann.get(s.models_annotation)
-        model_list = [m.strip() for m in models.split(",") if m.strip()] if models else s.models
-        role, roles = self._roles_of(meta)
-        specs = []
-        for rank, port in enumerate(ports):
-            specs.append(
-                PodSpec(
-                    name=name if len(ports) == 1 else f"{name}-rank-{rank}",
-                    url=f"{s.scheme}://{_host(ip)}:{port}",
-                    events_endpoint=_endpoint(ip, _offset(events, rank, "events")),
-                    replay_endpoint=_endpoint(ip, _offset(replay, rank, "replay")),
-                    models=tuple(model_list),
-                    role=role,
-                    roles=role_overrides(roles),
-                )
-            )
-        return specs
-
-    def _roles_of(self, meta: Mapping[str, Any]) -> tuple[Role, dict[str, Role]]:
-        """The pod's role (first of ``role_keys`` among labels, then annotations) and
-        per-model roles; :class:`RoleError` (a ValueError: the pod is skipped) on a bad
-        value."""
-        s = self.settings
-        labels = meta.get("labels") or {}
-        ann = meta.get("annotations") or {}
-        role = s.role
-        for source in (labels, ann):
-            found = next((k for k in s.role_keys if k in source), None)
-            if found is not None:
-                role = parse_role(str(source[found]), found)
-                break
-        raw = ann.get(s.roles_annotation)
-        return role, parse_role_map(str(raw), s.roles_annotation) if raw else {}
+        """The PodSpecs of a Ready pod object (:func:`router.fleet.k8s_endpoints.pod_specs`)."""
+        return pod_specs(pod, self.settings)
 
     def current_specs(self) -> list[PodSpec]:
         specs: list[PodSpec] = []

@@ -300,6 +300,58 @@ def test_a_ports_list_repeating_a_port_or_longer_than_a_pool_s_is_refused(tmp_pa
         disc.specs_of(high)
 
 
+ACTIVE = "inference.networking.k8s.io/active-ports"  # GIE's annotation
+
+
+def test_a_pod_is_an_endpoint_only_on_the_target_ports_its_active_ports_annotation_lists(
+    tmp_path: Path,
+) -> None:
+    # GIE's datastore (extractActivePorts): a rank keeps its index among the targetPorts
+    disc = K8sDiscovery(k8s_settings("http://127.0.0.1:1", tmp_path, ports=[8000, 8001, 8002]))
+    specs = disc.specs_of(k8s_pod("dp", ip="10.0.0.3", annotations={ACTIVE: "8000, 8002"}))
+    assert [(s.name, s.url, s.events_endpoint) for s in specs] == [
+        ("dp-rank-0", "http://10.0.0.3:8000", "tcp://10.0.0.3:5557"),
+        ("dp-rank-2", "http://10.0.0.3:8002", "tcp://10.0.0.3:5559"),
+    ]
+    # entries that do not parse, or are not target ports, are ignored (as Go's Sscanf %d)
+    odd = disc.specs_of(k8s_pod("o", annotations={ACTIVE: "http,9999,8001 ,-8000,0"}))
+    assert [s.name for s in odd] == ["o-rank-1"]
+    # none active: the pod has no endpoint (skipped, saying why)
+    for value in ("", "9000", "http"):
+        with pytest.raises(ValueError, match=r"no port of \[8000, 8001, 8002\] is active"):
+            disc.specs_of(k8s_pod("n", annotations={ACTIVE: value}))
+    # one target port: active or not, named as the pod
+    single = K8sDiscovery(k8s_settings("http://127.0.0.1:1", tmp_path))
+    assert single.spec_of(k8s_pod("a", annotations={ACTIVE: "8000"})).name == "a"
+    with pytest.raises(ValueError, match=r"no port of \[8000\] is active"):
+        single.specs_of(k8s_pod("a", annotations={ACTIVE: "8001"}))
+
+
+async def test_k8s_discovery_follows_a_pod_s_active_ports_as_they_change(tmp_path: Path) -> None:
+    api = FakeApiServer()
+    api.items = [
+        k8s_pod("a", ip="10.0.0.1"),
+        k8s_pod("b", ip="10.0.0.2", annotations={ACTIVE: "8001"}),
+        k8s_pod("c", ip="10.0.0.3", annotations={ACTIVE: "9000"}),
+    ]
+    async with serve_app(api.app) as url:
+        disc = K8sDiscovery(k8s_settings(url, tmp_path, ports=[8000, 8001]))
+        reg = PodRegistry()
+        async with running(disc.run(reg)):
+            await wait_until(lambda: len(api.watches()) == 1)
+            listed = sorted(p.name for p in reg.all())
+            skipped = sorted(disc.skipped)
+            # a drains rank 1, c's annotation goes away: all its target ports count
+            drained = k8s_pod("a", ip="10.0.0.1", annotations={ACTIVE: "8000"}, rv="101")
+            await api.watch_queue.put({"type": "MODIFIED", "object": drained})
+            await api.watch_queue.put({"type": "MODIFIED", "object": k8s_pod("c", "10.0.0.3")})
+            await wait_until(lambda: reg.get("c-rank-1") is not None)
+            after = sorted(p.name for p in reg.all())
+    assert listed == ["a-rank-0", "a-rank-1", "b-rank-1"]
+    assert skipped == ["c"]
+    assert after == ["a-rank-0", "b-rank-1", "c-rank-0", "c-rank-1"]
+
+
 async def test_k8s_discovery_registers_every_rank_of_a_multi_port_pod(tmp_path: Path) -> None:
     api = FakeApiServer()
     api.items = [k8s_pod("a", ip="10.0.0.1"), k8s_pod("b", ip="10.0.0.2")]
