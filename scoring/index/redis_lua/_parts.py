@@ -22,8 +22,6 @@ FORCE_HASHTABLE = (
     + "') end\n"
 )
 
-#: Lua helpers for holder hints (sorted 4-byte big-endian slot ids in one string).
-#: Comparisons are numeric (struct.unpack), never on strings (collation-dependent).
 #: Lua helpers for holder hints (sorted 4-byte big-endian slot ids in one string) and
 #: their digests.  Comparisons are numeric (struct.unpack), never on strings
 #: (collation-dependent).  The digest of a holder set is ``count:a:b`` with a and b the
