@@ -213,11 +213,12 @@ def k8s_settings(url: str, tmp_path: Path, **kw: Any) -> K8sDiscoverySettings:
 
 @contextlib.asynccontextmanager
 async def k8s_discovery_running(
-    api: FakeApiServer, tmp_path: Path
+    api: FakeApiServer, tmp_path: Path, **kw: Any
 ) -> AsyncIterator[tuple[K8sDiscovery, PodRegistry]]:
-    """Serve ``api`` on loopback and run a K8sDiscovery against it for the block."""
+    """Serve ``api`` on loopback and run a K8sDiscovery (``kw``: its settings) against it
+    for the block."""
     async with serve_app(api.app) as url:
-        disc = K8sDiscovery(k8s_settings(url, tmp_path))
+        disc = K8sDiscovery(k8s_settings(url, tmp_path, **kw))
         reg = PodRegistry()
         async with running(disc.run(reg)):
             yield disc, reg
@@ -334,19 +335,16 @@ async def test_k8s_discovery_follows_a_pod_s_active_ports_as_they_change(tmp_pat
         k8s_pod("b", ip="10.0.0.2", annotations={ACTIVE: "8001"}),
         k8s_pod("c", ip="10.0.0.3", annotations={ACTIVE: "9000"}),
     ]
-    async with serve_app(api.app) as url:
-        disc = K8sDiscovery(k8s_settings(url, tmp_path, ports=[8000, 8001]))
-        reg = PodRegistry()
-        async with running(disc.run(reg)):
-            await wait_until(lambda: len(api.watches()) == 1)
-            listed = sorted(p.name for p in reg.all())
-            skipped = sorted(disc.skipped)
-            # a drains rank 1, c's annotation goes away: all its target ports count
-            drained = k8s_pod("a", ip="10.0.0.1", annotations={ACTIVE: "8000"}, rv="101")
-            await api.watch_queue.put({"type": "MODIFIED", "object": drained})
-            await api.watch_queue.put({"type": "MODIFIED", "object": k8s_pod("c", "10.0.0.3")})
-            await wait_until(lambda: reg.get("c-rank-1") is not None)
-            after = sorted(p.name for p in reg.all())
+    async with k8s_discovery_running(api, tmp_path, ports=[8000, 8001]) as (disc, reg):
+        await wait_until(lambda: len(api.watches()) == 1)
+        listed = sorted(p.name for p in reg.all())
+        skipped = sorted(disc.skipped)
+        # a drains rank 1, c's annotation goes away: all its target ports count
+        drained = k8s_pod("a", ip="10.0.0.1", annotations={ACTIVE: "8000"}, rv="101")
+        await api.watch_queue.put({"type": "MODIFIED", "object": drained})
+        await api.watch_queue.put({"type": "MODIFIED", "object": k8s_pod("c", "10.0.0.3")})
+        await wait_until(lambda: reg.get("c-rank-1") is not None)
+        after = sorted(p.name for p in reg.all())
     assert listed == ["a-rank-0", "a-rank-1", "b-rank-1"]
     assert skipped == ["c"]
     assert after == ["a-rank-0", "b-rank-1", "c-rank-0", "c-rank-1"]
@@ -355,17 +353,12 @@ async def test_k8s_discovery_follows_a_pod_s_active_ports_as_they_change(tmp_pat
 async def test_k8s_discovery_registers_every_rank_of_a_multi_port_pod(tmp_path: Path) -> None:
     api = FakeApiServer()
     api.items = [k8s_pod("a", ip="10.0.0.1"), k8s_pod("b", ip="10.0.0.2")]
-    async with serve_app(api.app) as url:
-        disc = K8sDiscovery(k8s_settings(url, tmp_path, ports=[8000, 8001]))
-        reg = PodRegistry()
-        async with running(disc.run(reg)):
-            await wait_until(lambda: len(reg.all()) == 4)
-            names = sorted(p.name for p in reg.all())
-            await api.watch_queue.put(
-                {"type": "DELETED", "object": k8s_pod("a", "10.0.0.1", rv="102")}
-            )
-            await wait_until(lambda: len(reg.all()) == 2)
-            left = sorted(p.name for p in reg.all())
+    async with k8s_discovery_running(api, tmp_path, ports=[8000, 8001]) as (_disc, reg):
+        await wait_until(lambda: len(reg.all()) == 4)
+        names = sorted(p.name for p in reg.all())
+        await api.watch_queue.put({"type": "DELETED", "object": k8s_pod("a", "10.0.0.1", rv="102")})
+        await wait_until(lambda: len(reg.all()) == 2)
+        left = sorted(p.name for p in reg.all())
     assert names == ["a-rank-0", "a-rank-1", "b-rank-0", "b-rank-1"]
     assert left == ["b-rank-0", "b-rank-1"]
 
