@@ -105,6 +105,7 @@ from pydantic import Field, field_validator
 from scoring.index.base import DEFAULT_TIERS
 from scoring.policies.base import Decision, PodView, Policy, PolicyParams, RouteRequest
 from scoring.policies.hot_set import HotBlocks, evicted_hot, most_room
+from scoring.policies.inflight import InflightPrefixes
 from scoring.policies.select import require_candidates
 from scoring.policies.tiers import tier_hits
 
@@ -212,8 +213,8 @@ class CostPolicy(Policy):
         )
         # key -> (pod, prompt tokens, predicted uncached tokens), until complete
         self._live: dict[tuple[str, int], tuple[str, int, int]] = {}
-        # pod -> block key -> number of live requests routed there that carry it
-        self._live_keys: dict[str, dict[int, int]] = {}
+        # pod -> the block-key chains of the live requests routed there
+        self._inflight = InflightPrefixes()
         # pod -> [sum of prompt tokens, sum of predicted uncached tokens] of live requests
         self._ledger: dict[str, list[int]] = {}
         # pod -> block keys routed there within hot_window_s (see scoring.policies.hot_set)
@@ -227,15 +228,9 @@ class CostPolicy(Policy):
 
     def inflight_hits(self, pod: str, keys: Sequence[int]) -> int:
         """Leading blocks of ``keys`` carried by live requests routed to ``pod``."""
-        live = self._live_keys.get(pod)
-        if not live or not self._p.count_inflight_prefixes:
+        if not self._p.count_inflight_prefixes:
             return 0
-        n = 0
-        for k in keys:
-            if k not in live:
-                break
-            n += 1
-        return n
+        return self._inflight.hits(pod, keys)
 
     def live_uncached(self, pod: str) -> int:
         """Predicted uncached tokens of the live requests this policy routed to ``pod``."""
@@ -284,7 +279,7 @@ class CostPolicy(Policy):
         slowdown_per = p.decode_slowdown_per_running
         rate = p.prefill_rate_tokens_per_s
         tiers, rates = p.tiers, p.tier_load_rates_tokens_per_s
-        live_keys = self._live_keys if p.count_inflight_prefixes and keys else None
+        inflight = self._inflight if p.count_inflight_prefixes and keys else None
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
         weights: dict[str, float] = {}
@@ -308,8 +303,8 @@ class CostPolicy(Policy):
                 c, transfer = tier_hits(hits, prompt, bs, tiers, rates)
             else:
                 c, transfer = 0, 0.0
-            if live_keys is not None:
-                c = max(c, min(self.inflight_hits(name, keys) * bs, prompt))
+            if inflight is not None:
+                c = max(c, min(inflight.hits(name, keys) * bs, prompt))
             running = pod.running
             if running is None:
                 running = pod.inflight
@@ -384,9 +379,7 @@ class CostPolicy(Policy):
             self._unledger(old[0], old[1], old[2], request.block_keys)
         self._live[key] = (pod, prompt, miss)
         if self._p.count_inflight_prefixes:
-            live = self._live_keys.setdefault(pod, {})
-            for k in request.block_keys:
-                live[k] = live.get(k, 0) + 1
+            self._inflight.add(pod, request.block_keys)
         entry = self._ledger.setdefault(pod, [0, 0])
         entry[0] += prompt
         entry[1] += miss
@@ -400,21 +393,15 @@ class CostPolicy(Policy):
 
     def on_pod_removed(self, pod: str) -> None:
         self._ledger.pop(pod, None)
-        self._live_keys.pop(pod, None)
+        self._inflight.forget(pod)
         self._hot.forget(pod)
         self._capacity.pop(pod, None)
         for rid in [rid for rid, v in self._live.items() if v[0] == pod]:
             del self._live[rid]
 
     def _unledger(self, pod: str, prompt: int, miss: int, keys: Sequence[int]) -> None:
-        live = self._live_keys.get(pod)
-        if live is not None and self._p.count_inflight_prefixes:
-            for k in keys:
-                c = live.get(k, 0) - 1
-                if c > 0:
-                    live[k] = c
-                else:
-                    live.pop(k, None)
+        if self._p.count_inflight_prefixes:
+            self._inflight.remove(pod, keys)
         entry = self._ledger.get(pod)
         if entry is not None:
             entry[0] -= prompt

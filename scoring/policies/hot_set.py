@@ -27,7 +27,7 @@ how long a prefix stays worth keeping, not a number measured here.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Sequence
 
 from scoring.policies.base import PodView
@@ -38,62 +38,174 @@ MAX_KEYS_PER_POD = 1 << 20
 _INF = float("inf")
 
 
+class _Node:
+    """A run of consecutive block positions ``[start, end)`` that the same routed
+    chains pass through, read from ``chain`` (one of them).  ``time``: when a chain
+    through it was last routed (a node's time is at least its children's)."""
+
+    __slots__ = ("chain", "children", "end", "gone", "parent", "start", "time")
+
+    def __init__(
+        self, chain: Sequence[int], start: int, end: int, time: float, parent: _Node | None
+    ) -> None:
+        self.chain = chain
+        self.start = start
+        self.end = end
+        self.time = time
+        self.parent = parent
+        self.children: dict[int, _Node] = {}
+        self.gone = False
+
+
+def _agree(a: Sequence[int], b: Sequence[int], lo: int, hi: int) -> int:
+    """The end of the run from ``lo`` where two chains agree, given ``a[lo] == b[lo]``
+    and ``hi <= min(len(a), len(b))``: chains that agree at a position agree at every
+    one before it (:mod:`scoring.policies.inflight`), so a binary search finds it."""
+    if a[hi - 1] == b[hi - 1]:
+        return hi
+    lo += 1  # a[:lo] == b[:lo]; a[hi - 1] != b[hi - 1]
+    hi -= 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class _PodTree:
+    """One pod's routed chains as a radix tree of block positions, with the number of
+    distinct positions (= distinct keys) it holds and a log of ``(time, node)`` in the
+    order nodes were refreshed."""
+
+    __slots__ = ("keys", "limit", "log", "next_expiry", "root")
+
+    def __init__(self) -> None:
+        self.root = _Node((), 0, 0, _INF, None)
+        self.keys = 0
+        self.limit = MAX_KEYS_PER_POD
+        self.log: deque[tuple[float, _Node]] = deque()
+        self.next_expiry = _INF
+
+    def insert(self, keys: Sequence[int], now: float) -> None:
+        node, i, n = self.root, 0, len(keys)
+        log = self.log
+        while i < n:
+            child = node.children.get(keys[i])
+            if child is None:
+                leaf = node.children[keys[i]] = _Node(keys, i, n, now, node)
+                self.keys += n - i
+                log.append((now, leaf))
+                return
+            end = child.end if child.end <= n else n
+            m = _agree(child.chain, keys, i, end)
+            if m < child.end:  # the chain leaves (or ends inside) the child's run: split
+                head = _Node(child.chain, i, m, now, node)
+                node.children[keys[i]] = head
+                child.start = m
+                child.parent = head
+                head.children[child.chain[m]] = child
+                log.append((now, head))
+                if m < n:
+                    leaf = head.children[keys[m]] = _Node(keys, m, n, now, head)
+                    self.keys += n - m
+                    log.append((now, leaf))
+                return
+            child.time = now
+            log.append((now, child))
+            node, i = child, m
+
+    def drop(self, node: _Node) -> None:
+        """Detach ``node`` and everything under it (all at most as recent as it)."""
+        parent = node.parent
+        if parent is not None:
+            del parent.children[node.chain[node.start]]
+        stack = [node]
+        while stack:
+            x = stack.pop()
+            x.gone = True
+            self.keys -= x.end - x.start
+            stack.extend(x.children.values())
+
+    def size(self, node: _Node) -> int:
+        n, stack = 0, [node]
+        while stack:
+            x = stack.pop()
+            n += x.end - x.start
+            stack.extend(x.children.values())
+        return n
+
+
 class HotBlocks:
     """Per pod: the distinct block keys routed there in the last ``window_s`` seconds.
 
-    Bookkeeping is incremental: :meth:`routed` costs one dictionary update per key, and
-    :meth:`count` is a comparison with the time the pod's oldest key leaves the window
-    (kept per pod) until that time passes; only then are the expired keys dropped."""
+    Block keys are chains, so a pod's routed prompts form a radix tree of block
+    positions (SGLang keeps its prefix cache in one).  :meth:`routed` walks the tree
+    along the prompt, refreshing the nodes it passes and splitting at most one: its cost
+    grows with the number of branch points on the way, not with the prompt's blocks.
+    Nodes leave when their time falls out of the window (a node is never older than
+    its children, so a whole subtree leaves at once).  :meth:`count` is a comparison
+    with the time the pod's oldest node leaves the window until that time passes."""
 
     def __init__(self, window_s: float, max_keys: int = MAX_KEYS_PER_POD) -> None:
         self.window_s = window_s
         self.max_keys = max_keys
-        self._pods: dict[str, OrderedDict[int, float]] = {}
-        # pod -> when its oldest remembered key leaves the window (absent: no keys)
-        self._next_expiry: dict[str, float] = {}
+        self._pods: dict[str, _PodTree] = {}
 
     def routed(
         self, pod: str, keys: Sequence[int], now: float, capacity: int | None = None
     ) -> None:
         """``keys`` were routed to ``pod`` at ``now``.  With the pod's ``capacity``
-        known, only the most recent ``2 * capacity`` keys are kept: a pod whose hot set
+        known, only the most recent ``2 * capacity`` keys count: a pod whose hot set
         is twice its cache has no room and evicts a hot block per new one either way."""
-        seen = self._pods.get(pod)
-        if seen is None:
-            seen = self._pods[pod] = OrderedDict()
-        move = seen.move_to_end
-        for k in keys:
-            if k in seen:
-                move(k)
-            seen[k] = now
-        limit = self.max_keys if capacity is None else min(self.max_keys, 2 * capacity)
-        while len(seen) > limit:
-            seen.popitem(last=False)
-        self._expire(pod, seen, now)
+        tree = self._pods.get(pod)
+        if tree is None:
+            tree = self._pods[pod] = _PodTree()
+        tree.insert(keys, now)
+        tree.limit = limit = self.max_keys if capacity is None else min(self.max_keys, 2 * capacity)
+        # drop the least recent subtrees while what stays is at least the bound, so
+        # that the count below is the bound either way and memory stays bounded
+        log = tree.log
+        while log and tree.keys > limit:
+            t, node = log[0]
+            if node.gone or node.time != t:  # refreshed since, or already dropped
+                log.popleft()
+                continue
+            if tree.keys - tree.size(node) < limit:
+                break
+            log.popleft()
+            tree.drop(node)
+        self._expire(tree, now)
 
     def count(self, pod: str, now: float) -> int:
-        """Distinct keys routed to ``pod`` within the window before ``now``."""
-        if now < self._next_expiry.get(pod, -_INF):
-            return len(self._pods[pod])
-        seen = self._pods.get(pod)
-        if not seen:
+        """Distinct keys routed to ``pod`` within the window before ``now``, at most
+        the bound of its last :meth:`routed`."""
+        tree = self._pods.get(pod)
+        if tree is None:
             return 0
-        self._expire(pod, seen, now)
-        return len(seen)
+        if now >= tree.next_expiry:
+            self._expire(tree, now)
+        n = tree.keys
+        return n if n <= tree.limit else tree.limit
 
     def forget(self, pod: str) -> None:
         self._pods.pop(pod, None)
-        self._next_expiry.pop(pod, None)
 
-    def _expire(self, pod: str, seen: OrderedDict[int, float], now: float) -> None:
+    def _expire(self, tree: _PodTree, now: float) -> None:
         horizon = now - self.window_s
-        while seen:
-            t = seen[next(iter(seen))]
+        log = tree.log
+        while log:
+            t, node = log[0]
+            if node.gone or node.time != t:
+                log.popleft()
+                continue
             if t >= horizon:
-                self._next_expiry[pod] = t + self.window_s
+                tree.next_expiry = t + self.window_s
                 return
-            seen.popitem(last=False)
-        self._next_expiry.pop(pod, None)
+            log.popleft()
+            tree.drop(node)
+        tree.next_expiry = _INF
 
 
 def room(view: PodView, hot: int) -> float | None:

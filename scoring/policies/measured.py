@@ -87,6 +87,7 @@ from pydantic import Field, field_validator
 from scoring.index.base import DEFAULT_TIERS
 from scoring.policies.base import Decision, PodView, Policy, PolicyParams, RouteRequest
 from scoring.policies.hot_set import HotBlocks, evicted_hot
+from scoring.policies.inflight import InflightPrefixes
 from scoring.policies.pod_rates import Calibration, PodRates, Priors, valid_observation
 from scoring.policies.room import free_blocks
 from scoring.policies.select import require_candidates
@@ -203,7 +204,7 @@ class MeasuredPolicy(Policy):
             OrderedDict()
         )
         self._live: dict[tuple[str, int], _Live] = {}
-        self._live_keys: dict[str, dict[int, int]] = {}
+        self._inflight = InflightPrefixes()  # the live requests' chains, per pod
         self._out_mean = p.output_tokens
         self._hot = HotBlocks(p.hot_window_s)
         self._capacity: dict[str, int] = {}
@@ -214,14 +215,6 @@ class MeasuredPolicy(Policy):
         if r is None:
             r = self.rates[pod] = PodRates(self._priors)
         return r
-
-    def _inflight_hits(self, live: dict[int, int], keys: Sequence[int]) -> int:
-        n = 0
-        for k in keys:
-            if k not in live:
-                break
-            n += 1
-        return n
 
     def expected_output(self, request: RouteRequest) -> float:
         m = self._out_mean
@@ -255,9 +248,7 @@ class MeasuredPolicy(Policy):
             else:
                 c, transfer = 0, 0.0
             if p.count_inflight_prefixes and keys:
-                live = self._live_keys.get(name)
-                if live:
-                    c = max(c, min(self._inflight_hits(live, keys) * bs, prompt))
+                c = max(c, min(self._inflight.hits(name, keys) * bs, prompt))
             running = view.running if view.running is not None else view.inflight
             decoding = book.decoding if book is not None else 0
             # queued uncached tokens: own ledger, plus other routers' outstanding
@@ -354,9 +345,7 @@ class MeasuredPolicy(Policy):
         book.queued_uncached += miss
         book.queued += 1
         if self._p.count_inflight_prefixes:
-            live = self._live_keys.setdefault(pod, {})
-            for k in request.block_keys:
-                live[k] = live.get(k, 0) + 1
+            self._inflight.add(pod, request.block_keys)
         self.pod_rates(pod).arrived(now)
         if self._p.hot_window_s > 0:
             self._hot.routed(pod, request.block_keys, now, self._capacity.get(pod))
@@ -412,7 +401,7 @@ class MeasuredPolicy(Policy):
 
     def on_pod_removed(self, pod: str) -> None:
         self._books.pop(pod, None)
-        self._live_keys.pop(pod, None)
+        self._inflight.forget(pod)
         self.rates.pop(pod, None)
         self._hot.forget(pod)
         self._capacity.pop(pod, None)
@@ -428,11 +417,5 @@ class MeasuredPolicy(Policy):
                 book.queued -= 1
             else:
                 book.decoding -= 1
-        live = self._live_keys.get(entry.pod)
-        if live is not None and self._p.count_inflight_prefixes:
-            for k in keys:
-                c = live.get(k, 0) - 1
-                if c > 0:
-                    live[k] = c
-                else:
-                    live.pop(k, None)
+        if self._p.count_inflight_prefixes:
+            self._inflight.remove(entry.pod, keys)

@@ -67,10 +67,10 @@ def test_hot_blocks_go_cold_after_the_window() -> None:
     p, clock = policy(hot_window_s=300.0)
     p.on_routed(req("a", [1, 2, 3]), "p0")
     clock.now += 200
-    p.on_routed(req("b", [3, 4]), "p0")  # key 3 routed again: hot from now
+    p.on_routed(req("b", [1, 4]), "p0")  # block 1 routed again: hot from now
     assert p.hot_blocks("p0") == 4
     clock.now += 150  # 350 s after "a", 150 s after "b"
-    assert p.hot_blocks("p0") == 2  # keys 3 and 4
+    assert p.hot_blocks("p0") == 2  # blocks 1 and 4
     clock.now += 200
     assert p.hot_blocks("p0") == 0
 

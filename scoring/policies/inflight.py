@@ -1,0 +1,99 @@
+"""The prefixes of the requests a policy routed that are still running, per pod.
+
+A request queued behind an earlier one on the same pod (vLLM schedules FCFS) finds
+the earlier request's blocks computed when it runs, although the index only learns
+them once the engine stores them.  :class:`InflightPrefixes` answers "how many leading
+blocks of this prompt do the live requests routed to this pod carry?".
+
+Block keys are chains (:mod:`scoring.blocks`): key ``i`` hashes key ``i - 1`` and the
+block's tokens, so two chains that agree at position ``i`` agree at every position
+before it.  So the leading blocks a live chain shares with a prompt are found by a
+binary search on the position of the last equal key, and the leading blocks the union
+of the live chains carries are the longest of those.  Only chains that start with the
+prompt's first key can share anything, so a pod's chains are grouped by their first
+key.  Routing and completing a request cost one list append or removal, whatever its
+length; a lookup costs ``log2(blocks)`` comparisons per live chain that shares the
+first block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def shared_blocks(chain: Sequence[int], keys: Sequence[int]) -> int:
+    """Leading blocks ``chain`` and ``keys`` have in common (both chains of block keys
+    from the same root; 0 when their first keys differ)."""
+    hi = min(len(chain), len(keys))
+    if hi == 0 or chain[0] != keys[0]:
+        return 0
+    if chain[hi - 1] == keys[hi - 1]:
+        return hi
+    lo = 1  # chain[:lo] == keys[:lo]; chain[hi - 1] != keys[hi - 1]
+    hi -= 1
+    while lo < hi:  # invariant: the answer is in [lo, hi]
+        mid = (lo + hi + 1) // 2
+        if chain[mid - 1] == keys[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class InflightPrefixes:
+    """Per pod, the block-key chains of its live requests, grouped by first key."""
+
+    __slots__ = ("_pods",)
+
+    def __init__(self) -> None:
+        self._pods: dict[str, dict[int, list[Sequence[int]]]] = {}
+
+    def add(self, pod: str, keys: Sequence[int]) -> None:
+        """A request carrying ``keys`` was routed to ``pod``."""
+        if keys:
+            self._pods.setdefault(pod, {}).setdefault(keys[0], []).append(keys)
+
+    def remove(self, pod: str, keys: Sequence[int]) -> None:
+        """A request :meth:`add` recorded on ``pod`` completed (the same ``keys`` object,
+        else an equal chain; nothing when it is not there)."""
+        groups = self._pods.get(pod)
+        if not keys or groups is None:
+            return
+        chains = groups.get(keys[0])
+        if chains is None:
+            return
+        at = next((i for i, chain in enumerate(chains) if chain is keys), None)
+        if at is None:
+            at = next((i for i, chain in enumerate(chains) if chain == keys), None)
+            if at is None:
+                return
+        del chains[at]
+        if not chains:
+            del groups[keys[0]]
+            if not groups:
+                del self._pods[pod]
+
+    def hits(self, pod: str, keys: Sequence[int]) -> int:
+        """Leading blocks of ``keys`` that the live requests routed to ``pod`` carry."""
+        groups = self._pods.get(pod)
+        if not keys or groups is None:
+            return 0
+        chains = groups.get(keys[0])
+        if chains is None:
+            return 0
+        n = len(keys)
+        best = 0
+        for chain in chains:
+            s = shared_blocks(chain, keys)
+            if s > best:
+                best = s
+                if s == n:
+                    break
+        return best
+
+    def has(self, pod: str) -> bool:
+        """Whether any live request routed to ``pod`` carries a block."""
+        return pod in self._pods
+
+    def forget(self, pod: str) -> None:
+        self._pods.pop(pod, None)

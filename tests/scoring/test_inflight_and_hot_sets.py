@@ -1,0 +1,125 @@
+"""What a policy remembers of its own routing, at a cost that does not grow with the
+prompt: the live requests' prefixes per pod (scoring/policies/inflight.py) and the hot
+set (scoring/policies/hot_set.py)."""
+
+from __future__ import annotations
+
+import random
+
+from scoring.blocks import BlockHasher
+from scoring.policies.hot_set import HotBlocks
+from scoring.policies.inflight import InflightPrefixes, shared_blocks
+
+HASHER = BlockHasher(4, "m")
+
+
+def chain(tokens: list[int]) -> list[int]:
+    return HASHER.keys(tokens)
+
+
+def linear_shared(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_shared_blocks_is_the_common_prefix_of_two_chains() -> None:
+    rng = random.Random(5)
+    base = [rng.randrange(1000) for _ in range(400)]
+    whole = chain(base)
+    for _ in range(300):
+        cut = rng.randrange(0, 401)
+        other = base[:cut] + [rng.randrange(1000, 2000) for _ in range(rng.randrange(0, 80))]
+        keys = chain(other)
+        assert shared_blocks(whole, keys) == linear_shared(whole, keys)
+        assert shared_blocks(keys, whole) == linear_shared(whole, keys)
+    assert shared_blocks([], whole) == 0
+    assert shared_blocks(whole, whole) == len(whole)
+
+
+def test_a_pod_carries_the_longest_prefix_of_its_live_requests() -> None:
+    live = InflightPrefixes()
+    system = list(range(64))
+    a = chain(system + [1000 + i for i in range(40)])
+    b = chain(system + [2000 + i for i in range(80)])
+    live.add("p0", a)
+    live.add("p0", b)
+    live.add("p1", chain([7] * 32))
+    turn = chain(system + [2000 + i for i in range(60)] + [9] * 8)
+    assert live.hits("p0", turn) == 16 + 15  # the system prompt and b's first 60 tokens
+    assert live.hits("p1", turn) == 0  # another first block
+    assert live.hits("p2", turn) == 0  # nothing routed there
+    live.remove("p0", b)
+    assert live.hits("p0", turn) == 16  # only a's system prompt is left
+    live.remove("p0", list(a))  # an equal chain, not the same object
+    assert live.hits("p0", turn) == 0 and not live.has("p0")
+    live.remove("p0", a)  # completing twice is harmless
+    live.forget("p1")
+    assert not live.has("p1")
+
+
+def test_two_live_requests_with_one_prompt_count_until_both_complete() -> None:
+    live = InflightPrefixes()
+    keys = chain(list(range(40)))
+    first, second = list(keys), list(keys)
+    live.add("p", first)
+    live.add("p", second)
+    live.remove("p", first)
+    assert live.hits("p", keys) == len(keys)
+    live.remove("p", second)
+    assert live.hits("p", keys) == 0
+
+
+def test_a_hot_key_routed_again_stays_when_its_first_routing_leaves_the_window() -> None:
+    hot = HotBlocks(window_s=10.0)
+    hot.routed("p", [1, 2, 3], now=0.0)
+    hot.routed("p", [1, 2, 9], now=6.0)
+    assert hot.count("p", now=7.0) == 4
+    assert hot.count("p", now=11.0) == 3  # 3 left with the first request; 1, 2 refreshed
+    assert hot.count("p", now=17.0) == 0
+
+
+def test_a_prompt_routed_again_or_cut_short_refreshes_only_its_own_blocks() -> None:
+    hot = HotBlocks(window_s=10.0)
+    long = chain(list(range(40)))  # 10 blocks
+    hot.routed("p", long, now=0.0)
+    hot.routed("p", long[:4], now=5.0)  # a shorter prompt: its 4 blocks refreshed
+    hot.routed("p", chain(list(range(8)) + [99] * 8), now=6.0)  # 2 shared + 2 new
+    assert hot.count("p", now=6.0) == 12
+    assert hot.count("p", now=12.0) == 6  # the long prompt's last 6 blocks left
+    hot.routed("p", long, now=13.0)
+    assert hot.count("p", now=14.0) == 12
+    assert hot.count("p", now=24.0) == 0
+
+
+def test_the_hot_set_counts_what_a_dictionary_of_keys_would() -> None:
+    """Many prompts over a few shared prefixes, some repeated, some cut short, at
+    increasing times: the tree's count equals the distinct keys routed in the window."""
+    rng = random.Random(11)
+    heads = [[rng.randrange(1 << 20) for _ in range(rng.randrange(8, 64))] for _ in range(4)]
+    hot = HotBlocks(window_s=50.0)
+    bounded = HotBlocks(window_s=50.0)  # capacity 30 blocks: counts at most 60
+    last: dict[int, float] = {}
+    now = 0.0
+    for _ in range(400):
+        now += rng.random() * 2
+        tokens = rng.choice(heads) + [rng.randrange(1 << 20) for _ in range(rng.randrange(0, 40))]
+        keys = chain(tokens)[: rng.randrange(1, 40)]
+        hot.routed("p", keys, now)
+        bounded.routed("p", keys, now, capacity=30)
+        last.update(dict.fromkeys(keys, now))
+        now += rng.random() * 20 if rng.random() < 0.1 else 0.0  # now and then a pause
+        distinct = sum(1 for t in last.values() if t >= now - 50.0)
+        assert hot.count("p", now) == distinct
+        assert bounded.count("p", now) == min(distinct, 60)
+
+
+def test_a_hot_set_past_its_bound_counts_the_bound_and_keeps_bounded_memory() -> None:
+    hot = HotBlocks(window_s=1e9)
+    for i in range(100):
+        hot.routed("p", list(range(i * 10, i * 10 + 10)), now=float(i), capacity=50)
+    assert hot.count("p", now=100.0) == 100  # twice the capacity
+    assert hot._pods["p"].keys <= 100 + 10  # the bound plus at most one request's keys
