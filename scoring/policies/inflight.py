@@ -11,7 +11,7 @@ before it.  So the leading blocks a live chain shares with a prompt are found by
 binary search on the position of the last equal key, and the leading blocks the union
 of the live chains carries are the longest of those.  Only chains that start with the
 prompt's first key can share anything, so a pod's chains are grouped by their first
-key.  Routing and completing a request cost one list append or removal, whatever its
+key.  Routing and completing a request cost a dictionary update, whatever its
 length; a lookup costs ``log2(blocks)`` comparisons per live chain that shares the
 first block.
 """
@@ -19,6 +19,7 @@ first block.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 def shared_blocks(chain: Sequence[int], keys: Sequence[int]) -> int:
@@ -41,17 +42,23 @@ def shared_blocks(chain: Sequence[int], keys: Sequence[int]) -> int:
 
 
 class InflightPrefixes:
-    """Per pod, the block-key chains of its live requests, grouped by first key."""
+    """Per pod, the block-key chains of its live requests, grouped by first key (each
+    group: ``id(chain) -> [chain, how many live requests carry that object]``)."""
 
     __slots__ = ("_pods",)
 
     def __init__(self) -> None:
-        self._pods: dict[str, dict[int, list[Sequence[int]]]] = {}
+        self._pods: dict[str, dict[int, dict[int, list[Any]]]] = {}
 
     def add(self, pod: str, keys: Sequence[int]) -> None:
         """A request carrying ``keys`` was routed to ``pod``."""
         if keys:
-            self._pods.setdefault(pod, {}).setdefault(keys[0], []).append(keys)
+            group = self._pods.setdefault(pod, {}).setdefault(keys[0], {})
+            entry = group.get(id(keys))
+            if entry is None:
+                group[id(keys)] = [keys, 1]
+            else:
+                entry[1] += 1
 
     def remove(self, pod: str, keys: Sequence[int]) -> None:
         """A request :meth:`add` recorded on ``pod`` completed (the same ``keys`` object,
@@ -59,31 +66,35 @@ class InflightPrefixes:
         groups = self._pods.get(pod)
         if not keys or groups is None:
             return
-        chains = groups.get(keys[0])
-        if chains is None:
+        group = groups.get(keys[0])
+        if group is None:
             return
-        at = next((i for i, chain in enumerate(chains) if chain is keys), None)
-        if at is None:
-            at = next((i for i, chain in enumerate(chains) if chain == keys), None)
-            if at is None:
+        at = id(keys)  # a recorded chain is alive (the group holds it): its id is its own
+        entry = group.get(at)
+        if entry is None:
+            at = next((i for i, (chain, _) in group.items() if chain == keys), 0)
+            entry = group.get(at)
+            if entry is None:
                 return
-        del chains[at]
-        if not chains:
-            del groups[keys[0]]
-            if not groups:
-                del self._pods[pod]
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del group[at]
+            if not group:
+                del groups[keys[0]]
+                if not groups:
+                    del self._pods[pod]
 
     def hits(self, pod: str, keys: Sequence[int]) -> int:
         """Leading blocks of ``keys`` that the live requests routed to ``pod`` carry."""
         groups = self._pods.get(pod)
         if not keys or groups is None:
             return 0
-        chains = groups.get(keys[0])
-        if chains is None:
+        group = groups.get(keys[0])
+        if group is None:
             return 0
         n = len(keys)
         best = 0
-        for chain in chains:
+        for chain, _ in group.values():
             s = shared_blocks(chain, keys)
             if s > best:
                 best = s
