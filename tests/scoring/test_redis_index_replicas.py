@@ -10,6 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from scoring.index import redis_lua
+from scoring.index.breaker import SharedStateUnavailable
 from scoring.index.redis import RedisIndex
 from tests.scoring.redis_index_support import index as index  # the fixture
 from tests.scoring.redis_index_support import raw as raw  # the fixture
@@ -108,8 +109,8 @@ async def test_a_read_only_replica_serves_lookups_and_refuses_writes(
         async def caught_up() -> bool:
             try:
                 return await replica.lookup([1, 2, 3]) == expect
-            except (aioredis.ConnectionError, aioredis.ResponseError):
-                return False  # still syncing (LOADING / MASTERDOWN)
+            except (aioredis.ConnectionError, aioredis.ResponseError, SharedStateUnavailable):
+                return False  # still syncing (LOADING / MASTERDOWN; the guard wraps LOADING)
 
         await wait_until(caught_up, "the replica to sync")
         assert await replica.lookup([1, 2, 3], pods=["pod-b"]) == {"pod-b": expect["pod-b"]}

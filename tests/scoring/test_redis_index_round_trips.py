@@ -14,6 +14,7 @@ from scoring.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EngineHash,
     IndexSink,
     encode_batch,
 )
@@ -104,7 +105,7 @@ async def test_an_event_batch_from_the_sink_reaches_redis_in_one_round_trip(
     whole decoded batch of mixed events with one round trip, not one per event."""
     tokens = list(range(1000, 1064))  # 4 blocks of 16
 
-    def stored(hashes: list[int], parent: int | None, toks: list[int], medium: str) -> Any:
+    def stored(hashes: list[EngineHash], parent: int | None, toks: list[int], medium: str) -> Any:
         return BlockStored(hashes, parent, toks, 16, None, medium)
 
     sink = IndexSink(index)
