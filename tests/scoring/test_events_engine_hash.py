@@ -94,8 +94,14 @@ def engine_event(
     pub = [h.published(d) for d in digests]
     parent = pub[start - 1] if start else None
     return BlockStored(
-        pub[start:], parent, tokens[start * BS : (start + n) * BS], BS, None, "GPU", **kw
-    )  # type: ignore[arg-type]
+        pub[start:],
+        parent,
+        tokens[start * BS : (start + n) * BS],
+        BS,
+        None,
+        "GPU",
+        **kw,  # type: ignore[arg-type]
+    )
 
 
 def test_engine_hash_mode_verifies_every_block_stored_it_can() -> None:
