@@ -1,6 +1,6 @@
 """vLLM KV events: decoding (:mod:`.decode`), applying them to a block index
-(:mod:`.apply`, on :mod:`.registry`, :mod:`.state` and the writes of :mod:`.ops`), and the
-optional engine-hash mode (:mod:`.engine_hash`)."""
+(:mod:`.apply`, on :mod:`.copies`, :mod:`.registry`, :mod:`.state` and the writes of
+:mod:`.ops`), and the optional engine-hash mode (:mod:`.engine_hash`)."""
 
 from scoring.events.apply import (
     ApplierStats,

@@ -16,7 +16,7 @@ from router.fleet.discovery import (
 )
 from router.fleet.pods import PodRegistry, PodSpec
 from router.fleet.roles import RoleError, can_decode, can_prefill, parse_role, parse_role_map
-from tests.router.test_discovery import k8s_pod, k8s_settings
+from tests.router.discovery_support import k8s_pod, k8s_settings
 
 
 def test_roles_parse_llmd_spellings_and_name_a_bad_value() -> None:

@@ -1,4 +1,4 @@
-# ruff: noqa: F811  (the fixtures imported from test_sim_pod are test parameters here)
+# ruff: noqa: F811  (the fixtures imported from sim_pod_support are test parameters here)
 """The simulated pod in P/D roles, over real HTTP on loopback: the prefill pod returns
 ``kv_transfer_params`` and holds its blocks under a lease, the decode pod pulls them
 (charging a transfer per block, publishing BlockStored as vLLM does) and refuses stale
@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from router.sim import SimPod
-from tests.router.test_sim_pod import (  # noqa: F401  (fixtures)
+from tests.router.sim_pod_support import (  # noqa: F401  (fixtures)
     LONG,
     MakePod,
     chat_body,

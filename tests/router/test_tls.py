@@ -34,7 +34,7 @@ from router.fleet.transport import PAUSE_ABOVE, PodTransport
 from router.proxy.gateway import Gateway
 from router.sim.pod import SimPod
 from router.sim.settings import SimSettings
-from tests.router.test_discovery import FakeApiServer, k8s_pod, k8s_settings
+from tests.router.discovery_support import FakeApiServer, k8s_pod, k8s_settings
 from tests.support.aio import running, serve_app, wait_until
 from tests.support.one_pod import one_pod_router
 
