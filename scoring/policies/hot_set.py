@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from scoring.policies.base import PodView
+from scoring.policies.inflight import agree_until
 from scoring.policies.room import free_blocks
 
 #: a pod's remembered keys are bounded (memory) when its capacity is unknown
@@ -55,23 +56,6 @@ class _Node:
         self.parent = parent
         self.children: dict[int, _Node] = {}
         self.gone = False
-
-
-def _agree(a: Sequence[int], b: Sequence[int], lo: int, hi: int) -> int:
-    """The end of the run from ``lo`` where two chains agree, given ``a[lo] == b[lo]``
-    and ``hi <= min(len(a), len(b))``: chains that agree at a position agree at every
-    one before it (:mod:`scoring.policies.inflight`), so a binary search finds it."""
-    if a[hi - 1] == b[hi - 1]:
-        return hi
-    lo += 1  # a[:lo] == b[:lo]; a[hi - 1] != b[hi - 1]
-    hi -= 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid - 1] == b[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class _PodTree:
@@ -99,7 +83,7 @@ class _PodTree:
                 log.append((now, leaf))
                 return
             end = child.end if child.end <= n else n
-            m = _agree(child.chain, keys, i, end)
+            m = agree_until(child.chain, keys, i, end)
             if m < child.end:  # the chain leaves (or ends inside) the child's run: split
                 head = _Node(child.chain, i, m, now, node)
                 node.children[keys[i]] = head
@@ -114,6 +98,10 @@ class _PodTree:
                 return
             child.time = now
             log.append((now, child))
+            if m < n and not child.children:  # a prompt extending a leaf (a next turn)
+                child.chain, child.end = keys, n  # grows the leaf: the tree stays shallow
+                self.keys += n - m
+                return
             node, i = child, m
 
     def drop(self, node: _Node) -> None:

@@ -22,23 +22,30 @@ from collections.abc import Sequence
 from typing import Any
 
 
+def agree_until(a: Sequence[int], b: Sequence[int], lo: int, hi: int) -> int:
+    """The end of the run from ``lo`` where chains ``a`` and ``b`` agree, given
+    ``a[lo] == b[lo]`` and ``hi <= min(len(a), len(b))`` (binary search: chains that
+    agree at a position agree at every one before it)."""
+    if a[hi - 1] == b[hi - 1]:
+        return hi
+    lo += 1  # a[:lo] == b[:lo]; a[hi - 1] != b[hi - 1]
+    hi -= 1
+    while lo < hi:  # invariant: the answer is in [lo, hi]
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def shared_blocks(chain: Sequence[int], keys: Sequence[int]) -> int:
     """Leading blocks ``chain`` and ``keys`` have in common (both chains of block keys
     from the same root; 0 when their first keys differ)."""
     hi = min(len(chain), len(keys))
     if hi == 0 or chain[0] != keys[0]:
         return 0
-    if chain[hi - 1] == keys[hi - 1]:
-        return hi
-    lo = 1  # chain[:lo] == keys[:lo]; chain[hi - 1] != keys[hi - 1]
-    hi -= 1
-    while lo < hi:  # invariant: the answer is in [lo, hi]
-        mid = (lo + hi + 1) // 2
-        if chain[mid - 1] == keys[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return agree_until(chain, keys, 0, hi)
 
 
 class InflightPrefixes:

@@ -123,3 +123,14 @@ def test_a_hot_set_past_its_bound_counts_the_bound_and_keeps_bounded_memory() ->
         hot.routed("p", list(range(i * 10, i * 10 + 10)), now=float(i), capacity=50)
     assert hot.count("p", now=100.0) == 100  # twice the capacity
     assert hot._pods["p"].keys <= 100 + 10  # the bound plus at most one request's keys
+
+
+def test_a_conversation_growing_turn_by_turn_stays_one_branch_of_the_tree() -> None:
+    hot = HotBlocks(window_s=1e9)
+    tokens: list[int] = []
+    for turn in range(30):
+        tokens += [turn] * 16 + [1000 + turn] * 16  # the answer and the next message
+        hot.routed("p", chain(tokens), now=float(turn))
+    root = hot._pods["p"].root
+    assert len(root.children) == 1 and not next(iter(root.children.values())).children
+    assert hot.count("p", now=30.0) == len(chain(tokens))
