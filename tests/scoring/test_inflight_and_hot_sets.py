@@ -18,12 +18,9 @@ def chain(tokens: list[int]) -> list[int]:
 
 
 def linear_shared(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    """The common prefix by a linear scan."""
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
 
 
 def test_shared_blocks_is_the_common_prefix_of_two_chains() -> None:
