@@ -104,25 +104,25 @@ class _PodTree:
                 return
             node, i = child, m
 
-    def drop(self, node: _Node) -> None:
-        """Detach ``node`` and everything under it (all at most as recent as it)."""
+    def drop(self, node: _Node, under: list[_Node] | None = None) -> None:
+        """Detach ``node`` and everything under it (all at most as recent as it;
+        ``under``: :func:`_subtree` of it, when already listed)."""
         parent = node.parent
         if parent is not None:
             del parent.children[node.chain[node.start]]
-        stack = [node]
-        while stack:
-            x = stack.pop()
+        for x in _subtree(node) if under is None else under:
             x.gone = True
             self.keys -= x.end - x.start
-            stack.extend(x.children.values())
 
-    def size(self, node: _Node) -> int:
-        n, stack = 0, [node]
-        while stack:
-            x = stack.pop()
-            n += x.end - x.start
-            stack.extend(x.children.values())
-        return n
+
+def _subtree(node: _Node) -> list[_Node]:
+    """``node`` and every node under it."""
+    out, stack = [], [node]
+    while stack:
+        x = stack.pop()
+        out.append(x)
+        stack.extend(x.children.values())
+    return out
 
 
 class HotBlocks:
@@ -160,10 +160,11 @@ class HotBlocks:
             if node.gone or node.time != t:  # refreshed since, or already dropped
                 log.popleft()
                 continue
-            if tree.keys - tree.size(node) < limit:
+            under = _subtree(node)
+            if tree.keys - sum(x.end - x.start for x in under) < limit:
                 break
             log.popleft()
-            tree.drop(node)
+            tree.drop(node, under)
         self._expire(tree, now)
 
     def count(self, pod: str, now: float) -> int:
