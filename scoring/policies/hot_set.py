@@ -27,7 +27,7 @@ how long a prefix stays worth keeping, not a number measured here.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from scoring.policies.base import PodView
@@ -44,7 +44,7 @@ class _Node:
     chains pass through, read from ``chain`` (one of them).  ``time``: when a chain
     through it was last routed (a node's time is at least its children's)."""
 
-    __slots__ = ("chain", "children", "end", "gone", "parent", "start", "time")
+    __slots__ = ("chain", "children", "end", "parent", "start", "time")
 
     def __init__(
         self, chain: Sequence[int], start: int, end: int, time: float, parent: _Node | None
@@ -55,32 +55,31 @@ class _Node:
         self.time = time
         self.parent = parent
         self.children: dict[int, _Node] = {}
-        self.gone = False
 
 
 class _PodTree:
     """One pod's routed chains as a radix tree of block positions, with the number of
-    distinct positions (= distinct keys) it holds and a log of ``(time, node)`` in the
-    order nodes were refreshed."""
+    distinct positions (= distinct keys) it holds and its nodes in the order they were
+    last refreshed (one entry a node: memory grows with the tree, not the traffic)."""
 
-    __slots__ = ("keys", "limit", "log", "next_expiry", "root")
+    __slots__ = ("keys", "limit", "next_expiry", "order", "root")
 
     def __init__(self) -> None:
         self.root = _Node((), 0, 0, _INF, None)
         self.keys = 0
         self.limit = MAX_KEYS_PER_POD
-        self.log: deque[tuple[float, _Node]] = deque()
+        self.order: OrderedDict[_Node, None] = OrderedDict()
         self.next_expiry = _INF
 
     def insert(self, keys: Sequence[int], now: float) -> None:
         node, i, n = self.root, 0, len(keys)
-        log = self.log
+        order = self.order
         while i < n:
             child = node.children.get(keys[i])
             if child is None:
                 leaf = node.children[keys[i]] = _Node(keys, i, n, now, node)
                 self.keys += n - i
-                log.append((now, leaf))
+                order[leaf] = None
                 return
             end = child.end if child.end <= n else n
             m = agree_until(child.chain, keys, i, end)
@@ -90,14 +89,14 @@ class _PodTree:
                 child.start = m
                 child.parent = head
                 head.children[child.chain[m]] = child
-                log.append((now, head))
+                order[head] = None
                 if m < n:
                     leaf = head.children[keys[m]] = _Node(keys, m, n, now, head)
                     self.keys += n - m
-                    log.append((now, leaf))
+                    order[leaf] = None
                 return
             child.time = now
-            log.append((now, child))
+            order.move_to_end(child)
             if m < n and not child.children:  # a prompt extending a leaf (a next turn)
                 child.chain, child.end = keys, n  # grows the leaf: the tree stays shallow
                 self.keys += n - m
@@ -110,8 +109,9 @@ class _PodTree:
         parent = node.parent
         if parent is not None:
             del parent.children[node.chain[node.start]]
+        order = self.order
         for x in _subtree(node) if under is None else under:
-            x.gone = True
+            del order[x]
             self.keys -= x.end - x.start
 
 
@@ -154,16 +154,12 @@ class HotBlocks:
         tree.limit = limit = self.max_keys if capacity is None else min(self.max_keys, 2 * capacity)
         # drop the least recent subtrees while what stays is at least the bound, so
         # that the count below is the bound either way and memory stays bounded
-        log = tree.log
-        while log and tree.keys > limit:
-            t, node = log[0]
-            if node.gone or node.time != t:  # refreshed since, or already dropped
-                log.popleft()
-                continue
+        order = tree.order
+        while order and tree.keys > limit:
+            node = next(iter(order))  # the least recently refreshed
             under = _subtree(node)
             if tree.keys - sum(x.end - x.start for x in under) < limit:
                 break
-            log.popleft()
             tree.drop(node, under)
         self._expire(tree, now)
 
@@ -183,16 +179,12 @@ class HotBlocks:
 
     def _expire(self, tree: _PodTree, now: float) -> None:
         horizon = now - self.window_s
-        log = tree.log
-        while log:
-            t, node = log[0]
-            if node.gone or node.time != t:
-                log.popleft()
-                continue
-            if t >= horizon:
-                tree.next_expiry = t + self.window_s
+        order = tree.order
+        while order:
+            node = next(iter(order))
+            if node.time >= horizon:
+                tree.next_expiry = node.time + self.window_s
                 return
-            log.popleft()
             tree.drop(node)
         tree.next_expiry = _INF
 

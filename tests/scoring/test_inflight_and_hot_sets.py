@@ -131,3 +131,12 @@ def test_a_conversation_growing_turn_by_turn_stays_one_branch_of_the_tree() -> N
     root = hot._pods["p"].root
     assert len(root.children) == 1 and not next(iter(root.children.values())).children
     assert hot.count("p", now=30.0) == len(chain(tokens))
+
+
+def test_a_prompt_routed_again_and_again_keeps_one_entry_per_node() -> None:
+    hot = HotBlocks(window_s=300.0)
+    keys = chain(list(range(64)))
+    for i in range(1000):
+        hot.routed("p", keys, now=float(i) / 100)
+    tree = hot._pods["p"]
+    assert len(tree.order) == 1 and hot.count("p", now=10.0) == len(keys)
