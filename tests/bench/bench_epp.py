@@ -56,7 +56,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_router_overhead import Conn, Proc, cpu_seconds, free_port, pct  # noqa: E402
+from bench_router_overhead import (  # noqa: E402
+    Conn,
+    Proc,
+    cpu_seconds,
+    free_port,
+    pct,
+    unwind_on_sigterm,
+)
 from epp_echo import MODES, start_echo  # noqa: E402
 
 from tests.epp.envoy_proxy import Envoy, envoy_binary, envoy_config  # noqa: E402
@@ -306,6 +313,7 @@ def main() -> int:
     )
     ap.add_argument("--serve-blank", nargs=2, metavar=("PORT", "DELAY_MS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    unwind_on_sigterm()  # a `kill PID` stops the pods, the pickers and the Envoys too
     if args.serve_blank:
         serve_blank(int(args.serve_blank[0]), float(args.serve_blank[1]) / 1e3)
         return 0

@@ -50,7 +50,6 @@ import contextlib
 import json
 import os
 import resource
-import signal
 import statistics
 import subprocess
 import sys
@@ -66,6 +65,7 @@ from bench_router_overhead import (
     free_port,
     start_sglang,
     start_vllm_router,
+    unwind_on_sigterm,
     wait_completion,
     wait_http,
 )
@@ -472,10 +472,6 @@ def print_table(runs: list[Run], targets: list[str]) -> None:
         )
 
 
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--aiperf", default="/tmp/aiperf-venv/bin/aiperf", help="aiperf executable")
@@ -508,9 +504,7 @@ def main() -> int:
     g.add_argument("--seed", type=int, default=1)
     g.add_argument("--timeout", type=float, default=900.0, help="per aiperf run, seconds")
     args = ap.parse_args()
-    # SIGTERM (a timeout, a CI runner) unwinds like Ctrl-C: every run's `finally` stops
-    # the pods, the router and aiperf it started
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    unwind_on_sigterm()  # every run's `finally` stops the pods, the router and aiperf
 
     if not Path(args.aiperf).exists():
         print(f"aiperf not found at {args.aiperf}", file=sys.stderr)

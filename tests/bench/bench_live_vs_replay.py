@@ -44,7 +44,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -64,7 +63,7 @@ from bench_live_quality import (
     start_kvroute,
     start_pod,
 )
-from bench_router_overhead import Proc, wait_http
+from bench_router_overhead import Proc, unwind_on_sigterm, wait_http
 from chat_workload import ChatShape, TimedRequest, generate, send_all, vocabulary, write_trace
 from rank_agreement import kendall_tau_b, pair_agreement
 
@@ -397,10 +396,6 @@ def report_from_file(path: Path, margin: float, calm_lag_ms: float) -> int:
     return 0
 
 
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
@@ -438,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.summarise:
         return report_from_file(args.summarise, args.margin, args.calm_lag_ms)
     args.output_tokens = args.max_tokens
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    unwind_on_sigterm()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="live-vs-replay-"))
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     tokenizer = args.tokenizer or build_tokenizer(workdir / "tokenizer")
