@@ -11,8 +11,9 @@ Time model, per request (all delays x ``time_scale``):
   ``TTFT = queue time + uncached / prefill_rate``;
 * then one token every ``1 / decode_rate`` seconds.
 
-Cache and events follow vLLM: when prefill ends the prompt's full blocks are stored
-(one ``BlockStored`` for the blocks it computed; blocks served from cache are only
+Cache and events follow vLLM (V1 caches a prefill's blocks when it schedules them, not
+when it has computed them): when prefill starts the prompt's full blocks are stored
+(one ``BlockStored`` for the blocks it computes; blocks served from cache are only
 touched and emit nothing — but a fully cached block-aligned prompt recomputes, and
 re-publishes, its last block); blocks evicted to make room emit one ``BlockRemoved``
 each; when the request ends, the full blocks of ``prompt + output[:-1]`` (the last
@@ -230,10 +231,14 @@ class SimEngine:
                 m.prefix_cache_hits.inc(hits)
                 m.prompt_tokens.inc(n)
                 self._active[rid] = n
-                await self._sleep((n - req.cached_tokens) / self.settings.prefill_rate)
+                # vLLM V1 caches a prefill's full blocks when it schedules them, before the
+                # step computes them (KVCacheManager.allocate_slots -> cache_blocks), and
+                # evicts for room then too: BlockStored / BlockRemoved go out at the
+                # prefill's start, as in the replay's pod (scoring/replay/simpod.py)
                 self._store(
                     req, req.block_hashes, req.prompt_ids, req.cached_tokens // self.block_size
                 )
+                await self._sleep((n - req.cached_tokens) / self.settings.prefill_rate)
                 prefilled = True
             req.ttft = loop.time() - arrival
             m.time_to_first_token.observe(req.ttft)
