@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -174,6 +175,17 @@ def pod_argv(args: argparse.Namespace) -> list[str]:
     return [*simple_pod_argv(args), "--decode-rate", str(args.decode_rate)]
 
 
+def route_only(port: int, body: dict[str, Any]) -> None:
+    """``POST /v1/route``: the router renders, tokenizes and decides, and sends nothing."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/route",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        r.read()
+
+
 def run_live(
     args: argparse.Namespace,
     row: Row,
@@ -204,11 +216,15 @@ def run_live(
         router, port = start_kvroute(pods, row.policy, tokenizer, logdir, params, env)
         procs.append(router)
         # warm up each pod's and the router's chat template and tokenizer (the first
-        # chat costs ~0.5-1 s), then empty every cache: each run starts cold and empty
+        # chat costs ~0.5-1 s), then empty every cache: each run starts cold and empty.
+        # The router is warmed through /v1/route, which decides but sends nothing: a
+        # request routed here would stay in the policy's own state (its hot set, its
+        # routing history) after the pods' caches are emptied, which the replay's policy
+        # never sees
         warm = [TimedRequest(0.0, "warm-up", reqs[0].body)]
         for pod in pods:
             send_all(int(pod.url.rsplit(":", 1)[1]), warm)
-        send_all(port, warm * args.pods)
+        route_only(port, reqs[0].body)
         for pod in pods:
             reset_cache(pod.url)
         time.sleep(1.0)  # AllBlocksCleared reaches kvroute's index
