@@ -35,7 +35,11 @@ class EngineSetup:
     costs 2-30x its work (docs/replay.md, "Where the real engine's TTFT went"); 1 keeps
     the step time a function of the step's work.  ``cache_blocks``: vLLM's
     ``--num-gpu-blocks-override`` (the replay and the sim get the same KV capacity);
-    None = the 1 GiB cache (16,384 blocks).  ``nice``: see below.
+    None = the 1 GiB cache (16,384 blocks).  ``weights``: the model directory under
+    ``VLLM_ROOT`` the engines load (``tiny-llama``: 2 layers of 128, whose TTFT is mostly
+    the API server's fixed overhead; ``small-llama``: 8 layers of 512, whose prefill
+    steps are most of it); served as ``tiny-llama`` either way (serve.sh), with the same
+    tokenizer.  ``nice``: see below.
     """
 
     omp_threads: int | None = 1
@@ -45,6 +49,7 @@ class EngineSetup:
     #: with ``sched_yield`` for 1 s after every message, so two engines keep 4 processes
     #: runnable on the 2 cores and starve the router's event loop otherwise
     nice: int = 5
+    weights: str = MODEL
 
     def serve_args(self) -> list[str]:
         if self.cache_blocks is None:
@@ -117,7 +122,7 @@ def start_engines(
     for i in range(n):
         http = _next_free(http + 1, 1)
         zmq = _next_free(zmq + 5, 5, also=100)
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", MODEL=str(VLLM_ROOT / MODEL))
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", MODEL=str(VLLM_ROOT / setup.weights))
         env.pop("PYTHONHASHSEED", None)
         env.update(setup.env())
         with open(logdir / f"engine-{i}.log", "wb") as log:

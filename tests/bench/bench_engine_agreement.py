@@ -524,12 +524,17 @@ def main(argv: list[str] | None = None) -> int:
         help="the engines' OMP_NUM_THREADS (default 1; 0 = vLLM's default, a thread a core)",
     )  # fmt: skip
     ap.add_argument(
+        "--weights", default=MODEL,
+        help="the engines' model directory under the vLLM root (default tiny-llama; "
+        "small-llama: 8 layers of 512, prefill-bound TTFT)",
+    )  # fmt: skip
+    ap.add_argument(
         "--cache-blocks", type=int, default=None,
         help="KV blocks per engine (vLLM's --num-gpu-blocks-override; the replay and the sim "
         "get the same); default: the 1 GiB cache",
     )  # fmt: skip
     ns = ap.parse_args(argv)
-    setup = EngineSetup(ns.omp_threads or None, ns.cache_blocks)
+    setup = EngineSetup(ns.omp_threads or None, ns.cache_blocks, weights=ns.weights)
     shape = Shape(**{f: getattr(ns, f) for f in Shape.__dataclass_fields__})
     ns.logdir.mkdir(parents=True, exist_ok=True)
     targets = [t.strip() for t in ns.targets.split(",") if t.strip()]
