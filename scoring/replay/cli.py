@@ -125,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     ap.add_argument(
+        "--scrape-interval-s",
+        type=float,
+        default=0.0,
+        help="show the policies each pod's scraped metrics (waiting, running, KV usage) as a "
+        "scrape this often would, as the live router's scrape.interval_s (1 s) does; "
+        "0 (default): exact at every decision",
+    )
+    ap.add_argument(
         "--prefill-pods",
         type=int,
         default=0,
@@ -307,8 +315,12 @@ def replay(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[flo
         trace.requests = trace.requests[: args.limit]
     if not trace.requests:
         raise TraceFormatError(f"{args.trace}: no valid requests ({trace.malformed} malformed)")
+    if not args.scrape_interval_s >= 0:
+        raise ReplayConfigError(f"scrape-interval-s must be >= 0, got {args.scrape_interval_s}")
     cfg = fleet_config(args, trace.block_size)
     if args.prefill_pods or args.decode_pods:
+        if args.scrape_interval_s:
+            raise ReplayConfigError("--scrape-interval-s does not apply to P/D mode")
         return _replay_pd(args, trace, cfg), {}
     names = args.policy or available_policies()
     overrides = parse_params(args.param, names)
@@ -330,6 +342,7 @@ def replay(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[flo
             "block_size": trace.block_size,
         },
         "fleet": dataclasses.asdict(cfg),
+        "scrape_interval_s": args.scrape_interval_s,
         "params": {n: p.params.model_dump(mode="json") for n, p in policies.items()},
     }
     result["ceilings"] = {
@@ -340,7 +353,9 @@ def replay(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[flo
     for name, policy in policies.items():
         bar = _progress(len(trace.requests), name, show)
         tick = (lambda _i, b=bar: b.update(1)) if bar is not None else None
-        outcome = replay_policy(trace, policy, cfg, on_progress=tick)
+        outcome = replay_policy(
+            trace, policy, cfg, on_progress=tick, scrape_interval_s=args.scrape_interval_s
+        )
         if bar is not None:
             bar.close()
         result["policies"][name] = summarize(outcome)

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from scoring.policies.base import PodView, Policy
+from scoring.replay.scrapes import Scrapes
 from scoring.replay.simpod import FleetConfig, SimPod
 from scoring.replay.trace import Trace, TraceRequest
 from scoring.replay.vllm_pod import VllmFleetConfig, VllmPod
@@ -80,16 +81,21 @@ def replay_policy(
     cfg: FleetConfig | VllmFleetConfig,
     *,
     on_progress: Callable[[int], None] | None = None,
+    scrape_interval_s: float = 0.0,
 ) -> PolicyRun:
-    """Replay ``trace`` through ``policy`` on a fresh fleet described by ``cfg``."""
+    """Replay ``trace`` through ``policy`` on a fresh fleet described by ``cfg``;
+    ``scrape_interval_s`` > 0 shows the policy each pod's scraped fields as a scrape that
+    often would (:mod:`scoring.replay.scrapes`), 0 exactly."""
     wall0 = time.perf_counter()
     cfg.validate()
+    start = trace.requests[0].arrival_s if trace.requests else 0.0
+    scrapes = Scrapes(scrape_interval_s, start)
     clock = policy.clock
     try:
         if isinstance(cfg, VllmFleetConfig):
-            run = _replay_vllm(trace, policy, cfg, on_progress)
+            run = _replay_vllm(trace, policy, cfg, on_progress, scrapes)
         else:
-            run = _replay_simple(trace, policy, cfg, on_progress)
+            run = _replay_simple(trace, policy, cfg, on_progress, scrapes)
     finally:
         policy.clock = clock
     run.wall_s = time.perf_counter() - wall0
@@ -123,6 +129,7 @@ def _replay_simple(
     policy: Policy,
     cfg: FleetConfig,
     on_progress: Callable[[int], None] | None,
+    scrapes: Scrapes,
 ) -> PolicyRun:
     reqs = trace.requests
     pods = [SimPod(f"pod-{i}", cfg, cfg.pod_capacity(i)) for i in range(cfg.pods)]
@@ -180,7 +187,7 @@ def _replay_simple(
             handle(pop(heap))
         now_s[0] = t
         keys = list(r.route.block_keys)
-        pod_i = _pick(policy, r, [p.view(keys) for p in pods], index_of)
+        pod_i = _pick(policy, r, scrapes.views(t, [p.view(keys) for p in pods]), index_of)
         pod = pods[pod_i]
         pod.inflight += 1
         pod.outstanding += r.prompt_tokens
@@ -202,6 +209,7 @@ def _replay_vllm(
     policy: Policy,
     cfg: VllmFleetConfig,
     on_progress: Callable[[int], None] | None,
+    scrapes: Scrapes,
 ) -> PolicyRun:
     reqs = trace.requests
     n = len(reqs)
@@ -250,7 +258,7 @@ def _replay_vllm(
             end_step(end, pod_i, t)
         now_s[0] = t
         keys = list(r.route.block_keys)
-        pod_i = _pick(policy, r, [p.view(keys) for p in pods], index_of)
+        pod_i = _pick(policy, r, scrapes.views(t, [p.view(keys) for p in pods]), index_of)
         pod = pods[pod_i]
         run.pod_of[ri] = pod_i
         if pod.admit(ri, r) is None:
