@@ -112,6 +112,7 @@ def replay_argv(args: argparse.Namespace, trace: Path, tokenizer: Path) -> list[
         *["--capacity-tokens", str(args.capacity_tokens), "--pod-model", args.pod_model],
         "--json",
         "--no-progress",
+        *["--scrape-interval-s", str(args.replay_scrape_interval_s)],
     ]
     if args.pod_model == "vllm":
         return [*argv, "--preset", args.preset]
@@ -429,6 +430,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--summarise", type=Path, default=None, help="re-print a --json-out; no runs")
+    ap.add_argument(
+        "--replay-scrape-interval-s",
+        type=float,
+        default=0.0,
+        help="the replay's --scrape-interval-s: 1 shows its policies the pods' scraped "
+        "metrics as the live router's 1 s scrapes do (default 0: exact)",
+    )
     g = ap.add_argument_group("pods (the live pods and the replay's)")
     g.add_argument("--pods", type=int, default=4)
     g.add_argument("--pod-model", choices=["simple", "vllm"], default="simple")
