@@ -112,8 +112,9 @@ def replay_argv(args: argparse.Namespace, trace: Path, tokenizer: Path) -> list[
         *["--capacity-tokens", str(args.capacity_tokens), "--pod-model", args.pod_model],
         "--json",
         "--no-progress",
-        *["--scrape-interval-s", str(args.replay_scrape_interval_s)],
     ]
+    if args.replay_scrape_interval_s:  # only when asked: a --variant's older tree lacks it
+        argv += ["--scrape-interval-s", str(args.replay_scrape_interval_s)]
     if args.pod_model == "vllm":
         return [*argv, "--preset", args.preset]
     return [
