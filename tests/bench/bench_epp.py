@@ -62,9 +62,9 @@ from bench_router_overhead import (  # noqa: E402
     cpu_seconds,
     free_port,
     pct,
-    unwind_on_sigterm,
 )
 from epp_echo import MODES, start_echo  # noqa: E402
+from unwind import unwind_on_sigterm  # noqa: E402
 
 from tests.epp.envoy_proxy import Envoy, envoy_binary, envoy_config  # noqa: E402
 

@@ -65,10 +65,10 @@ from bench_router_overhead import (
     free_port,
     start_sglang,
     start_vllm_router,
-    unwind_on_sigterm,
     wait_completion,
     wait_http,
 )
+from unwind import unwind_on_sigterm
 
 from scoring.policies import available_policies
 

@@ -64,9 +64,10 @@ from bench_live_quality import (
     start_kvroute,
     start_pod,
 )
-from bench_router_overhead import Proc, unwind_on_sigterm, wait_http
+from bench_router_overhead import Proc, wait_http
 from chat_workload import ChatShape, TimedRequest, generate, send_all, vocabulary, write_trace
 from rank_agreement import kendall_tau_b, pair_agreement
+from unwind import unwind_on_sigterm
 
 POLICIES = [
     "cost",

@@ -59,17 +59,6 @@ STREAM_BODY = json.dumps(
 ).encode()
 
 
-def unwind_on_sigterm() -> None:
-    """Make SIGTERM (a timeout, a CI runner, ``kill PID``) unwind like Ctrl-C, so that every
-    ``finally`` stops the processes the bench started (the default action would leave
-    them running)."""
-
-    def _exit(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, _exit)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
