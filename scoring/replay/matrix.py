@@ -26,7 +26,7 @@ worst ratio and its cell.  The first seed is the *tuning* seed, the others are
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -183,8 +183,35 @@ def pod_fleet(cfg: FleetConfig, pod_model: str) -> FleetConfig | VllmFleetConfig
     )
 
 
-def _replay(trace: Trace, name: str, cfg: FleetConfig | VllmFleetConfig) -> PolicyRun:
-    return replay_policy(trace, build_policy(name, fleet_defaults(name, cfg)), cfg)
+def _replay(
+    trace: Trace,
+    name: str,
+    cfg: FleetConfig | VllmFleetConfig,
+    params: Mapping[str, Any] | None = None,
+) -> PolicyRun:
+    policy = build_policy(name, {**fleet_defaults(name, cfg), **(params or {})})
+    return replay_policy(trace, policy, cfg)
+
+
+def parse_variant(spec: str) -> tuple[str, str, dict[str, Any]]:
+    """``LABEL=POLICY:KEY=VALUE,KEY=VALUE`` (values YAML) -> (label, policy, params): a
+    registered policy under other parameters, reported as its own row ``LABEL``."""
+    import yaml
+
+    label, sep, rest = spec.partition("=")
+    policy, _, items = rest.partition(":")
+    if not sep or not label or not policy:
+        raise ReplayConfigError(f"variant {spec!r}: expected LABEL=POLICY:KEY=VALUE,...")
+    if label in available_policies():
+        raise ReplayConfigError(f"variant {spec!r}: label {label!r} is a policy's name")
+    params: dict[str, Any] = {}
+    for item in filter(None, items.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ReplayConfigError(f"variant {spec!r}: {item!r} is not KEY=VALUE")
+        params[key.strip()] = yaml.safe_load(value)
+    build_policy(policy, params)  # a bad name or parameter fails here, before any cell
+    return label, policy, params
 
 
 def run_cell(
@@ -196,8 +223,10 @@ def run_cell(
     block_size: int = 64,
     traces_dir: str | Path = TRACES_DIR,
     pod_model: str = "simpod",
+    variants: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Replay every policy (default: every registered one) on ``cell`` for ``seed``."""
+    """Replay every policy (default: every registered one) and every variant
+    (:func:`parse_variant`) on ``cell`` for ``seed``."""
     import time
 
     wall0 = time.perf_counter()
@@ -226,8 +255,12 @@ def run_cell(
         "policies": {},
     }
     capacity_s = cfg.pods * max(span_s(scaled), 1e-9)
-    for name in policies or available_policies():
-        run = _replay(scaled, name, cfg)
+    runs: list[tuple[str, str, dict[str, Any]]] = [
+        (name, name, {}) for name in (policies or available_policies())
+    ]
+    runs += [parse_variant(v) for v in variants]
+    for name, policy, params in runs:
+        run = _replay(scaled, policy, cfg, params)
         m = summarize_run(run)
         out["policies"][name] = {
             "hit_rate": m["hit_rate"],

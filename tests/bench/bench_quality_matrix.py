@@ -40,6 +40,7 @@ from scoring.replay.matrix import (
     TRACES_DIR,
     add_ratios,
     full_matrix,
+    parse_variant,
     quick_matrix,
     run_matrix,
     select,
@@ -69,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=int, default=1, help="processes over cells (default 1)")
     ap.add_argument("--limit", type=int, default=None, help="first N requests of each trace")
     ap.add_argument("--policy", action="append", choices=available_policies(), default=None)
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=POLICY:K=V,...",
+        help="also run POLICY with these parameters as row LABEL (repeatable), e.g. "
+        "'cost_req=cost:backlog_unit=request'",
+    )
     ap.add_argument("--block-size", type=int, default=16, help="synthetic families (default 16)")
     ap.add_argument("--traces", type=Path, default=TRACES_DIR, help="dir of the Mooncake traces")
     ap.add_argument("--pod-model", choices=POD_MODELS, default=POD_MODELS[0])
@@ -134,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     policies = a.policy or available_policies()
+    try:
+        labels = [parse_variant(v)[0] for v in a.variant]
+    except ValueError as exc:  # ReplayConfigError, PolicyConfigError
+        print(f"bench_quality_matrix: {exc}", file=sys.stderr)
+        return 2
     # a Mooncake cell is replayed once, for the first seed (run_matrix)
     total = sum(1 for c in cells for s in seeds if c.workload not in MOONCAKE or s == seeds[0])
     done = 0
@@ -159,13 +173,14 @@ def main(argv: list[str] | None = None) -> int:
         block_size=a.block_size,
         traces_dir=a.traces,
         pod_model=a.pod_model,
+        variants=a.variant,
     )
     wall_s = time.perf_counter() - wall0
     doc = report(
         argv,
         seeds,
         results,
-        policies=policies,
+        policies=[*policies, *labels],
         block_size=a.block_size,
         limit=a.limit,
         pod_model=a.pod_model,
