@@ -70,34 +70,44 @@ FCFS) runs.  ``cached`` above becomes ``max(index hits, in-flight hits)`` (in-fl
 blocks count as GPU blocks).  The index only learns a block once the engine stores it,
 so without this a burst of requests sharing a new prefix scatters over the fleet.
 
-The uncached term is weighted per pod by ``w`` (``P`` = this request's prompt tokens)::
+The uncached term is weighted per pod by ``w``: a miss costs its own prefill once, and
+once more for every request that will queue behind it (a follower)::
 
     B          = mean over candidate pods of queued_tokens          # the fleet's backlog
     own(pod)   = max(queued_tokens, live_uncached)                  # the pod's own work
-    b(pod)     = max(fleet_backlog_share * B, min(B, own(pod)))
-    w(pod)     = miss_weight + backlog_weight * b(pod) / P
+    b(pod)     = max(fleet_backlog_share * B, min(B, own(pod)))     # tokens
+    u          = mean predicted uncached tokens of the live requests this policy routed
+                 (any pod); with none live, this request's prompt tokens
+    w(pod)     = miss_weight + backlog_weight * b(pod) / u          # 1 + followers
 
 ``live_uncached`` is the predicted uncached tokens of the live requests this policy
-routed to the pod (the ledger above).  With no backlog ``w = miss_weight = 1`` and the
-score is the predicted TTFT.  With a backlog, tokens recomputed on a miss delay the
-requests queued behind them and duplicate a prefix in a second cache, so a miss is
-charged in proportion to the backlog (in units of this request's size): a loaded fleet
-keeps requests on the pods holding their prefixes.  But a miss mostly costs the time of
-the pod that pays it: a pod with little work of its own charges only
-``fleet_backlog_share`` of the fleet's backlog.  Pricing every miss by the whole fleet
-mean (``fleet_backlog_share = 1``) lets one hot pod's queue make misses expensive
-everywhere, which keeps traffic on that pod — a feedback loop that piles conversations
-sharing a system prompt onto one pod of a small fleet; pricing by the pod's own work
-alone (``0``) gives up hits on bursty traces (docs/replay.md has the numbers).
-``backlog_weight = 12`` and ``fleet_backlog_share = 0.125`` were chosen with
-``kvroute replay`` on both Mooncake traces at several loads and on a small multi-turn
-chat fleet; ``backlog_weight = 0`` gives the pure TTFT prediction.
+routed to the pod (the ledger above).  ``b / u`` is the backlog counted in requests: by
+Little's law, as many requests arrive while the recomputed tokens hold the queue as are
+queued now, and each waits for them.  So with no backlog ``w = miss_weight = 1`` and
+the score is the predicted TTFT; with one, a loaded fleet keeps requests on the pods
+holding their prefixes, and every quantity is measured: ``u`` from the requests in
+flight, no fitted scale (``backlog_weight`` defaults to 1: one delay per follower).  A
+miss mostly costs the time of the pod that pays it, so a pod with little work of its
+own charges only ``fleet_backlog_share`` of the fleet's backlog.  Pricing every miss by
+the whole fleet mean (``fleet_backlog_share = 1``) lets one hot pod's queue make misses
+expensive everywhere; pricing by the pod's own work alone (``0``) gives up hits on
+bursty traces (docs/replay.md).  ``fleet_backlog_share = 0.125`` is the one constant
+chosen on traces (both Mooncake traces and a small chat fleet, session 5), and it is
+labelled so.
+
+``backlog_unit = "prompt"`` is the formula before: ``w = miss_weight + backlog_weight *
+b / P`` with ``backlog_weight`` defaulting to 12, fitted on the same traces (12 was
+about ``P / u`` there: the same count of followers, with a fitted scale instead of a
+measured one).  On held-out traffic (seeds and fleet shapes never looked at:
+scoring/policies/README.md) the measured unit gives a lower TTFT p90 geomean;
+``backlog_weight = 0`` gives the pure TTFT prediction in either unit.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Literal
 
 import xxhash
 from pydantic import Field, field_validator
@@ -132,8 +142,16 @@ class CostParams(PolicyParams):
     miss_weight: float = Field(
         default=1.0, ge=0.0, description="weight of uncached prompt tokens with no backlog"
     )
-    backlog_weight: float = Field(
-        default=12.0, ge=0.0, description="extra miss weight per prompt-size of backlog"
+    backlog_weight: float | None = Field(
+        default=None,
+        ge=0.0,
+        description="scale of the backlog term: followers per queued request (default 1), "
+        "or with backlog_unit=prompt the miss weight per prompt of backlog (default 12)",
+    )
+    backlog_unit: Literal["prompt", "request"] = Field(
+        default="request",
+        description="the backlog a miss delays, in requests (the mean live request's "
+        "predicted miss), or in prompts of this size times backlog_weight (the old default)",
     )
     fleet_backlog_share: float = Field(
         default=0.125,
@@ -217,6 +235,8 @@ class CostPolicy(Policy):
         self._inflight = InflightPrefixes()
         # pod -> [sum of prompt tokens, sum of predicted uncached tokens] of live requests
         self._ledger: dict[str, list[int]] = {}
+        # [sum of predicted uncached tokens, count] of every live request
+        self._live_total = [0, 0]
         # pod -> block keys routed there within hot_window_s (see scoring.policies.hot_set)
         self._hot = HotBlocks(self._p.hot_window_s)
         # pod -> the capacity (blocks) its last view carried: bounds its hot set
@@ -236,6 +256,12 @@ class CostPolicy(Policy):
         """Predicted uncached tokens of the live requests this policy routed to ``pod``."""
         entry = self._ledger.get(pod)
         return entry[1] if entry is not None else 0
+
+    def backlog_unit_tokens(self, prompt_tokens: int) -> float:
+        """Tokens of backlog that count as one queued request: the mean predicted miss
+        of the live requests this policy routed, else ``prompt_tokens`` (at least 1)."""
+        live_miss, live_count = self._live_total
+        return max(1.0, live_miss / live_count if live_count > 0 else prompt_tokens)
 
     def queued_tokens(self, pod: PodView) -> float:
         """Outstanding prefill tokens, scaled by the predicted miss share (see module)."""
@@ -272,10 +298,14 @@ class CostPolicy(Policy):
         prompt = request.prompt_tokens
         bs = request.block_size
         keys = request.block_keys
-        size = max(1, prompt)
+        if p.backlog_unit == "prompt":
+            size: float = max(1, prompt)
+            backlog_weight = 12.0 if p.backlog_weight is None else p.backlog_weight
+        else:  # "request": the backlog in requests = the followers a miss delays
+            size = self.backlog_unit_tokens(prompt)
+            backlog_weight = 1.0 if p.backlog_weight is None else p.backlog_weight
         share_backlog = p.fleet_backlog_share * backlog
         miss_weight = p.miss_weight
-        backlog_weight = p.backlog_weight
         slowdown_per = p.decode_slowdown_per_running
         rate = p.prefill_rate_tokens_per_s
         tiers, rates = p.tiers, p.tier_load_rates_tokens_per_s
@@ -383,6 +413,9 @@ class CostPolicy(Policy):
         entry = self._ledger.setdefault(pod, [0, 0])
         entry[0] += prompt
         entry[1] += miss
+        total = self._live_total
+        total[0] += miss
+        total[1] += 1
         if self._p.hot_window_s > 0:
             self._hot.routed(pod, request.block_keys, self.clock(), self._capacity.get(pod))
 
@@ -397,7 +430,8 @@ class CostPolicy(Policy):
         self._hot.forget(pod)
         self._capacity.pop(pod, None)
         for rid in [rid for rid, v in self._live.items() if v[0] == pod]:
-            del self._live[rid]
+            self._live_total[0] -= self._live.pop(rid)[2]
+            self._live_total[1] -= 1
 
     def _unledger(self, pod: str, prompt: int, miss: int, keys: Sequence[int]) -> None:
         if self._p.count_inflight_prefixes:
@@ -406,3 +440,6 @@ class CostPolicy(Policy):
         if entry is not None:
             entry[0] -= prompt
             entry[1] -= miss
+        total = self._live_total
+        total[0] -= miss
+        total[1] -= 1

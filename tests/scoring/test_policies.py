@@ -219,8 +219,9 @@ def test_cost_predicts_queue_plus_uncached_prefill_plus_cpu_transfer() -> None:
     assert ttft == pytest.approx(0.5 + 0.064 + 0.016)
 
 
+@pytest.mark.parametrize("unit", ["request", "prompt"])
 @pytest.mark.parametrize("seed", range(6))
-def test_cost_pick_scores_every_pod_with_the_documented_predict_ttft(seed: int) -> None:
+def test_cost_pick_scores_every_pod_with_the_documented_predict_ttft(seed: int, unit: str) -> None:
     """pick computes the prediction inline (it runs on every request); its scores must
     stay exactly predict_ttft with the queue, in-flight prefixes and backlog-adjusted
     miss weight the policy itself reports, whatever has been routed before."""
@@ -233,11 +234,14 @@ def test_cost_pick_scores_every_pod_with_the_documented_predict_ttft(seed: int) 
             "tier_load_rates_tokens_per_s": {"CPU": 20_000.0, "DISK": 2_000.0},
             "fleet_backlog_share": rng.choice([0.0, 0.5]),
             "decode_slowdown_per_running": rng.choice([0.0, 0.05]),
+            "backlog_unit": unit,
         },
     )
     p = policy.params
     assert isinstance(p, CostParams)
     chains = [[rng.getrandbits(40) for _ in range(rng.randrange(1, 12))] for _ in range(5)]
+    # request id -> (request, its predicted miss, its pod), routed and not complete
+    routed: dict[str, tuple[RouteRequest, int, str]] = {}
     for i in range(40):
         keys = rng.choice(chains)[: rng.randrange(1, 12)]
         r = req(rid=f"r{i}", keys=keys, prompt=len(keys) * BS + rng.randrange(0, BS))
@@ -263,21 +267,29 @@ def test_cost_pick_scores_every_pod_with_the_documented_predict_ttft(seed: int) 
             for v in views
         }
         backlog = sum(q for q, _ in expected.values()) / len(views)
+        live = [m for _, m, _ in routed.values()]
+        mean_miss = sum(live) / len(live) if live else r.prompt_tokens
+        assert policy.backlog_unit_tokens(r.prompt_tokens) == max(1.0, mean_miss)
         d = policy.pick(r, views)
         for v in views:
             queued, inflight = expected[v.pod]
             # the backlog-adjusted miss weight, as the module docstring states it
             own = max(queued, float(policy.live_uncached(v.pod)))
             b = max(p.fleet_backlog_share * backlog, min(backlog, own))
-            w = p.miss_weight + p.backlog_weight * b / max(1, r.prompt_tokens)
+            if unit == "request":  # 1 + the followers: b in units of the mean live miss
+                w = p.miss_weight + b / policy.backlog_unit_tokens(r.prompt_tokens)
+            else:  # the formula before, with its fitted default weight 12
+                w = p.miss_weight + 12.0 * b / max(1, r.prompt_tokens)
             assert d.detail["miss_weight"][v.pod] == pytest.approx(w, rel=1e-12)
             ttft, cached = predict_ttft(r, v, p, queued, inflight, d.detail["miss_weight"][v.pod])
             assert d.scores[v.pod] == ttft
             assert d.detail["cached_tokens"][v.pod] == cached
         assert d.scores[d.pod] <= min(d.scores.values()) + p.tie_epsilon_s
         policy.on_routed(r, d.pod)
+        routed[r.request_id] = (r, r.prompt_tokens - d.detail["cached_tokens"][d.pod], d.pod)
         if rng.random() < 0.5:
-            policy.on_complete(r, d.pod)
+            done, _, pod = routed.pop(rng.choice(list(routed)))
+            policy.on_complete(done, pod)
 
 
 def test_cost_sends_a_request_to_the_pod_holding_its_prefix() -> None:
@@ -385,8 +397,47 @@ def test_cost_keeps_a_loaded_fleet_on_the_cached_pod_by_charging_misses_for_the_
     policy = build_policy("cost", {"prefill_rate_tokens_per_s": 1000.0})
     decision = policy.pick(req(keys=list(range(32))), views)
     assert decision.pod == "b"
-    # b(a) = max(0.125 * mean backlog 4500, min(4500, a's own 4000)) -> w = 1 + 12 * 4000 / 512
+    # b(a) = max(0.125 * mean backlog 4500, min(4500, a's own 4000)); with no live request
+    # to measure a mean miss from, one request of backlog is this one's 512 tokens
+    assert decision.detail["miss_weight"]["a"] == pytest.approx(1.0 + 4000 / 512)
+
+
+def test_cost_counts_the_backlog_in_requests_of_the_mean_live_miss() -> None:
+    """A miss delays every request that queues behind it: w = 1 + the backlog counted
+    in requests, each the mean predicted miss of the requests in flight (Little's law:
+    as many arrive while it holds the queue as are queued now)."""
+    policy = build_policy("cost", {"prefill_rate_tokens_per_s": 1000.0})
+    live = []
+    for i, cached_blocks in enumerate([2, 6]):  # predicted misses 128 and 64 tokens
+        r = req(f"live{i}", keys=list(range(100 * i, 100 * i + 10)), prompt=160)
+        policy.pick(r, [PodView("a", hits={"GPU": cached_blocks})])
+        policy.on_routed(r, "a")
+        live.append(r)
+    assert policy.backlog_unit_tokens(512) == pytest.approx(96.0)  # type: ignore[attr-defined]
+    views = [PodView("a", outstanding_prefill_tokens=320), PodView("b")]
+    d = policy.pick(req(keys=list(range(32))), views)
+    # a's queue: 320 tokens discounted to its predicted misses, 192 = 2 requests of 96,
+    # capped at the fleet's mean backlog (96 tokens = 1 request)
+    assert d.detail["miss_weight"]["a"] == pytest.approx(1.0 + 96 / 96)
+    # b is idle: it charges 1/8 of the fleet's mean backlog
+    assert d.detail["miss_weight"]["b"] == pytest.approx(1.0 + 0.125 * 96 / 96)
+    policy.on_complete(live[0], "a")
+    assert policy.backlog_unit_tokens(512) == pytest.approx(64.0)  # type: ignore[attr-defined]
+    policy.on_complete(live[1], "a")  # none live: this request's size
+    assert policy.backlog_unit_tokens(512) == pytest.approx(512.0)  # type: ignore[attr-defined]
+
+
+def test_cost_counts_a_backlog_in_prompts_with_the_fitted_weight_when_asked() -> None:
+    views = [
+        PodView("a", outstanding_prefill_tokens=4000),
+        PodView("b", hits={"GPU": 30}, outstanding_prefill_tokens=5000),
+    ]
+    policy = build_policy("cost", {"prefill_rate_tokens_per_s": 1000.0, "backlog_unit": "prompt"})
+    decision = policy.pick(req(keys=list(range(32))), views)
+    assert decision.pod == "b"
     assert decision.detail["miss_weight"]["a"] == pytest.approx(1.0 + 12.0 * 4000 / 512)
+    zero = build_policy("cost", {"backlog_weight": 0.0}).pick(req(keys=list(range(32))), views)
+    assert set(zero.detail["miss_weight"].values()) == {1.0}  # the pure TTFT prediction
 
 
 def test_cost_on_an_idle_fleet_weighs_a_miss_as_its_own_prefill_only() -> None:
@@ -402,11 +453,13 @@ def test_cost_does_not_let_one_hot_pods_queue_price_misses_on_idle_pods() -> Non
     per_pod = build_policy("cost", {"prefill_rate_tokens_per_s": 1000.0}).pick(r, views)
     assert per_pod.pod != "hot"  # an idle pod computes 320 more tokens instead of a 3 s wait
     # an idle pod charges 1/8 of the fleet's mean backlog (750 tokens)
-    assert per_pod.detail["miss_weight"]["p0"] == pytest.approx(1.0 + 12.0 * 93.75 / 512)
+    assert per_pod.detail["miss_weight"]["p0"] == pytest.approx(1.0 + 93.75 / 512)
     fleet = build_policy(
-        "cost", {"prefill_rate_tokens_per_s": 1000.0, "fleet_backlog_share": 1.0}
+        "cost",
+        {"prefill_rate_tokens_per_s": 1000.0, "fleet_backlog_share": 1.0, "backlog_unit": "prompt"},
     ).pick(r, views)
-    # the whole fleet mean makes every miss cost w = 18.6: 3000 + 18.6*192 < 18.6*512
+    # with the prompt unit the whole fleet mean makes every miss cost w = 18.6:
+    # 3000 + 18.6*192 < 18.6*512
     assert fleet.pod == "hot"
 
 
