@@ -200,7 +200,7 @@ def parse_variant(spec: str) -> tuple[str, str, dict[str, Any]]:
 
     label, sep, rest = spec.partition("=")
     policy, _, items = rest.partition(":")
-    if not sep or not label or not policy:
+    if not sep or not label or not policy or ":" in label:
         raise ReplayConfigError(f"variant {spec!r}: expected LABEL=POLICY:KEY=VALUE,...")
     if label in available_policies():
         raise ReplayConfigError(f"variant {spec!r}: label {label!r} is a policy's name")

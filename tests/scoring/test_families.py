@@ -319,3 +319,45 @@ def test_the_summary_separates_the_tuning_seed_from_held_out_ones() -> None:
     assert b["held_out"]["worst_p90_vs_best"] == pytest.approx(4.0)
     assert b["held_out"]["worst_cell"] == "x/p4-equal/small/load50 (seed 1)"
     assert b["all"]["cells"] == 3
+
+
+def test_a_variant_is_a_policy_under_other_parameters_reported_as_its_own_row() -> None:
+    from scoring.replay.matrix import parse_variant
+
+    assert parse_variant("old=cost:backlog_unit=prompt,backlog_weight=12") == (
+        "old",
+        "cost",
+        {"backlog_unit": "prompt", "backlog_weight": 12},
+    )
+    cell = Cell("chat", 4, "equal", "medium", 0.8)
+    r = run_cell(
+        cell,
+        0,
+        policies=["cost"],
+        variants=["same=cost:", "old=cost:backlog_unit=prompt"],
+        limit=200,
+        block_size=64,
+    )
+    pols = r["policies"]
+    assert set(pols) == {"cost", "same", "old"}
+    # a variant with no parameters is the policy itself: the replay is deterministic
+    assert {k: v for k, v in pols["same"].items() if k != "replay_wall_s"} == {
+        k: v for k, v in pols["cost"].items() if k != "replay_wall_s"
+    }
+
+
+@pytest.mark.parametrize(
+    "spec, problem",
+    [
+        ("cost:backlog_unit=prompt", "expected LABEL=POLICY"),
+        ("cost=cost:backlog_unit=prompt", "is a policy's name"),
+        ("x=cost:backlog_unit", "is not KEY=VALUE"),
+        ("x=nope:", "unknown policy 'nope'"),
+        ("x=cost:backlog_unit=bytes", "backlog_unit"),
+    ],
+)
+def test_a_bad_variant_is_refused_with_what_is_wrong(spec: str, problem: str) -> None:
+    from scoring.replay.matrix import parse_variant
+
+    with pytest.raises(ValueError, match=problem):
+        parse_variant(spec)
