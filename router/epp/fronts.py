@@ -55,11 +55,14 @@ async def pump(
     picker: EndpointPicker,
     read: Callable[[], Awaitable[Any]],
     write: Callable[[P.ProcessingResponse], Awaitable[None] | None],
+    flush: Callable[[], None] | None = None,
 ) -> bool:
     """One ext_proc stream: each message read is handled and its answers written, until
     the proxy ends the stream (``read`` returns None) or an immediate response ends it.
     False when the picker failed (the caller ends the stream with an error: the
-    proxy's failure mode then applies)."""
+    proxy's failure mode then applies).  ``flush`` sends what ``write`` queued: the
+    answers leave before the stream's bookkeeping (:meth:`ExtProcStream.after_send`)
+    runs, with no other task in between."""
     stream = ExtProcStream(picker)
     try:
         while True:
@@ -78,6 +81,14 @@ async def pump(
                 sent = write(resp)
                 if sent is not None:
                     await sent
+            if flush is not None and responses:
+                flush()
+            try:
+                await stream.after_send()
+            except Exception:
+                # the answers are sent: the request goes on, its accounting is lost
+                log.exception("ext_proc stream bookkeeping failed")
+                picker.epp.streams.labels("bookkeeping_error").inc()
             if stream.finished:
                 return True
     finally:
@@ -116,7 +127,7 @@ class H2Front:
         await self._server.stop(grace_s)
 
     async def _process(self, call: h2_grpc.Call) -> None:
-        if not await pump(self.picker, call.read, call.write):
+        if not await pump(self.picker, call.read, call.write, call.flush):
             raise h2_grpc.CallError(h2_grpc.INTERNAL, "endpoint picker error")
 
     async def _check(self, call: h2_grpc.Call) -> None:

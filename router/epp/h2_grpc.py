@@ -123,6 +123,10 @@ class Call:
         self._pending.append(b"\0" + len(payload).to_bytes(4, "big") + payload)
         self._conn.want_flush(self)
 
+    def flush(self) -> None:
+        """Send what is queued now, not at the loop's next turn."""
+        self._conn.flush()
+
     # -- the connection's side ------------------------------------------------------------
 
     def _wake(self) -> None:

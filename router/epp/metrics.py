@@ -18,7 +18,9 @@ class EppMetrics:
             "kvroute_epp_streams",
             "ext_proc streams handled, by outcome: picked (endpoints sent), rejected "
             "(an immediate response: 4xx / 503), passed (no body to route: least loaded), "
-            "error (a protocol error; the stream was closed)",
+            "error (a protocol error; the stream was closed), bookkeeping_error (the "
+            "load or completion accounting failed after the answers were sent; the stream "
+            "went on)",
             ["outcome"],
             registry=r,
         )

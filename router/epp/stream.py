@@ -101,6 +101,10 @@ class ExtProcStream:
         self.tenant: TenantContext | None = None
         #: an immediate response was sent: the proxy ends the stream
         self.finished = False
+        #: bookkeeping that waits until the answers are sent (:meth:`after_send`): the
+        #: picked pod whose load is taken, and the request's completion
+        self._begin_pod: str | None = None
+        self._complete_pending = False
 
     # -- dispatch --------------------------------------------------------------------
 
@@ -122,14 +126,27 @@ class ExtProcStream:
             if self._hidden is not None:
                 held += self._hidden.flush()
             out = list(P.body_responses(False, held, False)) if held else []
-            await self._complete()
+            self._complete_pending = True
             return [*out, P.trailers_response(request=False)]
         self.picker.epp.protocol_errors.labels("unknown_message").inc()
         return []
 
+    async def after_send(self) -> None:
+        """The bookkeeping :meth:`handle` left until its answers were on their way (the
+        front calls it once they are written, before reading on): the picked pod's load
+        and the policy's ``on_routed``, the request's completion.  Neither changes an
+        answer, so neither delays one."""
+        pod, self._begin_pod = self._begin_pod, None
+        if pod is not None and self.accounting is not None:
+            await self.accounting.begin(pod)
+        if self._complete_pending:
+            self._complete_pending = False
+            await self._complete()
+
     async def close(self) -> None:
         """The stream ended: a request still open is completed (as 499 when its
         answer did not end)."""
+        await self.after_send()
         await self._complete()
 
     # -- request -----------------------------------------------------------------------
@@ -185,7 +202,7 @@ class ExtProcStream:
             none = RouterError(503, "no endpoint to send the request to", reason="no_pod")
             return [self._reject(picker.router.reject(none))]
         if accounting is not None:
-            await accounting.begin(ranking[0])
+            self._begin_pod = ranking[0]  # after the pick is sent (after_send)
         picker.epp.streams.labels("picked" if accounting is not None else "passed").inc()
         length = self._size if self._saw_body else None
         out = [P.pick_headers_response(endpoints, length)]
@@ -263,7 +280,7 @@ class ExtProcStream:
         else:
             out = [picker.served_answer(pod)]
         if req.response_headers.end_of_stream:
-            await self._complete()
+            self._complete_pending = True
         return out
 
     async def _response_body(self, body: Any) -> list[P.ProcessingResponse]:
@@ -304,7 +321,7 @@ class ExtProcStream:
             chunk = self._flush_held()
         out = list(P.body_responses(False, chunk, eos))
         if eos:
-            await self._complete()
+            self._complete_pending = True
         return out
 
     def _flush_held(self) -> bytes:
