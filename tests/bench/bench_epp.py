@@ -288,7 +288,8 @@ def main() -> int:
         type=_modes,
         help="also Envoy + a picker deciding nothing, on grpc.aio (aio: the default), "
         "grpc.aio on uvloop (uvloop), grpc's threaded server (sync), grpclib "
-        "(grpclib) or grpclib on uvloop (grpclib-uvloop); comma separated",
+        "(grpclib), grpclib on uvloop (grpclib-uvloop), the h2 server (h2, h2-asyncio) or "
+        "the same picker in C++ (cpp: grpc++, built by epp_floor/build.py); comma separated",
     )
     ap.add_argument(
         "--trace",

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 #: the servers ``--floor`` can run (aio: grpc.aio, as `kvroute epp` by default)
-MODES = ("aio", "uvloop", "sync", "grpclib", "grpclib-uvloop", "h2", "h2-asyncio")
+MODES = ("aio", "uvloop", "sync", "grpclib", "grpclib-uvloop", "h2", "h2-asyncio", "cpp")
 #: with this variable set to a file, each stream's messages are written to it as one
 #: JSON line at the stream's end: ``[[microseconds since its first message, "in" or
 #: "out", kind], ...]`` (``--trace``)
@@ -244,8 +244,16 @@ async def _run_grpclib(port: int, stream: Callable[[], EchoStream]) -> None:
 def start_echo(urls: list[str], mode: str = "aio", trace: Path | None = None) -> tuple[Proc, int]:
     port = free_port()
     endpoints = ",".join(u.split("//", 1)[1] for u in urls)
+    if mode == "cpp":  # the same picker in C++ (epp_floor/echo_picker.cc), built once
+        sys.path.insert(0, str(Path(__file__).parent / "epp_floor"))
+        from build import build
+
+        binary = Path("/tmp/kvroute-epp-floor/echo_picker")
+        command = [str(binary if binary.exists() else build(binary.parent)), str(port), endpoints]
+    else:
+        command = [sys.executable, __file__, str(port), endpoints, mode]
     p = subprocess.Popen(
-        [sys.executable, __file__, str(port), endpoints, mode],
+        command,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env={**os.environ, "PYTHONPATH": str(ROOT), **({TRACE_ENV: str(trace)} if trace else {})},
