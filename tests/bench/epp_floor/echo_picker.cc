@@ -46,27 +46,14 @@ class Echo final : public ep::ExternalProcessor::Service {
           }
           break;
         }
-        case ep::ProcessingRequest::kResponseHeaders: {
-          ep::ProcessingResponse r;
-          r.mutable_response_headers();
-          stream->Write(r);
-          break;
-        }
         case ep::ProcessingRequest::kResponseBody:
           Body(stream, false, req.response_body().body(), req.response_body().end_of_stream());
           break;
-        case ep::ProcessingRequest::kRequestTrailers: {
-          ep::ProcessingResponse r;
-          r.mutable_request_trailers();
-          stream->Write(r);
+        case ep::ProcessingRequest::kResponseHeaders:
+        case ep::ProcessingRequest::kRequestTrailers:
+        case ep::ProcessingRequest::kResponseTrailers:
+          stream->Write(Unchanged(req.request_case()));
           break;
-        }
-        case ep::ProcessingRequest::kResponseTrailers: {
-          ep::ProcessingResponse r;
-          r.mutable_response_trailers();
-          stream->Write(r);
-          break;
-        }
         default:  // request headers: answered with the pick at the body's end
           break;
       }
@@ -90,6 +77,15 @@ class Echo final : public ep::ExternalProcessor::Service {
     (*inner.mutable_fields())[kDestination].set_string_value(to);
     (*(*r.mutable_dynamic_metadata()->mutable_fields())["envoy.lb"].mutable_struct_value())
         = inner;
+    return r;
+  }
+
+  // the answer to a headers or trailers message that changes nothing
+  static ep::ProcessingResponse Unchanged(ep::ProcessingRequest::RequestCase which) {
+    ep::ProcessingResponse r;
+    if (which == ep::ProcessingRequest::kResponseHeaders) r.mutable_response_headers();
+    if (which == ep::ProcessingRequest::kRequestTrailers) r.mutable_request_trailers();
+    if (which == ep::ProcessingRequest::kResponseTrailers) r.mutable_response_trailers();
     return r;
   }
 
