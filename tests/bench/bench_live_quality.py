@@ -68,6 +68,7 @@ from bench_router_overhead import (
     wait_completion,
     wait_http,
 )
+from source_tree import tree_cwd
 from unwind import unwind_on_sigterm
 
 from scoring.policies import available_policies
@@ -258,6 +259,7 @@ def start_kvroute(
                 *["--discovery.static", json.dumps(static), *params],
             ],
             env=env,
+            cwd=tree_cwd((env_extra or {}).get("PYTHONPATH")),
             stdout=subprocess.DEVNULL,
             stderr=err,
         )

@@ -67,6 +67,7 @@ from bench_live_quality import (
 from bench_router_overhead import Proc, wait_http
 from chat_workload import ChatShape, TimedRequest, generate, send_all, vocabulary, write_trace
 from rank_agreement import kendall_tau_b, pair_agreement
+from source_tree import tree_cwd, tree_env
 from unwind import unwind_on_sigterm
 
 POLICIES = [
@@ -132,13 +133,17 @@ def run_replay(
     out: dict[str, dict[str, Any]] = {}
     for path in {r.pythonpath for r in rows}:
         group = [r for r in rows if r.pythonpath == path]
-        env = dict(os.environ)
-        if path:
-            env["PYTHONPATH"] = path
         argv = replay_argv(args, trace, tokenizer)
         for r in group:
             argv += ["--policy", r.policy]
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            argv,
+            env=tree_env(path),
+            cwd=tree_cwd(path),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"kvroute replay failed ({done.returncode}): {done.stderr[-2000:]}")
         res = json.loads(done.stdout)

@@ -79,6 +79,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_router_overhead import Proc, _proc_tree, cpu_seconds, free_port, wait_http  # noqa: E402
+from source_tree import tree_cwd, tree_env  # noqa: E402
 
 MODEL = "fake-model"
 #: the prompt every request sends (one identical prompt, as the users' run did)
@@ -225,16 +226,18 @@ def start_kvroute(
     """``tree``: run the kvroute of that source tree (PYTHONPATH) instead of this one."""
     port = free_port()
     static = [{"name": f"b{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
-    if tree is not None:
-        env["PYTHONPATH"] = tree
+    env = tree_env(tree, {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")})
     cmd = [
         sys.executable,
         *f"-m router.cli serve --port {port} --workers {workers} --policy {policy}".split(),
         *["--log-level", "warning", "--discovery.static", json.dumps(static)],
     ]
     p = subprocess.Popen(
-        pinned(cmd, cpus), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        pinned(cmd, cpus),
+        env=env,
+        cwd=tree_cwd(tree),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     wait_completion(port, p)
     return Proc(f"kvroute {policy}", p), port
