@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -64,6 +63,7 @@ from bench_router_overhead import (  # noqa: E402
     pct,
 )
 from epp_echo import MODES, start_echo  # noqa: E402
+from source_tree import tree_cwd, tree_env  # noqa: E402
 from unwind import unwind_on_sigterm  # noqa: E402
 
 from tests.epp.envoy_proxy import Envoy, envoy_binary, envoy_config  # noqa: E402
@@ -243,8 +243,8 @@ def start_epp(
         [sys.executable, "-m", "router.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": str(root)},
-        cwd=str(root),
+        env=tree_env(str(root)),
+        cwd=tree_cwd(str(root)),
     )
     assert p.stdout is not None
     line = p.stdout.readline().decode()  # "kvroute epp: ext_proc on ..., metrics on ..."
