@@ -8,6 +8,7 @@ leading blocks servable from tier ``t`` or faster (tiers fastest first)::
     transfer    = sum over slower tiers t with a rate of
                   (cached[t] - cached[faster]) / tier_load_rates_tokens_per_s[t]
     cached      = max(cached[slowest tier with a rate], in-flight hits * B)   (see below)
+    cached      = min(cached, (capacity_blocks - newer) * B)      (the queue ahead, below)
     uncached    = P - cached
     evicted     = clamp(hot + new - capacity_blocks, 0, new) * B      (opt-in, below)
     slowdown    = 1 + decode_slowdown_per_running * running
@@ -70,6 +71,23 @@ FCFS) runs.  ``cached`` above becomes ``max(index hits, in-flight hits)`` (in-fl
 blocks count as GPU blocks).  The index only learns a block once the engine stores it,
 so without this a burst of requests sharing a new prefix scatters over the fleet.
 
+With ``queue_evictions`` (default on) only the part of that prefix that survives the
+queue ahead counts.  vLLM serves a pod's queue FCFS and evicts unreferenced blocks LRU
+(a freed request's tail first), so the blocks that the requests queued ahead touch
+*after* the prefix was last touched push its tail out of a cache too small for both
+(scoring/policies/queued.py)::
+
+    newer  = blocks touched by the requests queued on the pod after the newest one that
+             carries the whole prefix, less those this prompt shares (prompts that leave
+             it at the same block with the same key count once, by the longest)
+    cached = min(cached, (capacity_blocks - newer) * B)          # 0 when newer >= capacity
+
+"Queued" is what this policy routed there that has not reached its first token (the
+index shows what a prefill evicted once it ran) nor completed.  Without a capacity
+nothing changes.  Without this rule, on a RAG fleet whose small caches held one
+document each, the policy predicted 97% hits on a pod that delivered 27%: it kept
+sending it questions over documents it could not hold together.
+
 The uncached term is weighted per pod by ``w``: a miss costs its own prefill once, and
 once more for every request that will queue behind it (a follower)::
 
@@ -116,6 +134,7 @@ from scoring.index.base import DEFAULT_TIERS
 from scoring.policies.base import Decision, PodView, Policy, PolicyParams, RouteRequest
 from scoring.policies.hot_set import HotBlocks, evicted_hot, most_room
 from scoring.policies.inflight import InflightPrefixes
+from scoring.policies.queued import QueuedPrompts
 from scoring.policies.select import require_candidates
 from scoring.policies.tiers import tier_hits
 
@@ -164,6 +183,11 @@ class CostParams(PolicyParams):
     )
     discount_queued_hits: bool = Field(
         default=True, description="scale outstanding tokens by their predicted miss share"
+    )
+    queue_evictions: bool = Field(
+        default=True,
+        description="count only the cached prefix that survives the blocks of the requests "
+        "queued ahead (LRU)",
     )
     tie_epsilon_s: float = Field(default=0.001, ge=0.0, description="predictions this close tie")
     tie_break_by_room: bool = Field(
@@ -233,6 +257,9 @@ class CostPolicy(Policy):
         self._live: dict[tuple[str, int], tuple[str, int, int]] = {}
         # pod -> the block-key chains of the live requests routed there
         self._inflight = InflightPrefixes()
+        # pod -> the chains of those not yet past prefill, in the order routed
+        self._queued = QueuedPrompts()
+        self._prefilling: dict[tuple[str, int], str] = {}
         # pod -> [sum of prompt tokens, sum of predicted uncached tokens] of live requests
         self._ledger: dict[str, list[int]] = {}
         # [sum of predicted uncached tokens, count] of every live request
@@ -310,6 +337,7 @@ class CostPolicy(Policy):
         rate = p.prefill_rate_tokens_per_s
         tiers, rates = p.tiers, p.tier_load_rates_tokens_per_s
         inflight = self._inflight if p.count_inflight_prefixes and keys else None
+        queued = self._queued if p.queue_evictions and keys else None
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
         weights: dict[str, float] = {}
@@ -335,6 +363,13 @@ class CostPolicy(Policy):
                 c, transfer = 0, 0.0
             if inflight is not None:
                 c = max(c, min(inflight.hits(name, keys) * bs, prompt))
+            if queued is not None and c:
+                cap_b = pod.capacity_blocks
+                if cap_b:
+                    cb = -(-c // bs)
+                    keep = queued.surviving(name, keys, cb, cap_b)
+                    if keep < cb:
+                        c = keep * bs
             running = pod.running
             if running is None:
                 running = pod.inflight
@@ -410,6 +445,10 @@ class CostPolicy(Policy):
         self._live[key] = (pod, prompt, miss)
         if self._p.count_inflight_prefixes:
             self._inflight.add(pod, request.block_keys)
+        if self._p.queue_evictions:
+            self._unqueue(key)
+            self._queued.add(pod, key, request.block_keys)
+            self._prefilling[key] = pod
         entry = self._ledger.setdefault(pod, [0, 0])
         entry[0] += prompt
         entry[1] += miss
@@ -419,7 +458,16 @@ class CostPolicy(Policy):
         if self._p.hot_window_s > 0:
             self._hot.routed(pod, request.block_keys, self.clock(), self._capacity.get(pod))
 
+    def on_first_token(self, request: RouteRequest, pod: str, ttft_s: float) -> None:
+        self._unqueue(_key(request))
+
+    def _unqueue(self, key: tuple[str, int]) -> None:
+        pod = self._prefilling.pop(key, None)
+        if pod is not None:
+            self._queued.remove(pod, key)
+
     def on_complete(self, request: RouteRequest, pod: str) -> None:
+        self._unqueue(_key(request))
         old = self._live.pop(_key(request), None)
         if old is not None:
             self._unledger(old[0], old[1], old[2], request.block_keys)
@@ -427,6 +475,9 @@ class CostPolicy(Policy):
     def on_pod_removed(self, pod: str) -> None:
         self._ledger.pop(pod, None)
         self._inflight.forget(pod)
+        self._queued.forget(pod)
+        for key in [k for k, v in self._prefilling.items() if v == pod]:
+            del self._prefilling[key]
         self._hot.forget(pod)
         self._capacity.pop(pod, None)
         for rid in [rid for rid, v in self._live.items() if v[0] == pod]:

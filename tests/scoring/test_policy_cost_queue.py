@@ -1,0 +1,155 @@
+"""``cost`` counts only the cached prefix that survives the queue ahead of a request
+(scoring/policies/queued.py): vLLM serves a pod's queue FCFS and evicts LRU, so the
+blocks the requests queued ahead touch after the prefix was last touched push its tail
+out of a cache too small for both."""
+
+from __future__ import annotations
+
+from scoring.policies import PodView, RouteRequest, build_policy
+from scoring.policies.cost import CostPolicy
+from scoring.policies.queued import QueuedPrompts
+
+BS = 16
+SYSTEM = [1, 2]  # a shared instruction: two blocks every prompt starts with
+
+
+def chain(doc: int, blocks: int, question: int | None = None) -> list[int]:
+    """A chain of block keys: the instruction, ``blocks`` of document ``doc``, and one
+    block of question ``question``."""
+    keys = SYSTEM + [doc * 1000 + i for i in range(blocks)]
+    if question is not None:
+        keys.append(doc * 1000 + 900 + question)
+    return keys
+
+
+def req(rid: str, keys: list[int]) -> RouteRequest:
+    return RouteRequest(
+        request_id=rid, model="m", prompt_tokens=len(keys) * BS, block_keys=keys, block_size=BS
+    )
+
+
+# --- the queue's arithmetic --------------------------------------------------------------
+
+
+def test_an_empty_queue_leaves_the_cached_prefix_whole() -> None:
+    q = QueuedPrompts()
+    assert q.surviving("p", chain(1, 20), cached=22, capacity=30) == 22
+
+
+def test_prompts_queued_after_the_prefix_push_its_tail_out_of_a_small_cache() -> None:
+    q = QueuedPrompts()
+    q.add("p", "e", chain(2, 15, question=0))  # 2 shared + 16 of its own blocks
+    # 30 blocks of cache, 16 will be touched after the prefix: 14 of its 22 blocks stay
+    assert q.surviving("p", chain(1, 20), cached=22, capacity=30) == 14
+    # a cache large enough for both keeps it all
+    assert q.surviving("p", chain(1, 20), cached=22, capacity=38) == 22
+    # and one the queue alone fills keeps none
+    assert q.surviving("p", chain(1, 20), cached=22, capacity=16) == 0
+
+
+def test_a_queued_carrier_touches_the_prefix_after_everything_queued_before_it() -> None:
+    q = QueuedPrompts()
+    q.add("p", "e", chain(2, 15, question=0))
+    q.add("p", "d", chain(1, 20, question=0))  # the same document, queued last
+    assert q.surviving("p", chain(1, 20, question=1), cached=22, capacity=30) == 22
+    q.add("p", "e2", chain(2, 15, question=1))  # queued after the carrier
+    assert q.surviving("p", chain(1, 20, question=1), cached=22, capacity=30) == 14
+
+
+def test_queued_prompts_over_one_document_count_its_blocks_once() -> None:
+    q = QueuedPrompts()
+    for i in range(5):  # five questions over document 2: 15 blocks + 5 questions
+        q.add("p", f"e{i}", chain(2, 15, question=i))
+    # each leaves this prompt at the same block with the same key: the longest counts
+    # (16 blocks, where counting each prompt would be 80 and leave nothing)
+    assert q.surviving("p", chain(1, 20), cached=22, capacity=30) == 30 - 16
+
+
+def test_a_request_leaves_the_queue_when_it_starts_decoding_or_ends() -> None:
+    q = QueuedPrompts()
+    q.add("p", "e", chain(2, 15, question=0))
+    q.remove("p", "e")
+    assert q.surviving("p", chain(1, 20), cached=22, capacity=30) == 22
+    q.remove("p", "never-added")  # nothing there: no error
+    q.add("p", "e", chain(2, 15, question=0))
+    q.forget("p")
+    assert q.surviving("p", chain(1, 20), cached=22, capacity=30) == 22
+
+
+# --- the policy ------------------------------------------------------------------------
+
+
+def two_pods(cached_on_a: int) -> list[PodView]:
+    """Pod ``a`` holds ``cached_on_a`` leading blocks of the prompt and has one 17-block
+    prompt queued; pod ``b`` holds nothing and is idle.  Both caches: 30 blocks."""
+    return [
+        PodView(
+            pod="a",
+            hits={"GPU": cached_on_a},
+            outstanding_prefill_tokens=17 * BS,
+            capacity_blocks=30,
+            kv_usage=0.0,
+        ),
+        PodView(pod="b", capacity_blocks=30, kv_usage=0.0),
+    ]
+
+
+def policy(**params: object) -> CostPolicy:
+    p = build_policy("cost", {"prefill_rate_tokens_per_s": 1000.0, **params})
+    assert isinstance(p, CostPolicy)
+    return p
+
+
+def test_a_hit_the_queue_ahead_will_evict_is_priced_as_the_miss_it_becomes() -> None:
+    p = policy()
+    p.on_routed(req("other-doc", chain(2, 15, question=0)), "a")  # queued on a
+    d = p.pick(req("d", chain(1, 20)), two_pods(cached_on_a=22))
+    assert d.detail["cached_tokens"]["a"] == 14 * BS
+    assert d.pod == "b"  # a: 17 blocks queued + 8 to recompute; b: 22 to compute
+    # without the rule the whole prefix counts and the queued pod wins
+    off = policy(queue_evictions=False)
+    off.on_routed(req("other-doc", chain(2, 15, question=0)), "a")
+    d_off = off.pick(req("d", chain(1, 20)), two_pods(cached_on_a=22))
+    assert (d_off.pod, d_off.detail["cached_tokens"]["a"]) == ("a", 22 * BS)
+
+
+def test_once_the_request_ahead_is_decoding_its_blocks_are_touched_and_the_hit_is_safe() -> None:
+    p = policy()
+    ahead = req("other-doc", chain(2, 15, question=0))
+    p.on_routed(ahead, "a")
+    p.on_first_token(ahead, "a", 0.5)  # prefilled: what it evicted, the index shows
+    d = p.pick(req("d", chain(1, 20)), two_pods(cached_on_a=22))
+    assert d.detail["cached_tokens"]["a"] == 22 * BS
+    assert d.pod == "a"
+
+
+def test_a_completed_or_rerouted_request_no_longer_counts() -> None:
+    p = policy()
+    ahead = req("other-doc", chain(2, 15, question=0))
+    p.on_routed(ahead, "a")
+    p.on_routed(ahead, "b")  # retried elsewhere: it is no longer queued on a
+    assert p.pick(req("d", chain(1, 20)), two_pods(cached_on_a=22)).detail["cached_tokens"][
+        "a"
+    ] == (22 * BS)
+    p.on_complete(ahead, "b")
+    p.on_routed(ahead, "a")
+    p.on_complete(ahead, "a")  # failed before its first token
+    assert p.pick(req("d2", chain(1, 20)), two_pods(cached_on_a=22)).detail["cached_tokens"][
+        "a"
+    ] == (22 * BS)
+
+
+def test_a_pod_of_unknown_capacity_keeps_the_index_hits() -> None:
+    p = policy()
+    p.on_routed(req("other-doc", chain(2, 15, question=0)), "a")
+    views = [PodView(pod="a", hits={"GPU": 22}, outstanding_prefill_tokens=17 * BS)]
+    assert p.pick(req("d", chain(1, 20)), views).detail["cached_tokens"]["a"] == 22 * BS
+
+
+def test_a_removed_pod_takes_its_queue_with_it() -> None:
+    p = policy()
+    p.on_routed(req("other-doc", chain(2, 15, question=0)), "a")
+    p.on_pod_removed("a")
+    assert p.pick(req("d", chain(1, 20)), two_pods(cached_on_a=22)).detail["cached_tokens"][
+        "a"
+    ] == (22 * BS)
