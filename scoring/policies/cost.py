@@ -134,7 +134,7 @@ from scoring.index.base import DEFAULT_TIERS
 from scoring.policies.base import Decision, PodView, Policy, PolicyParams, RouteRequest
 from scoring.policies.hot_set import HotBlocks, evicted_hot, most_room
 from scoring.policies.inflight import InflightPrefixes
-from scoring.policies.queued import QueuedPrompts
+from scoring.policies.queued import QueuedPrompts, surviving
 from scoring.policies.select import require_candidates
 from scoring.policies.tiers import tier_hits
 
@@ -259,7 +259,6 @@ class CostPolicy(Policy):
         self._inflight = InflightPrefixes()
         # pod -> the chains of those not yet past prefill, in the order routed
         self._queued = QueuedPrompts()
-        self._prefilling: dict[tuple[str, int], str] = {}
         # pod -> [sum of prompt tokens, sum of predicted uncached tokens] of live requests
         self._ledger: dict[str, list[int]] = {}
         # [sum of predicted uncached tokens, count] of every live request
@@ -337,7 +336,8 @@ class CostPolicy(Policy):
         rate = p.prefill_rate_tokens_per_s
         tiers, rates = p.tiers, p.tier_load_rates_tokens_per_s
         inflight = self._inflight if p.count_inflight_prefixes and keys else None
-        queued = self._queued if p.queue_evictions and keys else None
+        # pod -> its queue of prompts not past prefill (only pods with one)
+        queues = self._queued.pods if p.queue_evictions and keys else None
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
         weights: dict[str, float] = {}
@@ -363,11 +363,11 @@ class CostPolicy(Policy):
                 c, transfer = 0, 0.0
             if inflight is not None:
                 c = max(c, min(inflight.hits(name, keys) * bs, prompt))
-            if queued is not None and c:
+            if c and queues and name in queues:
                 cap_b = pod.capacity_blocks
                 if cap_b:
                     cb = -(-c // bs)
-                    keep = queued.surviving(name, keys, cb, cap_b)
+                    keep = surviving(queues[name], keys, cb, cap_b)
                     if keep < cb:
                         c = keep * bs
             running = pod.running
@@ -446,9 +446,7 @@ class CostPolicy(Policy):
         if self._p.count_inflight_prefixes:
             self._inflight.add(pod, request.block_keys)
         if self._p.queue_evictions:
-            self._unqueue(key)
             self._queued.add(pod, key, request.block_keys)
-            self._prefilling[key] = pod
         entry = self._ledger.setdefault(pod, [0, 0])
         entry[0] += prompt
         entry[1] += miss
@@ -459,16 +457,12 @@ class CostPolicy(Policy):
             self._hot.routed(pod, request.block_keys, self.clock(), self._capacity.get(pod))
 
     def on_first_token(self, request: RouteRequest, pod: str, ttft_s: float) -> None:
-        self._unqueue(_key(request))
-
-    def _unqueue(self, key: tuple[str, int]) -> None:
-        pod = self._prefilling.pop(key, None)
-        if pod is not None:
-            self._queued.remove(pod, key)
+        self._queued.remove((request.request_id, id(request)))
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
-        self._unqueue(_key(request))
-        old = self._live.pop(_key(request), None)
+        key = _key(request)
+        self._queued.remove(key)
+        old = self._live.pop(key, None)
         if old is not None:
             self._unledger(old[0], old[1], old[2], request.block_keys)
 
@@ -476,8 +470,6 @@ class CostPolicy(Policy):
         self._ledger.pop(pod, None)
         self._inflight.forget(pod)
         self._queued.forget(pod)
-        for key in [k for k, v in self._prefilling.items() if v == pod]:
-            del self._prefilling[key]
         self._hot.forget(pod)
         self._capacity.pop(pod, None)
         for rid in [rid for rid, v in self._live.items() if v[0] == pod]:

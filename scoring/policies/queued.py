@@ -25,50 +25,67 @@ from scoring.policies.inflight import shared_blocks
 
 class QueuedPrompts:
     """Per pod, the block-key chains of the requests routed there and not yet past
-    prefill, oldest first."""
+    prefill, oldest first (``pods``: pod -> {request key: chain})."""
 
-    __slots__ = ("_pods",)
+    __slots__ = ("_where", "pods")
 
     def __init__(self) -> None:
-        self._pods: dict[str, dict[object, Sequence[int]]] = {}
+        self.pods: dict[str, dict[object, Sequence[int]]] = {}
+        self._where: dict[object, str] = {}  # request key -> its pod
 
     def add(self, pod: str, key: object, keys: Sequence[int]) -> None:
-        """Request ``key`` carrying ``keys`` was routed to ``pod`` (newest)."""
+        """Request ``key`` carrying ``keys`` was routed to ``pod`` (newest); routed
+        again (a retry), it leaves the queue it was in."""
+        if key in self._where:
+            self.remove(key)
         if keys:
-            self._pods.setdefault(pod, {})[key] = keys
+            self.pods.setdefault(pod, {})[key] = keys
+            self._where[key] = pod
 
-    def remove(self, pod: str, key: object) -> None:
-        """Request ``key`` started decoding on ``pod``, completed or was re-routed."""
-        queue = self._pods.get(pod)
+    def remove(self, key: object) -> None:
+        """Request ``key`` reached its first token, completed or failed (nothing when
+        it is not queued)."""
+        pod = self._where.pop(key, None)
+        if pod is None:
+            return
+        queue = self.pods.get(pod)
         if queue is not None and queue.pop(key, None) is not None and not queue:
-            del self._pods[pod]
+            del self.pods[pod]
 
     def surviving(self, pod: str, keys: Sequence[int], cached: int, capacity: int) -> int:
-        """Of the ``cached`` leading blocks of ``keys`` on ``pod``, those still cached
-        when it prefills after the queue: ``min(cached, capacity - newer)``, ``newer``
-        the blocks the queued requests after the newest carrier touch and ``keys`` does
-        not share."""
-        queue = self._pods.get(pod)
-        if not queue or cached <= 0:
-            return cached
-        newer = 0
-        longest: dict[tuple[int, int], int] = {}
-        for chain in reversed(queue.values()):
-            s = shared_blocks(chain, keys)
-            if s >= cached:
-                break  # a carrier: it touches the prefix after everything older
-            rest = len(chain) - s
-            if rest <= 0:
-                continue  # a prefix of this prompt: it touches nothing else
-            at = (s, chain[s])
-            seen = longest.get(at, 0)
-            if rest > seen:
-                newer += rest - seen
-                longest[at] = rest
-                if newer >= capacity:
-                    return 0
-        keep = capacity - newer
-        return cached if keep >= cached else keep
+        """:func:`surviving` over ``pod``'s queue."""
+        queue = self.pods.get(pod)
+        return surviving(queue, keys, cached, capacity) if queue else cached
 
     def forget(self, pod: str) -> None:
-        self._pods.pop(pod, None)
+        for key in self.pods.pop(pod, {}):
+            self._where.pop(key, None)
+
+
+def surviving(
+    queue: dict[object, Sequence[int]], keys: Sequence[int], cached: int, capacity: int
+) -> int:
+    """Of the ``cached`` leading blocks of ``keys``, those still cached when it prefills
+    after ``queue`` (oldest first): ``min(cached, capacity - newer)``, ``newer`` the
+    blocks the queued requests after the newest carrier touch and ``keys`` does not
+    share."""
+    if cached <= 0:
+        return cached
+    newer = 0
+    longest: dict[tuple[int, int], int] = {}
+    for chain in reversed(queue.values()):
+        s = shared_blocks(chain, keys)
+        if s >= cached:
+            break  # a carrier: it touches the prefix after everything older
+        rest = len(chain) - s
+        if rest <= 0:
+            continue  # a prefix of this prompt: it touches nothing else
+        at = (s, chain[s])
+        seen = longest.get(at, 0)
+        if rest > seen:
+            newer += rest - seen
+            longest[at] = rest
+            if newer >= capacity:
+                return 0
+    keep = capacity - newer
+    return cached if keep >= cached else keep

@@ -15,7 +15,11 @@ costs.  The targets, every one in front of the same ``--backends`` backends:
                               and no KV events (the backends publish none);
 * ``kvroute round_robin``   — ``--policy round_robin``;
 * ``sglang cache_aware / round_robin``      — sglang-router (its default: cache_aware);
-* ``vllm-router cache_aware / round_robin`` — vllm-router (its default: cache_aware).
+* ``vllm-router cache_aware / round_robin`` — vllm-router (its default: cache_aware);
+* ``python floor``          — with ``--floor``: uvicorn with kvroute's server protocol
+                              and pod transport relaying round robin, no routing, no
+                              metrics (bench_router_overhead.py's): what Python HTTP in
+                              and out costs before any routing.
 
 The peers are found in ``--peer-python`` (default: this interpreter; PEERS.md: a venv
 with ``pip install sglang-router==0.3.2 vllm-router==0.1.17``) and started with
@@ -78,7 +82,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_router_overhead import Proc, _proc_tree, cpu_seconds, free_port, wait_http  # noqa: E402
+from bench_router_overhead import (  # noqa: E402
+    Proc,
+    _proc_tree,
+    cpu_seconds,
+    free_port,
+    start_floor,
+    wait_http,
+)
 from source_tree import tree_cwd, tree_env  # noqa: E402
 
 MODEL = "fake-model"
@@ -397,9 +408,11 @@ Starter = Callable[[], tuple[Proc, int]]
 
 
 def default_targets(
-    urls: list[str], peer_py: str, baseline: str | None = None
+    urls: list[str], peer_py: str, baseline: str | None = None, floor: bool = False
 ) -> Iterator[tuple[str, Starter | None]]:
     yield "kvroute cost", partial(start_kvroute, urls, "cost")
+    if floor:
+        yield "python floor", partial(start_floor, urls)
     if baseline is not None:
         yield "kvroute cost (baseline)", partial(start_kvroute, urls, "cost", tree=baseline)
     yield "kvroute round_robin", partial(start_kvroute, urls, "round_robin")
@@ -449,6 +462,9 @@ def main() -> int:
         "targets run beside this tree's, for before/after numbers from one run",
     )
     ap.add_argument("--no-netns", action="store_true", help="run on 127.0.0.1 as it is")
+    ap.add_argument(
+        "--floor", action="store_true", help="add the bare Python relay (no routing) target"
+    )
     args = ap.parse_args()
 
     if not args.no_netns and NETNS_ENV not in os.environ:
@@ -476,7 +492,7 @@ def main() -> int:
         starters = (
             scaling_targets(urls, args.peer_python)
             if args.scaling
-            else default_targets(urls, args.peer_python, args.baseline)
+            else default_targets(urls, args.peer_python, args.baseline, args.floor)
         )
         for name, starter in starters:
             if args.only is not None and not any(s in name for s in args.only):

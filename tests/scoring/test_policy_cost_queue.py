@@ -68,9 +68,13 @@ def test_queued_prompts_over_one_document_count_its_blocks_once() -> None:
 def test_a_request_leaves_the_queue_when_it_starts_decoding_or_ends() -> None:
     q = QueuedPrompts()
     q.add("p", "e", chain(2, 15, question=0))
-    q.remove("p", "e")
+    q.remove("e")
     assert q.surviving("p", chain(1, 20), cached=22, capacity=30) == 22
-    q.remove("p", "never-added")  # nothing there: no error
+    q.remove("never-added")  # nothing there: no error
+    q.add("p", "e", chain(2, 15, question=0))
+    q.add("other", "e", chain(2, 15, question=0))  # routed again: it left p's queue
+    assert q.surviving("p", chain(1, 20), cached=22, capacity=30) == 22
+    assert q.surviving("other", chain(1, 20), cached=22, capacity=30) == 14
     q.add("p", "e", chain(2, 15, question=0))
     q.forget("p")
     assert q.surviving("p", chain(1, 20), cached=22, capacity=30) == 22
