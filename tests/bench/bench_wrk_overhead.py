@@ -514,17 +514,21 @@ def main() -> int:
         for r in range(args.rounds):
             order = targets if r % 2 == 0 else targets[::-1]
             for t in order:
-                samples[t.name].append(
-                    measure(
-                        t,
-                        backend_pids,
-                        script,
-                        args.seconds,
-                        0 if args.scaling else args.ttft_requests,
-                        c1=not args.scaling,
-                    )
+                s = measure(
+                    t,
+                    backend_pids,
+                    script,
+                    args.seconds,
+                    0 if args.scaling else args.ttft_requests,
+                    c1=not args.scaling,
                 )
-                print(f"# round {r + 1}: {t.name} done", file=sys.stderr)
+                samples[t.name].append(s)
+                print(
+                    f"# round {r + 1}: {t.name}: c32 {s.c32.rps:,.0f} req/s, router "
+                    f"{s.router_us:.0f} us/req, backends {s.backends_us:.0f} us/req, "
+                    f"load {s.load:.2f}",
+                    file=sys.stderr,
+                )
         threads = {t.name: t.threads() for t in targets if t.pids}
         print_table(samples, threads, args, where, start_load)
     finally:
