@@ -8,7 +8,7 @@ leading blocks servable from tier ``t`` or faster (tiers fastest first)::
     transfer    = sum over slower tiers t with a rate of
                   (cached[t] - cached[faster]) / tier_load_rates_tokens_per_s[t]
     cached      = max(cached[slowest tier with a rate], in-flight hits * B)   (see below)
-    cached      = min(cached, (capacity_blocks - newer) * B)      (the queue ahead, below)
+    cached      = min(cached, (capacity_blocks - newer) * B)      (LRU distance, below)
     uncached    = P - cached
     evicted     = clamp(hot + new - capacity_blocks, 0, new) * B      (opt-in, below)
     slowdown    = 1 + decode_slowdown_per_running * running
@@ -71,21 +71,25 @@ FCFS) runs.  ``cached`` above becomes ``max(index hits, in-flight hits)`` (in-fl
 blocks count as GPU blocks).  The index only learns a block once the engine stores it,
 so without this a burst of requests sharing a new prefix scatters over the fleet.
 
-With ``queue_evictions`` (default on) only the part of that prefix that survives the
-queue ahead counts.  vLLM serves a pod's queue FCFS and evicts unreferenced blocks LRU
-(a freed request's tail first), so the blocks that the requests queued ahead touch
-*after* the prefix was last touched push its tail out of a cache too small for both
-(scoring/policies/queued.py)::
+Only the part of that prefix that survives until this request's prefill counts.  vLLM
+evicts unreferenced blocks LRU (a freed request's tail first), so every block touched
+on the pod after the prefix was last touched is newer than it, and in a cache too
+small for both the prefix's tail goes first::
 
-    newer  = blocks touched by the requests queued on the pod after the newest one that
-             carries the whole prefix, less those this prompt shares (prompts that leave
-             it at the same block with the same key count once, by the longest)
+    newer  = the prefix's LRU distance in this router's traffic: the distinct blocks
+             routed to the pod since the prefix was last routed there (every block
+             routed there within hot_window_s when it was not), less those this prompt
+             shares (scoring/policies/hot_set.py, HotBlocks.newer)
     cached = min(cached, (capacity_blocks - newer) * B)          # 0 when newer >= capacity
 
-"Queued" is what this policy routed there that has not reached its first token (the
-index shows what a prefill evicted once it ran) nor completed.  Without a capacity
-nothing changes.  Without this rule, on a RAG fleet whose small caches held one
-document each, the policy predicted 97% hits on a pod that delivered 27%: it kept
+That covers the requests queued ahead (routed after the prefix, touched before this
+request runs, FCFS) and the ones already served (touched after the prefix: newer in
+the LRU).  It is ``lru_evictions`` (default on; it needs the hot set, ``hot_window_s >
+0``).  Without the hot set, ``queue_evictions`` (default on) counts only the requests
+queued ahead: routed by this policy, neither at their first token nor complete, after
+the newest one that carries the whole prefix (scoring/policies/queued.py).  Without a
+capacity nothing changes.  Without either rule, on a RAG fleet whose small caches held
+one document each, the policy predicted 97% hits on a pod that delivered 27%: it kept
 sending it questions over documents it could not hold together.
 
 The uncached term is weighted per pod by ``w``: a miss costs its own prefill once, and
@@ -183,6 +187,11 @@ class CostParams(PolicyParams):
     )
     discount_queued_hits: bool = Field(
         default=True, description="scale outstanding tokens by their predicted miss share"
+    )
+    lru_evictions: bool = Field(
+        default=True,
+        description="count only the cached prefix that survives the blocks routed to the "
+        "pod since it was last routed there (LRU; needs hot_window_s > 0)",
     )
     queue_evictions: bool = Field(
         default=True,
@@ -338,6 +347,7 @@ class CostPolicy(Policy):
         inflight = self._inflight if p.count_inflight_prefixes and keys else None
         # pod -> its queue of prompts not past prefill (only pods with one)
         queues = self._queued.pods if p.queue_evictions and keys else None
+        lru = self._hot if p.lru_evictions and p.hot_window_s > 0 and keys else None
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
         weights: dict[str, float] = {}
@@ -363,13 +373,18 @@ class CostPolicy(Policy):
                 c, transfer = 0, 0.0
             if inflight is not None:
                 c = max(c, min(inflight.hits(name, keys) * bs, prompt))
-            if c and queues and name in queues:
-                cap_b = pod.capacity_blocks
-                if cap_b:
-                    cb = -(-c // bs)
-                    keep = surviving(queues[name], keys, cb, cap_b)
-                    if keep < cb:
-                        c = keep * bs
+            cap_b = pod.capacity_blocks
+            if c and lru is not None and cap_b:
+                # the blocks routed here since the prefix was last: newer in vLLM's LRU
+                cb = -(-c // bs)
+                keep = cap_b - lru.newer(name, keys, cb, now, cap_b)
+                if keep < cb:
+                    c = keep * bs if keep > 0 else 0
+            elif c and queues and cap_b and name in queues:
+                cb = -(-c // bs)
+                keep = surviving(queues[name], keys, cb, cap_b)
+                if keep < cb:
+                    c = keep * bs
             running = pod.running
             if running is None:
                 running = pod.inflight

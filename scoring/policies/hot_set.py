@@ -16,6 +16,9 @@ count is a lower bound of the pod's hot set (other routers' traffic is not in it
 * :func:`room` — free blocks for a new prefix: ``min(free_blocks(view), capacity -
   hot)``: a block is taken when a running request holds it (vLLM) or when this router
   sent it there within the window; cold cache is free.
+* :meth:`HotBlocks.newer` — a prefix's LRU distance in this router's traffic: the
+  distinct blocks routed to the pod since the prefix was last routed there.  vLLM
+  evicts LRU, so a cache of ``capacity`` blocks keeps ``capacity - newer`` of it.
 * :func:`evicted_hot` — the hot blocks a request's uncached blocks would push out of a
   pod: ``clamp(hot + new - capacity, 0, new)``.  Each is a miss some later request pays.
 
@@ -173,6 +176,46 @@ class HotBlocks:
             self._expire(tree, now)
         n = tree.keys
         return n if n <= tree.limit else tree.limit
+
+    def newer(self, pod: str, keys: Sequence[int], cached: int, now: float, limit: int) -> int:
+        """The LRU distance of the ``cached`` leading blocks of ``keys`` on ``pod`` in
+        this router's traffic: the distinct keys routed there after that prefix was last
+        routed there (all of the window's when it was not), less those on ``keys``'s own
+        path; at most ``limit``.  Walks the pod's nodes from the most recently refreshed
+        back to the prefix's, so it costs what it counts."""
+        tree = self._pods.get(pod)
+        if tree is None:
+            return 0
+        if now >= tree.next_expiry:
+            self._expire(tree, now)
+        node, i, n = tree.root, 0, min(cached, len(keys))
+        shared: dict[_Node, int] = {}  # the nodes on the prefix's path: blocks it shares
+        last = None  # the node holding the prefix's last block
+        while i < n:
+            child = node.children.get(keys[i])
+            if child is None:
+                break
+            end = child.end if child.end <= n else n
+            m = agree_until(child.chain, keys, i, end)
+            shared[child] = m - child.start
+            if m >= n:
+                last = child
+                break
+            if m < child.end:
+                break
+            node, i = child, m
+        if last is None:  # not routed here within the window: every key is newer
+            count = tree.keys - sum(shared.values())
+            return count if count < limit else limit
+        since = last.time
+        count = 0
+        for x in reversed(tree.order):  # refresh order: times never decrease along it
+            if x.time <= since:
+                break
+            count += x.end - x.start - shared.get(x, 0)
+            if count >= limit:
+                return limit
+        return count
 
     def forget(self, pod: str) -> None:
         self._pods.pop(pod, None)

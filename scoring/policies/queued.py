@@ -14,6 +14,10 @@ Block keys are chains (:mod:`scoring.blocks`), so the blocks two queued prompts 
 beyond the point where they leave this prompt are found without a set: prompts that
 leave it at the same block with the same key count once, by the longest (the same
 retrieved document with different questions, the same conversation's turns).
+
+``cost`` uses this only without a hot set (``hot_window_s: 0``).  With one, the prefix's
+LRU distance (:meth:`scoring.policies.hot_set.HotBlocks.newer`) replaces it: it also
+counts the requests already served after the prefix, whose blocks are newer in the LRU.
 """
 
 from __future__ import annotations

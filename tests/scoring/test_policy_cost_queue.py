@@ -1,7 +1,9 @@
-"""``cost`` counts only the cached prefix that survives the queue ahead of a request
-(scoring/policies/queued.py): vLLM serves a pod's queue FCFS and evicts LRU, so the
-blocks the requests queued ahead touch after the prefix was last touched push its tail
-out of a cache too small for both."""
+"""``cost`` counts only the cached prefix that survives until the request's prefill.
+vLLM serves a pod's queue FCFS and evicts LRU, so the blocks touched after the prefix
+was last touched push its tail out of a cache too small for both.  With hot tracking
+(the default) that is every block routed to the pod since the prefix was last routed
+there (scoring/policies/hot_set.py, ``lru_evictions``); without it, the blocks of the
+requests queued ahead (scoring/policies/queued.py, ``queue_evictions``)."""
 
 from __future__ import annotations
 
@@ -98,9 +100,23 @@ def two_pods(cached_on_a: int) -> list[PodView]:
     ]
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        self.now += 0.001  # every call a little later: routes are ordered in time
+        return self.now
+
+
 def policy(**params: object) -> CostPolicy:
-    p = build_policy("cost", {"prefill_rate_tokens_per_s": 1000.0, **params})
+    """``cost`` with the queue rule alone (the fallback when hot tracking is off), unless
+    ``params`` say otherwise."""
+    p = build_policy(
+        "cost", {"prefill_rate_tokens_per_s": 1000.0, "lru_evictions": False, **params}
+    )
     assert isinstance(p, CostPolicy)
+    p.clock = Clock()
     return p
 
 
@@ -110,7 +126,7 @@ def test_a_hit_the_queue_ahead_will_evict_is_priced_as_the_miss_it_becomes() -> 
     d = p.pick(req("d", chain(1, 20)), two_pods(cached_on_a=22))
     assert d.detail["cached_tokens"]["a"] == 14 * BS
     assert d.pod == "b"  # a: 17 blocks queued + 8 to recompute; b: 22 to compute
-    # without the rule the whole prefix counts and the queued pod wins
+    # without either rule the whole prefix counts and the queued pod wins
     off = policy(queue_evictions=False)
     off.on_routed(req("other-doc", chain(2, 15, question=0)), "a")
     d_off = off.pick(req("d", chain(1, 20)), two_pods(cached_on_a=22))
@@ -157,3 +173,60 @@ def test_a_removed_pod_takes_its_queue_with_it() -> None:
     assert p.pick(req("d", chain(1, 20)), two_pods(cached_on_a=22)).detail["cached_tokens"][
         "a"
     ] == (22 * BS)
+
+
+# --- LRU distance (the default, with hot tracking) -----------------------------------------
+
+
+def lru(**params: object) -> CostPolicy:
+    return policy(lru_evictions=True, **params)
+
+
+def test_blocks_routed_after_the_prefix_count_even_once_they_have_run() -> None:
+    p = lru()
+    d_first = req("d-first", chain(1, 20, question=0))
+    p.on_routed(d_first, "a")
+    p.on_first_token(d_first, "a", 0.1)
+    p.on_complete(d_first, "a")
+    other = req("other-doc", chain(2, 15, question=0))
+    p.on_routed(other, "a")
+    p.on_first_token(other, "a", 0.1)
+    p.on_complete(other, "a")  # nothing is queued on a any more ...
+    d = p.pick(req("d", chain(1, 20, question=1)), two_pods(cached_on_a=22))
+    # ... but its 16 blocks are newer than document 1's in a's LRU: 30 - 16 of 22 stay
+    assert d.detail["cached_tokens"]["a"] == 14 * BS
+    # the queue rule alone sees an empty queue and counts them all
+    queue_only = policy()
+    for r in (d_first, other):
+        queue_only.on_routed(r, "a")
+        queue_only.on_first_token(r, "a", 0.1)
+    assert queue_only.pick(req("d2", chain(1, 20, question=1)), two_pods(22)).detail[
+        "cached_tokens"
+    ]["a"] == (22 * BS)
+
+
+def test_a_prefix_routed_again_after_the_others_is_the_newest_and_stays_whole() -> None:
+    p = lru()
+    p.on_routed(req("other-doc", chain(2, 15, question=0)), "a")
+    p.on_routed(req("d-again", chain(1, 20, question=0)), "a")
+    d = p.pick(req("d", chain(1, 20, question=1)), two_pods(cached_on_a=22))
+    assert d.detail["cached_tokens"]["a"] == 22 * BS
+
+
+def test_a_prefix_this_router_never_sent_is_older_than_everything_it_sent() -> None:
+    p = lru()
+    p.on_routed(req("other-doc", chain(2, 15, question=0)), "a")
+    p.on_routed(req("third-doc", chain(3, 5, question=0)), "a")
+    # document 1 is cached on a (the index says so) but was not routed there lately:
+    # both documents' own blocks (16 + 6) are newer; the shared instruction is its own
+    d = p.pick(req("d", chain(1, 20)), two_pods(cached_on_a=22))
+    assert d.detail["cached_tokens"]["a"] == (30 - 22) * BS
+
+
+def test_without_hot_tracking_the_queue_rule_applies() -> None:
+    p = lru(hot_window_s=0)
+    ahead = req("other-doc", chain(2, 15, question=0))
+    p.on_routed(ahead, "a")
+    assert p.pick(req("d", chain(1, 20)), two_pods(22)).detail["cached_tokens"]["a"] == 14 * BS
+    p.on_first_token(ahead, "a", 0.1)
+    assert p.pick(req("d2", chain(1, 20)), two_pods(22)).detail["cached_tokens"]["a"] == 22 * BS

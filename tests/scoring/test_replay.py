@@ -415,7 +415,12 @@ def test_cost_spreads_chats_sharing_a_system_prompt_over_a_small_fleet(tmp_path:
     assert prompt["hit_rate"] >= 0.9 * pooled and prompt["imbalance"] <= 1.5
     # ... and pricing every miss there by the fleet's mean backlog lets the hot pod's
     # queue hold traffic, when every hit the index shows counts ...
-    fleet = run(backlog_unit="prompt", fleet_backlog_share=1.0, queue_evictions=False)
+    fleet = run(
+        backlog_unit="prompt",
+        fleet_backlog_share=1.0,
+        queue_evictions=False,
+        lru_evictions=False,
+    )
     assert fleet["imbalance"] > 2.0
     assert fleet["ttft_p90_s"] > 3 * prompt["ttft_p90_s"]
     # ... less so when only the hits that survive the hot pod's queue count (the default)
