@@ -114,6 +114,38 @@ def test_the_hot_set_counts_what_a_dictionary_of_keys_would() -> None:
         assert bounded.count("p", now) == min(distinct, 60)
 
 
+def test_a_prefix_lru_distance_counts_what_a_dictionary_of_keys_would() -> None:
+    """``newer``: the distinct keys routed after the prefix's last block was, less the
+    prefix's own, within the window; every key of the window when the prefix is not in
+    it; at most the limit."""
+    rng = random.Random(12)
+    heads = [[rng.randrange(1 << 20) for _ in range(rng.randrange(8, 64))] for _ in range(4)]
+    hot = HotBlocks(window_s=50.0)
+    last: dict[int, float] = {}
+    now = 0.0
+
+    def prompt() -> list[int]:
+        tokens = rng.choice(heads) + [rng.randrange(1 << 20) for _ in range(rng.randrange(0, 40))]
+        return chain(tokens)[: rng.randrange(1, 40)]
+
+    checked = 0
+    for _ in range(300):
+        now += rng.random() * 2
+        keys = prompt()
+        hot.routed("p", keys, now)
+        last.update(dict.fromkeys(keys, now))
+        query = prompt()
+        cached = rng.randrange(1, len(query) + 1)
+        window = {k: t for k, t in last.items() if t >= now - 50.0}
+        since = window.get(query[cached - 1], float("-inf"))
+        own = set(query[:cached])
+        expected = sum(1 for k, t in window.items() if t > since and k not in own)
+        assert hot.newer("p", query, cached, now, 10**9) == expected
+        assert hot.newer("p", query, cached, now, 5) == min(expected, 5)
+        checked += since > float("-inf") and expected > 0
+    assert checked > 10  # prefixes routed before, with newer keys after them
+
+
 def test_a_hot_set_past_its_bound_counts_the_bound_and_keeps_bounded_memory() -> None:
     hot = HotBlocks(window_s=1e9)
     for i in range(100):
