@@ -266,8 +266,11 @@ class CostPolicy(Policy):
         self._live: dict[tuple[str, int], tuple[str, int, int]] = {}
         # pod -> the block-key chains of the live requests routed there
         self._inflight = InflightPrefixes()
-        # pod -> the chains of those not yet past prefill, in the order routed
+        # pod -> the chains of those not yet past prefill, in the order routed (kept
+        # only for the queue rule: the LRU distance, with a hot set, replaces it)
         self._queued = QueuedPrompts()
+        self._lru = self._p.lru_evictions and self._p.hot_window_s > 0
+        self._queue_rule = self._p.queue_evictions and not self._lru
         # pod -> [sum of prompt tokens, sum of predicted uncached tokens] of live requests
         self._ledger: dict[str, list[int]] = {}
         # [sum of predicted uncached tokens, count] of every live request
@@ -346,8 +349,8 @@ class CostPolicy(Policy):
         tiers, rates = p.tiers, p.tier_load_rates_tokens_per_s
         inflight = self._inflight if p.count_inflight_prefixes and keys else None
         # pod -> its queue of prompts not past prefill (only pods with one)
-        queues = self._queued.pods if p.queue_evictions and keys else None
-        lru = self._hot if p.lru_evictions and p.hot_window_s > 0 and keys else None
+        lru = self._hot if self._lru and keys else None
+        queues = self._queued.pods if self._queue_rule and keys else None
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
         weights: dict[str, float] = {}
@@ -376,10 +379,12 @@ class CostPolicy(Policy):
             cap_b = pod.capacity_blocks
             if c and lru is not None and cap_b:
                 # the blocks routed here since the prefix was last: newer in vLLM's LRU
+                # (none can push it out while all this pod's routed blocks fit beside it)
                 cb = -(-c // bs)
-                keep = cap_b - lru.newer(name, keys, cb, now, cap_b)
-                if keep < cb:
-                    c = keep * bs if keep > 0 else 0
+                if lru.routed_keys(name) > cap_b - cb:
+                    keep = cap_b - lru.newer(name, keys, cb, now, cap_b)
+                    if keep < cb:
+                        c = keep * bs if keep > 0 else 0
             elif c and queues and cap_b and name in queues:
                 cb = -(-c // bs)
                 keep = surviving(queues[name], keys, cb, cap_b)
@@ -460,7 +465,7 @@ class CostPolicy(Policy):
         self._live[key] = (pod, prompt, miss)
         if self._p.count_inflight_prefixes:
             self._inflight.add(pod, request.block_keys)
-        if self._p.queue_evictions:
+        if self._queue_rule:
             self._queued.add(pod, key, request.block_keys)
         entry = self._ledger.setdefault(pod, [0, 0])
         entry[0] += prompt
@@ -472,11 +477,13 @@ class CostPolicy(Policy):
             self._hot.routed(pod, request.block_keys, self.clock(), self._capacity.get(pod))
 
     def on_first_token(self, request: RouteRequest, pod: str, ttft_s: float) -> None:
-        self._queued.remove((request.request_id, id(request)))
+        if self._queue_rule:
+            self._queued.remove((request.request_id, id(request)))
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
         key = _key(request)
-        self._queued.remove(key)
+        if self._queue_rule:
+            self._queued.remove(key)
         old = self._live.pop(key, None)
         if old is not None:
             self._unledger(old[0], old[1], old[2], request.block_keys)

@@ -177,6 +177,12 @@ class HotBlocks:
         n = tree.keys
         return n if n <= tree.limit else tree.limit
 
+    def routed_keys(self, pod: str) -> int:
+        """Distinct keys routed to ``pod`` that the tree holds (an upper bound of
+        :meth:`count` and of :meth:`newer`: no expiry is applied)."""
+        tree = self._pods.get(pod)
+        return 0 if tree is None else tree.keys
+
     def newer(self, pod: str, keys: Sequence[int], cached: int, now: float, limit: int) -> int:
         """The LRU distance of the ``cached`` leading blocks of ``keys`` on ``pod`` in
         this router's traffic: the distinct keys routed there after that prefix was last
