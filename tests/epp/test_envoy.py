@@ -212,17 +212,24 @@ async def test_a_streamed_answer_flows_through_envoy_and_its_usage_is_read() -> 
                     choices = json.loads(line[6:])["choices"]
                     if choices:
                         deltas.append(choices[0]["delta"].get("content") or "")
-        text = server.picker.metrics.render().decode()
+
+        def completion_tokens() -> float:
+            text = server.picker.metrics.render().decode()
+            return sum(
+                s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+                if s.name == "kvroute_epp_usage_tokens_total" and s.labels["kind"] == "completion"
+            )
+
+        # the picker counts an answer's usage once it has passed the last chunk on
+        # (ExtProcStream.after_send), so the client can see the end before the count
+        await wait_until(lambda: completion_tokens() >= 48, "both answers' usage", timeout=10)
+        completion = completion_tokens()
         envoy_checks = await asyncio.to_thread(proxy.stat, "cluster.epp.health_check.success")
     assert "".join(deltas) == plain.json()["choices"][0]["message"]["content"]
     assert len([d for d in deltas if d]) > 1  # chunk by chunk, not one buffered body
-    completion = [
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "kvroute_epp_usage_tokens_total" and s.labels["kind"] == "completion"
-    ]
-    assert sum(completion) == 48  # 24 + 24 tokens: both answers' usage was read
+    assert completion == 48  # 24 + 24 tokens: both answers' usage was read
     assert envoy_checks >= 1  # Envoy's gRPC health checks of the EPP pass
 
 
