@@ -348,7 +348,8 @@ class CostPolicy(Policy):
         rate = p.prefill_rate_tokens_per_s
         tiers, rates = p.tiers, p.tier_load_rates_tokens_per_s
         inflight = self._inflight if p.count_inflight_prefixes and keys else None
-        # pod -> its queue of prompts not past prefill (only pods with one)
+        # what survives of a cached prefix: its LRU distance in the hot set, or without
+        # one the queue rule (pod -> its prompts not past prefill, only pods with one)
         lru = self._hot if self._lru and keys else None
         queues = self._queued.pods if self._queue_rule and keys else None
         predicted: dict[str, float] = {}
@@ -478,7 +479,7 @@ class CostPolicy(Policy):
 
     def on_first_token(self, request: RouteRequest, pod: str, ttft_s: float) -> None:
         if self._queue_rule:
-            self._queued.remove((request.request_id, id(request)))
+            self._queued.remove(_key(request))
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
         key = _key(request)
