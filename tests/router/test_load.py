@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -21,6 +20,7 @@ from router.fleet.pods import PodRegistry, PodSpec
 from router.fleet.scrape import MetricsScraper, parse_vllm_metrics
 from router.proxy.app import create_app
 from router.proxy.serve import RunningServer
+from tests.support.ports import refused_port
 
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -134,12 +134,6 @@ def _metrics_app(text: list[str]) -> Starlette:
     return Starlette(routes=[Route("/metrics", metrics), Route("/v1/models", models)])
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_scraper_reads_pods_and_treats_old_values_as_unknown() -> None:
     text = [VLLM_METRICS]
     errors: list[str] = []
@@ -148,7 +142,7 @@ async def test_scraper_reads_pods_and_treats_old_values_as_unknown() -> None:
         registry.set_pods(
             [
                 PodSpec("up", srv.url, models=("m",)),
-                PodSpec("down", f"http://127.0.0.1:{_closed_port()}", models=("m",)),
+                PodSpec("down", f"http://127.0.0.1:{refused_port()}", models=("m",)),
             ]
         )
         scraper = MetricsScraper(

@@ -13,7 +13,6 @@ needs (decisions are deterministic per request id).
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ from router.proxy.serve import RunningServer
 from router.sim.pod import SimPod
 from tests.router.test_e2e import settle
 from tests.support.aio import wait_until
+from tests.support.ports import refused_port
 
 MODEL = "sim-model"
 #: ~1,000 tokens with the builtin (byte) tokenizer: far past min_uncached_tokens (256)
@@ -71,17 +71,11 @@ class Harness:
         raise AssertionError(f"no request id gives {want}")
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def dead(name: str, role: str) -> dict[str, Any]:
     """A pod nobody listens on (connect refused)."""
     return {
         "name": name,
-        "url": f"http://127.0.0.1:{closed_port()}",
+        "url": f"http://127.0.0.1:{refused_port()}",
         "models": [MODEL],
         "role": role,
     }

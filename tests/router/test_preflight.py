@@ -4,7 +4,6 @@ variables are reported; a router with no usable pod answers 503 saying why."""
 
 from __future__ import annotations
 
-import socket
 import threading
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from router.preflight import StartupError, check_settings, load_settings, unknow
 from router.proxy import serve
 from router.proxy.app import create_app
 from router.proxy.serve import RunningServer
+from tests.support.ports import refused_port
 
 
 def _yaml(tmp_path: Path, text: str) -> str:
@@ -117,12 +117,6 @@ def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
 # -- a router with no usable pod --------------------------------------------------------
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _chat(settings: Settings) -> httpx.Response:
     async with (
         RunningServer(create_app(settings)) as router,
@@ -141,7 +135,7 @@ async def test_no_pods_discovered_is_a_503_that_says_so() -> None:
 
 
 async def test_pods_that_never_answered_give_a_503_with_the_last_error() -> None:
-    url = f"http://127.0.0.1:{_closed_port()}"
+    url = f"http://127.0.0.1:{refused_port()}"
     settings = Settings.model_validate(
         {
             "discovery": {"static": [{"name": "pod-a", "url": url}]},

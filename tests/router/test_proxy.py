@@ -8,7 +8,6 @@ HTTP upstreams whose behaviour each test chooses.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,7 @@ from router.fleet.discovery import StaticPod
 from router.proxy.app import create_app
 from router.proxy.serve import RunningServer
 from tests.support.one_pod import one_pod_router
+from tests.support.ports import refused_port
 
 MODEL = "m"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
@@ -87,12 +87,6 @@ def status(code: int) -> Callable[[Request, Upstream], Response]:
     return answer
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Rig:
     router: RunningServer
@@ -119,7 +113,7 @@ async def _rig(
     for name, behaviour in behaviours.items():
         if behaviour is None:  # nothing listens there: connecting fails
             static.append(
-                StaticPod(name=name, url=f"http://127.0.0.1:{closed_port()}", models=[MODEL])
+                StaticPod(name=name, url=f"http://127.0.0.1:{refused_port()}", models=[MODEL])
             )
             continue
         up = Upstream(name, behaviour)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,6 +17,7 @@ from router.tokenize.hf import HFTokenizer
 from router.tokenize.remote import RemoteTokenizeError, RemoteTokenizer
 from scoring.blocks import BlockHasher
 from tests.fixtures.tokenizers.build import fixture_dirs
+from tests.support.ports import refused_port
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
@@ -110,10 +110,7 @@ def engines(tok: HFTokenizer) -> Iterator[list[_Engine]]:
 
 
 def closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{refused_port()}"
 
 
 def test_async_chat_and_prompt_ids_come_from_the_pod(
