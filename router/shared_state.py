@@ -74,7 +74,7 @@ def count_errors(guard: RedisGuard, registry: CollectorRegistry) -> None:
     degraded = Gauge(
         "kvroute_redis_degraded",
         "1 while the Redis circuit breaker is not closed: requests are routed on this "
-        "process's own view (its local load, no shared index hits)",
+        "process's own view (its local load, the prefixes it routed for hits)",
         registry=registry,
     )
 

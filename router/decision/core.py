@@ -90,7 +90,14 @@ class RequestRouter(UnscoredRoutes):
         self.planner = Planner(settings, registry, scraper, tokenizer_for, metrics)
         #: speculative entries: pods learned from the requests sent to them
         self.learner = learner
-        self.views = ViewBuilder(index, load, scraper, self.pending, learner)
+        self.views = ViewBuilder(
+            index,
+            load,
+            scraper,
+            self.pending,
+            learner,
+            fallback=lambda keys, names: self.policy.routed_prefixes(keys, names),
+        )
         #: prefill/decode: decides for models whose pods have roles (none: the policy)
         self.pd = PDStep(settings.pd, settings.policy, settings.policy_params)
         #: whether any pod of the fleet has a P/D role, for the registry version it was

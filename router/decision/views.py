@@ -37,8 +37,12 @@ class ViewBuilder:
         scraper: MetricsScraper | None,
         pending: PendingLoad,
         learner: RouteLearner | None = None,
+        fallback: Callable[[Sequence[int], list[str]], Mapping[str, int]] | None = None,
     ) -> None:
         self.index = index
+        #: per pod, the leading blocks of the keys this replica routed there: the hits
+        #: while the shared index cannot be read (the policy's ``routed_prefixes``)
+        self.fallback = fallback
         #: speculative entries merged into the hits (None or disabled: none)
         self.learner = learner if learner is not None and learner.enabled else None
         self._tier = index.tiers[0]
@@ -61,13 +65,13 @@ class ViewBuilder:
     async def views(self, keys: Sequence[int], names: list[str]) -> dict[str, PodView]:
         """The views from a shared (Redis) index and load store.  While Redis is
         unavailable (:class:`SharedStateUnavailable`: its deadline passed, or the
-        breaker is open) the request is routed on what this replica has: no shared
-        index hits, and its own load counts (which already hold its in-flight requests,
-        so no pending overlay)."""
+        breaker is open) the request is routed on what this replica has: the prefixes
+        it routed to each pod (``fallback``) for hits, and its own load counts (which
+        already hold its in-flight requests, so no pending overlay)."""
         try:
             hits = await self.index.lookup(keys, names) if keys else {}
         except SharedStateUnavailable:
-            hits = {}
+            hits = self._routed_hits(keys, names)
         overlay = True
         try:
             load = await self.load.snapshot(names)
@@ -76,6 +80,12 @@ class ViewBuilder:
             load = local(names) if local is not None else {}
             overlay = False
         return self._merge_views(hits, load, names, keys, overlay)
+
+    def _routed_hits(self, keys: Sequence[int], names: list[str]) -> dict[str, dict[str, int]]:
+        if self.fallback is None or not keys:
+            return {}
+        tier = self._tier
+        return {pod: {tier: n} for pod, n in self.fallback(keys, names).items()}
 
     def views_now(
         self,

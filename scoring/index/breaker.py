@@ -1,8 +1,8 @@
 """A circuit breaker for a shared store: fail at once while the store is down.
 
 A router replica that waits on a dead Redis for every request fails every request; one
-that stops asking after a few failures routes on what it has (its own load counts, no
-cache hits) until the store is back.  :class:`CircuitBreaker` is that switch, one per
+that stops asking after a few failures routes on what it has (its own load counts, the
+prefixes it routed for cache hits) until the store is back.  :class:`CircuitBreaker` is that switch, one per
 Redis URL of a process, shared by every store using that URL
 (:class:`scoring.index.redis_guard.RedisGuard` holds it):
 

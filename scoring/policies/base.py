@@ -124,3 +124,9 @@ class Policy(ABC):
 
     def on_pod_removed(self, pod: str) -> None:  # noqa: B027
         """``pod`` left the fleet."""
+
+    def routed_prefixes(self, keys: Sequence[int], pods: Sequence[str]) -> dict[str, int]:
+        """Per pod, the leading blocks of ``keys`` this policy remembers routing there
+        (pods with none left out).  The router's stand-in for the index's hits while the
+        shared index cannot be read; a policy that remembers nothing returns ``{}``."""
+        return {}

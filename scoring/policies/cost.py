@@ -284,6 +284,14 @@ class CostPolicy(Policy):
         """Distinct blocks routed to ``pod`` within ``hot_window_s`` (0 when off)."""
         return self._hot.count(pod, self.clock()) if self._p.hot_window_s > 0 else 0
 
+    def routed_prefixes(self, keys: Sequence[int], pods: Sequence[str]) -> dict[str, int]:
+        """The hot set's routed prefixes (none when ``hot_window_s`` is 0)."""
+        if self._p.hot_window_s <= 0 or not keys:
+            return {}
+        now, hot = self.clock(), self._hot
+        found = {pod: hot.prefix(pod, keys, now) for pod in pods}
+        return {pod: n for pod, n in found.items() if n}
+
     def inflight_hits(self, pod: str, keys: Sequence[int]) -> int:
         """Leading blocks of ``keys`` carried by live requests routed to ``pod``."""
         if not self._p.count_inflight_prefixes:

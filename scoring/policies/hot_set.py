@@ -194,22 +194,7 @@ class HotBlocks:
             return 0
         if now >= tree.next_expiry:
             self._expire(tree, now)
-        node, i, n = tree.root, 0, min(cached, len(keys))
-        shared: dict[_Node, int] = {}  # the nodes on the prefix's path: blocks it shares
-        last = None  # the node holding the prefix's last block
-        while i < n:
-            child = node.children.get(keys[i])
-            if child is None:
-                break
-            end = child.end if child.end <= n else n
-            m = agree_until(child.chain, keys, i, end)
-            shared[child] = m - child.start
-            if m >= n:
-                last = child
-                break
-            if m < child.end:
-                break
-            node, i = child, m
+        shared, last = _path(tree, keys, min(cached, len(keys)))
         if last is None:  # not routed here within the window: every key is newer
             count = tree.keys - sum(shared.values())
             return count if count < limit else limit
@@ -222,6 +207,16 @@ class HotBlocks:
             if count >= limit:
                 return limit
         return count
+
+    def prefix(self, pod: str, keys: Sequence[int], now: float) -> int:
+        """The leading blocks of ``keys`` routed to ``pod`` within the window (the
+        longest routed prefix: what this router would expect the pod to hold)."""
+        tree = self._pods.get(pod)
+        if tree is None:
+            return 0
+        if now >= tree.next_expiry:
+            self._expire(tree, now)
+        return sum(_path(tree, keys, len(keys))[0].values())
 
     def forget(self, pod: str) -> None:
         self._pods.pop(pod, None)
@@ -236,6 +231,26 @@ class HotBlocks:
                 return
             tree.drop(node)
         tree.next_expiry = _INF
+
+
+def _path(tree: _PodTree, keys: Sequence[int], n: int) -> tuple[dict[_Node, int], _Node | None]:
+    """The nodes on the path of ``keys[:n]`` with the blocks of it each holds, and the
+    node holding its last block (None when the tree holds fewer than ``n``)."""
+    node, i = tree.root, 0
+    shared: dict[_Node, int] = {}
+    while i < n:
+        child = node.children.get(keys[i])
+        if child is None:
+            break
+        end = child.end if child.end <= n else n
+        m = agree_until(child.chain, keys, i, end)
+        shared[child] = m - child.start
+        if m >= n:
+            return shared, child
+        if m < child.end:
+            break
+        node, i = child, m
+    return shared, None
 
 
 def room(view: PodView, hot: int) -> float | None:

@@ -16,9 +16,11 @@ reading the index and sharing its load through it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ from router.tokenize import ByteTokenizer
 from scoring.policies import build_policy
 from scoring.replay import FleetConfig, load_trace, replay_policy
 from tests.support.aio import wait_until
+from tests.support.redis_server import FaultyServer
 
 MODEL = "sim-model"
 PODS = 4
@@ -147,10 +150,14 @@ class Workload:
 
 
 async def run_live(
-    client: httpx.AsyncClient, subscriber: KVEventSubscriber, pods: list[SimPod]
+    client: httpx.AsyncClient,
+    subscriber: KVEventSubscriber,
+    pods: list[SimPod],
+    around: Callable[[int], AbstractAsyncContextManager[None]] | None = None,
 ) -> list[list[dict[str, Any]]]:
     """Drive the workload through the router, each round's turns concurrently; returns
-    the bodies of every round in send order."""
+    the bodies of every round in send order.  ``around(t)``, when given, is entered
+    around round ``t``'s requests (a fault for that round)."""
     w = Workload()
     rounds: list[list[dict[str, Any]]] = []
 
@@ -167,7 +174,8 @@ async def run_live(
         for c in order:
             w.histories[c].append({"role": "user", "content": user_message(w.rng, c, t)})
             bodies.append({"model": MODEL, "messages": list(w.histories[c]), "max_tokens": 16})
-        await asyncio.gather(*(turn(c, b) for c, b in zip(order, bodies, strict=True)))
+        async with around(t) if around is not None else contextlib.nullcontext():
+            await asyncio.gather(*(turn(c, b) for c, b in zip(order, bodies, strict=True)))
         rounds.append(bodies)
         await settle(pods, subscriber)
     return rounds
@@ -301,3 +309,54 @@ async def test_with_redis_a_separate_indexer_feeds_the_router_and_the_hit_rate_h
             await indexer.stop()
         await stop_pods(pods)
     await check_hit_rate("redis index", live, rounds, tmp_path, round_robin_hit_rate)
+
+
+@pytest.mark.slow
+async def test_a_round_sent_while_redis_hangs_keeps_the_fleets_hit_rate(
+    tmp_path: Path, round_robin_hit_rate: Any
+) -> None:
+    """Redis frozen (SIGSTOP) for the third round: every lookup of that round fails (its
+    deadline, then the open breaker), and the router routes on the prefixes it routed
+    itself (the policy's ``routed_prefixes``).  The conversations stay where their
+    prefixes are: the hit rate holds as if nothing happened.  (Routed on no hits, the
+    round scattered them: 0.65 here, and one failed lookup alone cost up to 23 points
+    when injected at chosen requests.)"""
+    from router.indexer.main import Indexer
+
+    server = FaultyServer(tmp_path)
+    pods = await start_pods([sim(i) for i in range(PODS)])
+    indexer: Indexer | None = None
+
+    @contextlib.asynccontextmanager
+    async def hang(t: int) -> AsyncIterator[None]:
+        if t == 2:
+            server.freeze()
+        try:
+            yield
+        finally:
+            server.thaw()
+
+    try:
+        indexer = Indexer(router_settings(pods, redis_url=server.url), server.url, metrics_port=0)
+        await indexer.start()
+        settings = router_settings(pods, redis_url=server.url)
+        async with (
+            RunningServer(create_app(settings)) as router,
+            httpx.AsyncClient(base_url=router.url, timeout=60) as client,
+        ):
+            rounds = await run_live(client, indexer.subscriber, pods, hang)
+            live = await fleet_hit_rate(client, pods)
+            gateway: Gateway = router.server.config.app.state.gateway  # type: ignore[attr-defined]
+            registry = gateway.metrics.registry
+            failed = sum(
+                registry.get_sample_value("kvroute_redis_errors_total", {"op": "lookup", "kind": k})
+                or 0.0
+                for k in ("timeout", "open")
+            )
+            assert failed >= len(rounds[2])  # the round's lookups did fail
+    finally:
+        if indexer is not None:
+            await indexer.stop()
+        await stop_pods(pods)
+        server.stop()
+    await check_hit_rate("redis hung for a round", live, rounds, tmp_path, round_robin_hit_rate)

@@ -146,6 +146,34 @@ def test_a_prefix_lru_distance_counts_what_a_dictionary_of_keys_would() -> None:
     assert checked > 10  # prefixes routed before, with newer keys after them
 
 
+def test_a_routed_prefix_is_the_leading_keys_a_dictionary_of_keys_holds_in_the_window() -> None:
+    """``prefix``: the leading blocks of a prompt routed to the pod within the window
+    (what the router falls back on while the shared index cannot be read)."""
+    rng = random.Random(13)
+    heads = [[rng.randrange(1 << 20) for _ in range(rng.randrange(8, 64))] for _ in range(4)]
+    hot = HotBlocks(window_s=50.0)
+    last: dict[int, float] = {}
+    now = 0.0
+
+    def prompt() -> list[int]:
+        tokens = rng.choice(heads) + [rng.randrange(1 << 20) for _ in range(rng.randrange(0, 40))]
+        return chain(tokens)[: rng.randrange(1, 40)]
+
+    partial = 0
+    for _ in range(300):
+        now += rng.random() * 2 + (rng.random() * 30 if rng.random() < 0.05 else 0.0)
+        keys = prompt()
+        hot.routed("p", keys, now)
+        last.update(dict.fromkeys(keys, now))
+        query = prompt()
+        window = {k for k, t in last.items() if t >= now - 50.0}
+        expected = next((i for i, k in enumerate(query) if k not in window), len(query))
+        assert hot.prefix("p", query, now) == expected
+        assert hot.prefix("q", query, now) == 0  # nothing routed to that pod
+        partial += 0 < expected < len(query)
+    assert partial > 10  # prompts that share only a prefix with what was routed
+
+
 def test_a_hot_set_past_its_bound_counts_the_bound_and_keeps_bounded_memory() -> None:
     hot = HotBlocks(window_s=1e9)
     for i in range(100):
