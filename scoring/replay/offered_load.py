@@ -23,13 +23,31 @@ busier (the matrix reports ``busy_vs_capacity``, the same ratio measured).  When
 infinite.  The pooled basis makes "80%" mean the same for a small and a large cache:
 80% of what the best routing of *this* fleet could serve.
 
-With the vLLM pod model (:class:`~scoring.replay.vllm_pod.VllmFleetConfig`) the same
-formula takes the engine preset's rates (:func:`load_rates`): ``prefill_rate`` =
-:meth:`EngineSpec.prefill_rate_tokens_per_s` (one full chunk from an empty context),
-``decode_rate`` = one lone decode step's inverse, ``1 / (base_s + decode_seq_s)``,
-``decode_batch_slope`` = ``decode_seq_s / (base_s + decode_seq_s)`` (each extra sequence
-adds its linear-layer cost to the step; attention over context is left out), and
-``decode_interference`` = :meth:`EngineSpec.decode_slowdown_per_running`.
+With the vLLM pod model (:class:`~scoring.replay.vllm_pod.VllmFleetConfig`) the load is
+the engine time the trace needs over the engine time the fleet has: prefill at the
+engine's prefill rate, decode at its throughput with the largest batch its KV cache
+holds, each step's cost from :mod:`scoring.replay.step_cost`, attention included (a
+long context costs a step as much as its linear layers do)::
+
+    offered = (work_s + sum(output - 1) / decode_rate) / (pods * span_s)
+
+* ``work_s`` adds, per request, the attention of its uncached tokens to the context
+  before them: ``prefill_pair_s * (pairs(H, U) - U * (n + 1) / 2)`` (``U = max(1, P -
+  H)``, ``n`` = ``max_num_batched_tokens``), at least 0, on top of ``U / prefill_rate``
+  (:meth:`EngineSpec.prefill_rate_tokens_per_s`: one full chunk from an empty context,
+  which holds the pairs inside a chunk);
+* ``decode_rate = B / (base_s + B * k)`` tokens/s: a step of ``B`` decodes, each costing
+  ``k = decode_seq_s + decode_context_token_s * C`` (``C`` the trace's mean decode
+  context, over every decoded token: its prompt plus the tokens decoded before it), ``B
+  = min(max_num_seqs, pod cache tokens // C)``: running requests pin their blocks, so a
+  pod decodes at most as many as its cache holds.
+
+Decodes that ride along in prefill steps advance for free but lengthen those steps;
+the sum counts neither.  The prefill-only formula of the simple pod model, with decodes
+merely lengthening prefill steps, does not fit an engine whose decodes read long
+contexts: a trace of agentic sessions scaled to "80%" by it (attention left out) asked
+for about 10x the fleet's compute, the KV reads of its decode steps alone, so every
+vLLM-model cell ran deep in overload.
 
 The ceilings ignore timing, so rescaling every arrival time by ``s`` (about the first)
 divides ``work_s / span_s`` and ``x`` by ``s``; :func:`scale_to_load` solves
@@ -41,9 +59,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from scoring.replay.simpod import FleetConfig
+from scoring.replay.step_cost import prefill_pairs
 from scoring.replay.trace import Trace, TraceRequest
 from scoring.replay.vllm_pod import VllmFleetConfig
 from scoring.simcache import PrefixCache
@@ -52,8 +72,13 @@ from scoring.simcache import PrefixCache
 def uncached_tokens(trace: Trace, capacity_tokens: int | None) -> int:
     """Prompt tokens still to prefill at a ceiling: the pooled cache of
     ``capacity_tokens`` (``None``: an infinite cache), ``max(1, .)`` per request."""
+    return sum(max(1, p - c) for p, c in _prefill_at_ceiling(trace, capacity_tokens))
+
+
+def _prefill_at_ceiling(trace: Trace, capacity_tokens: int | None) -> Iterator[tuple[int, int]]:
+    """Each request's ``(prompt tokens, cached tokens)`` at the ceiling: the pooled cache
+    of ``capacity_tokens`` (``None``: an infinite cache)."""
     bs = trace.block_size
-    total = 0
     if capacity_tokens is None:
         seen: set[int] = set()
         for r in trace.requests:
@@ -63,15 +88,14 @@ def uncached_tokens(trace: Trace, capacity_tokens: int | None) -> int:
                 if k not in seen:
                     break
                 n += 1
-            total += max(1, r.prompt_tokens - min(n * bs, r.prompt_tokens))
+            yield r.prompt_tokens, min(n * bs, r.prompt_tokens)
             seen.update(keys)
-        return total
+        return
     cache = PrefixCache(capacity_tokens // bs)
     for r in trace.requests:
         keys = r.route.block_keys
-        total += max(1, r.prompt_tokens - min(cache.match(keys) * bs, r.prompt_tokens))
+        yield r.prompt_tokens, min(cache.match(keys) * bs, r.prompt_tokens)
         cache.insert(keys)
-    return total
 
 
 def span_s(trace: Trace) -> float:
@@ -89,20 +113,29 @@ class LoadRates:
     decode_rate: float
     decode_batch_slope: float
     decode_interference: float
+    #: the load is the engine time prefill and decode need, summed (the vLLM model:
+    #: ``decode_rate`` is then a pod's decode throughput at its largest batch)
+    compute_sum: bool = False
 
 
-def load_rates(cfg: FleetConfig | VllmFleetConfig) -> LoadRates:
-    """The offered-load rates of either pod model (see the module docstring)."""
+def load_rates(cfg: FleetConfig | VllmFleetConfig, decode_context: float = 0.0) -> LoadRates:
+    """The offered-load rates of either pod model (see the module docstring); for the
+    vLLM model, of decodes over ``decode_context`` tokens of context on average."""
     if isinstance(cfg, VllmFleetConfig):
         c = cfg.engine.cost
-        lone = c.base_s + c.decode_seq_s
+        n = cfg.engine.max_num_batched_tokens
+        chunk_s = c.base_s + c.prefill_token_s * n + c.prefill_pair_s * n * (n + 1) / 2
+        k = c.decode_seq_s + c.decode_context_token_s * decode_context
+        per_pod = cfg.total_capacity_tokens / cfg.pods
+        batch = max(1, min(cfg.engine.max_num_seqs, int(per_pod // max(1.0, decode_context))))
         return LoadRates(
             cfg.pods,
             cfg.total_capacity_tokens,
             cfg.engine.prefill_rate_tokens_per_s(),
-            1.0 / lone,
-            c.decode_seq_s / lone,
-            cfg.engine.decode_slowdown_per_running(),
+            batch / (c.base_s + batch * k),
+            0.0,
+            k / chunk_s,
+            compute_sum=True,
         )
     return LoadRates(
         cfg.pods,
@@ -119,8 +152,7 @@ def offered_load(
 ) -> float:
     """The trace's offered prefill load on ``cfg`` (see the module docstring);
     ``basis`` is ``"pooled"`` or ``"infinite"``."""
-    rates = load_rates(cfg)
-    work, decode, span = _demand(trace, rates, basis)
+    work, decode, span, rates = _demand(trace, cfg, basis)
     return _load(work, decode, span, rates)
 
 
@@ -131,8 +163,7 @@ def scale_to_load(
     its offered load on ``cfg`` is ``target``; also returns the time scale factor."""
     if not (target > 0 and math.isfinite(target)):
         raise ValueError(f"target load must be > 0, got {target!r}")
-    rates = load_rates(cfg)
-    work, decode, span = _demand(trace, rates, basis)
+    work, decode, span, rates = _demand(trace, cfg, basis)
     lo = work / (rates.pods * span) / target  # the factor if decoding cost nothing
     hi = lo
     while _load(work, decode, span * hi, rates) > target:
@@ -159,18 +190,44 @@ def scale_to_load(
     return dataclasses.replace(trace, requests=requests, errors=list(trace.errors)), factor
 
 
-def _demand(trace: Trace, cfg: LoadRates, basis: str) -> tuple[float, float, float]:
-    """``(prefill work s, decode work s, span s)`` of ``trace`` at the ceiling."""
+def _demand(
+    trace: Trace, cfg: FleetConfig | VllmFleetConfig, basis: str
+) -> tuple[float, float, float, LoadRates]:
+    """``(prefill work s, decode work s, span s, rates)`` of ``trace`` at the ceiling."""
     span = span_s(trace)
     if span <= 0:
         raise ValueError("offered load needs at least two requests at different times")
-    work = uncached_tokens(trace, _capacity(cfg, basis)) / cfg.prefill_rate
-    decode = sum(max(0, r.output_tokens - 1) for r in trace.requests) / cfg.decode_rate
-    return work, decode, span
+    decoded = context = 0.0
+    for r in trace.requests:
+        o = max(0, r.output_tokens - 1)
+        decoded += o
+        context += o * r.prompt_tokens + o * (o + 1) / 2
+    rates = load_rates(cfg, context / decoded if decoded else 0.0)
+    uncached = uncached_tokens(trace, _capacity(rates, basis))
+    work = uncached / rates.prefill_rate
+    if isinstance(cfg, VllmFleetConfig):
+        work += _context_attention_s(trace, cfg, _capacity(rates, basis))
+    return work, decoded / rates.decode_rate, span, rates
+
+
+def _context_attention_s(trace: Trace, cfg: VllmFleetConfig, capacity: int | None) -> float:
+    """The prefill attention ``prefill_rate`` leaves out: each request's uncached tokens
+    attending to the context before them, beyond the pairs inside one chunk."""
+    e = cfg.engine.cost.prefill_pair_s
+    n = cfg.engine.max_num_batched_tokens
+    total = 0.0
+    for prompt, cached in _prefill_at_ceiling(trace, capacity):
+        u = max(1, prompt - cached)
+        extra = prefill_pairs(prompt - u, u) - u * (n + 1) / 2
+        if extra > 0:
+            total += e * extra
+    return total
 
 
 def _load(work_s: float, decode_s: float, span: float, cfg: LoadRates) -> float:
     x = decode_s / (cfg.pods * span)
+    if cfg.compute_sum:
+        return work_s / (cfg.pods * span) + x
     if cfg.decode_batch_slope * x >= 1.0:
         return math.inf
     decoding = x / (1.0 - cfg.decode_batch_slope * x)
