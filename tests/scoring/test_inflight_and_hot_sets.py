@@ -5,6 +5,7 @@ set (scoring/policies/hot_set.py)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from scoring.blocks import BlockHasher
 from scoring.policies.hot_set import HotBlocks
@@ -92,6 +93,17 @@ def test_a_prompt_routed_again_or_cut_short_refreshes_only_its_own_blocks() -> N
     assert hot.count("p", now=24.0) == 0
 
 
+def prompts(rng: random.Random) -> Callable[[], list[int]]:
+    """Random prompts over four shared heads, cut at random lengths."""
+    heads = [[rng.randrange(1 << 20) for _ in range(rng.randrange(8, 64))] for _ in range(4)]
+
+    def prompt() -> list[int]:
+        tokens = rng.choice(heads) + [rng.randrange(1 << 20) for _ in range(rng.randrange(0, 40))]
+        return chain(tokens)[: rng.randrange(1, 40)]
+
+    return prompt
+
+
 def test_the_hot_set_counts_what_a_dictionary_of_keys_would() -> None:
     """Many prompts over a few shared prefixes, some repeated, some cut short, at
     increasing times: the tree's count equals the distinct keys routed in the window."""
@@ -119,14 +131,10 @@ def test_a_prefix_lru_distance_counts_what_a_dictionary_of_keys_would() -> None:
     prefix's own, within the window; every key of the window when the prefix is not in
     it; at most the limit."""
     rng = random.Random(12)
-    heads = [[rng.randrange(1 << 20) for _ in range(rng.randrange(8, 64))] for _ in range(4)]
+    prompt = prompts(rng)
     hot = HotBlocks(window_s=50.0)
     last: dict[int, float] = {}
     now = 0.0
-
-    def prompt() -> list[int]:
-        tokens = rng.choice(heads) + [rng.randrange(1 << 20) for _ in range(rng.randrange(0, 40))]
-        return chain(tokens)[: rng.randrange(1, 40)]
 
     checked = 0
     for _ in range(300):
@@ -150,14 +158,10 @@ def test_a_routed_prefix_is_the_leading_keys_a_dictionary_of_keys_holds_in_the_w
     """``prefix``: the leading blocks of a prompt routed to the pod within the window
     (what the router falls back on while the shared index cannot be read)."""
     rng = random.Random(13)
-    heads = [[rng.randrange(1 << 20) for _ in range(rng.randrange(8, 64))] for _ in range(4)]
+    prompt = prompts(rng)
     hot = HotBlocks(window_s=50.0)
     last: dict[int, float] = {}
     now = 0.0
-
-    def prompt() -> list[int]:
-        tokens = rng.choice(heads) + [rng.randrange(1 << 20) for _ in range(rng.randrange(0, 40))]
-        return chain(tokens)[: rng.randrange(1, 40)]
 
     partial = 0
     for _ in range(300):
