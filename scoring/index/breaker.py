@@ -2,8 +2,8 @@
 
 A router replica that waits on a dead Redis for every request fails every request; one
 that stops asking after a few failures routes on what it has (its own load counts, the
-prefixes it routed for cache hits) until the store is back.  :class:`CircuitBreaker` is that switch, one per
-Redis URL of a process, shared by every store using that URL
+prefixes it routed for cache hits) until the store is back.  :class:`CircuitBreaker` is
+that switch, one per Redis URL of a process, shared by every store using that URL
 (:class:`scoring.index.redis_guard.RedisGuard` holds it):
 
 * **closed** -- calls go through.  ``failures_to_open`` consecutive failures (a

@@ -138,6 +138,7 @@ from scoring.index.base import DEFAULT_TIERS
 from scoring.policies.base import Decision, PodView, Policy, PolicyParams, RouteRequest
 from scoring.policies.hot_set import HotBlocks, evicted_hot, most_room
 from scoring.policies.inflight import InflightPrefixes
+from scoring.policies.kv_admission import DecodeTimes, admission_wait
 from scoring.policies.queued import QueuedPrompts, surviving
 from scoring.policies.select import require_candidates
 from scoring.policies.tiers import tier_hits
@@ -210,6 +211,11 @@ class CostParams(PolicyParams):
     charge_hot_evictions: bool = Field(
         default=False, description="charge the hot blocks a miss would evict as misses"
     )
+    kv_admission: bool = Field(
+        default=True,
+        description="add the wait for KV room on a pod whose free blocks cannot hold the "
+        "request and the queue ahead (scoring/policies/kv_admission.py)",
+    )
     seed: int = 0
 
     @field_validator("tier_load_rates_tokens_per_s")
@@ -279,6 +285,10 @@ class CostPolicy(Policy):
         self._hot = HotBlocks(self._p.hot_window_s)
         # pod -> the capacity (blocks) its last view carried: bounds its hot set
         self._capacity: dict[str, int] = {}
+        # the time from first token to end, and when each live request's first came
+        self._decode = DecodeTimes()
+        self._first: dict[tuple[str, int], float] = {}
+        self._kv = self._p.kv_admission
 
     def hot_blocks(self, pod: str) -> int:
         """Distinct blocks routed to ``pod`` within ``hot_window_s`` (0 when off)."""
@@ -370,6 +380,8 @@ class CostPolicy(Policy):
         # hot counts are read only where they matter: every pod when misses are
         # charged their evictions, else only the tied pods of a room tie-break
         charge = hot_set is not None and p.charge_hot_evictions
+        decode_s = self._decode.mean_s if self._kv else 0.0
+        unit = -1.0  # blocks of one queued request, computed when first needed
         best = None
         for pod, q, uncached in rows:
             name = pod.pod
@@ -411,7 +423,20 @@ class CostPolicy(Policy):
                 if e:
                     evicted[name] = e
                     miss += e * bs
-            t = predicted[name] = (q + w * miss) / rate * (1.0 + slowdown_per * running) + transfer
+            t = (q + w * miss) / rate * (1.0 + slowdown_per * running) + transfer
+            if decode_s and cap_b:
+                usage = pod.kv_usage
+                if usage is not None:
+                    free = cap_b * (1.0 - usage)
+                    need = -(-miss // bs)
+                    waiting = pod.waiting
+                    if waiting and need <= free:
+                        if unit < 0:
+                            unit = self.backlog_unit_tokens(prompt) / bs
+                        need += waiting * unit  # the queue ahead is admitted first
+                    if need > free:  # short of room: it waits for running requests
+                        t += admission_wait(pod, need, decode_s)
+            predicted[name] = t
             if best is None or t < best:  # min() over the predictions
                 best = t
             cached[name] = c
@@ -488,11 +513,16 @@ class CostPolicy(Policy):
     def on_first_token(self, request: RouteRequest, pod: str, ttft_s: float) -> None:
         if self._queue_rule:
             self._queued.remove(_key(request))
+        if self._kv:
+            self._first[_key(request)] = self.clock()
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
         key = _key(request)
         if self._queue_rule:
             self._queued.remove(key)
+        first = self._first.pop(key, None) if self._first else None
+        if first is not None:
+            self._decode.add(self.clock() - first)
         old = self._live.pop(key, None)
         if old is not None:
             self._unledger(old[0], old[1], old[2], request.block_keys)

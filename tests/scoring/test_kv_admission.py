@@ -1,0 +1,82 @@
+"""The wait for KV room (scoring/policies/kv_admission.py): a request the free blocks of
+a pod cannot hold, with the queue ahead of it, waits for running requests to finish."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from scoring.policies import PodView, RouteRequest, build_policy
+from scoring.policies.kv_admission import WINDOW, DecodeTimes, admission_wait
+
+
+def view(**kw: object) -> PodView:
+    return PodView(pod="p", **kw)  # type: ignore[arg-type]
+
+
+def test_a_request_that_fits_in_the_free_blocks_does_not_wait() -> None:
+    # 1,000 blocks, 60% held: 400 free
+    assert admission_wait(view(capacity_blocks=1000, kv_usage=0.6, running=3), 400, 2.0) == 0.0
+
+
+def test_a_deficit_waits_for_as_many_finishes_as_free_it() -> None:
+    pod = view(capacity_blocks=1000, kv_usage=0.9, running=3)  # 100 free, 300 per run
+    # 250 short: one finish frees it, the first of three comes after 1/4 of a decode
+    assert admission_wait(pod, 350, 2.0) == pytest.approx(0.5)
+    # 500 short: two finishes
+    assert admission_wait(pod, 600, 2.0) == pytest.approx(1.0)
+    # more than every running request holds: at most one whole decode time
+    assert admission_wait(pod, 5000, 2.0) == pytest.approx(2.0)
+
+
+def test_without_what_it_needs_to_know_the_wait_is_zero() -> None:
+    full = {"capacity_blocks": 1000, "kv_usage": 0.99, "running": 4}
+    assert admission_wait(view(**full), 500, 0.0) == 0.0  # no decode time learned yet
+    assert admission_wait(view(**{**full, "capacity_blocks": None}), 500, 2.0) == 0.0
+    assert admission_wait(view(**{**full, "kv_usage": None}), 500, 2.0) == 0.0
+    assert admission_wait(view(**{**full, "running": 0}), 500, 2.0) == 0.0
+
+
+def test_decode_times_average_what_they_see_and_ignore_nonsense() -> None:
+    d = DecodeTimes()
+    for s in (1.0, 3.0, float("nan"), -1.0, math.inf):
+        d.add(s)
+    assert d.samples == 2 and d.mean_s == pytest.approx(2.0)
+    for _ in range(10 * WINDOW):
+        d.add(10.0)
+    assert d.mean_s == pytest.approx(10.0, rel=1e-3)  # the old ones are forgotten
+
+
+def req(rid: str, keys: list[int]) -> RouteRequest:
+    return RouteRequest(rid, "m", len(keys) * 16, keys, 16)
+
+
+def test_cost_sends_a_miss_past_a_pod_whose_kv_is_held_by_running_requests() -> None:
+    """Two pods with empty queues, one with its cache held by long decodes: with a
+    learned decode time, a cold prompt goes to the pod with room; with the rule off,
+    both look equal."""
+    now = [0.0]
+    policy = build_policy("cost", {"tie_break_by_room": False})  # kv_admission: the default
+    policy.clock = lambda: now[0]
+    # learn a decode time of 4 s from one streamed request
+    warm = req("w", [9, 9, 9])
+    policy.on_routed(warm, "a")
+    policy.on_first_token(warm, "a", 0.1)
+    now[0] = 4.0
+    policy.on_complete(warm, "a")
+    held = view(capacity_blocks=100, kv_usage=0.95, running=2)
+    held.pod = "held"
+    free = view(capacity_blocks=100, kv_usage=0.10, running=2)
+    free.pod = "free"
+    cold = req("c", list(range(100, 140)))  # 40 uncached blocks
+    decision = policy.pick(cold, [held, free])
+    assert decision.pod == "free"
+    assert decision.scores["held"] - decision.scores["free"] == pytest.approx(4.0 / 3)
+    off = build_policy("cost", {"kv_admission": False, "tie_break_by_room": False})
+    off.clock = policy.clock
+    off.on_routed(warm, "a")
+    off.on_first_token(warm, "a", 0.1)
+    off.on_complete(warm, "a")
+    scores = off.pick(cold, [held, free]).scores
+    assert scores["held"] == scores["free"]
