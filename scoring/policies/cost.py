@@ -430,7 +430,7 @@ class CostPolicy(Policy):
                     free = cap_b * (1.0 - usage)
                     need = -(-miss // bs)
                     waiting = pod.waiting
-                    if waiting and need <= free:
+                    if waiting:
                         if unit < 0:
                             unit = self.backlog_unit_tokens(prompt) / bs
                         need += waiting * unit  # the queue ahead is admitted first
