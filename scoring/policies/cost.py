@@ -428,7 +428,7 @@ class CostPolicy(Policy):
                 usage = pod.kv_usage
                 if usage is not None:
                     free = cap_b * (1.0 - usage)
-                    need = -(-miss // bs)
+                    need: float = -(-miss // bs)
                     waiting = pod.waiting
                     if waiting:
                         if unit < 0:
@@ -514,7 +514,10 @@ class CostPolicy(Policy):
         if self._queue_rule:
             self._queued.remove(_key(request))
         if self._kv:
-            self._first[_key(request)] = self.clock()
+            first = self._first
+            first[_key(request)] = self.clock()
+            if len(first) > _MAX_SCORED:  # requests never completed must not pile up
+                del first[next(iter(first))]
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
         key = _key(request)

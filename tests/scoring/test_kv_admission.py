@@ -80,3 +80,13 @@ def test_cost_sends_a_miss_past_a_pod_whose_kv_is_held_by_running_requests() -> 
     off.on_complete(warm, "a")
     scores = off.pick(cold, [held, free]).scores
     assert scores["held"] == scores["free"]
+
+
+def test_first_tokens_of_requests_that_never_complete_do_not_pile_up() -> None:
+    from scoring.policies import cost
+
+    policy = build_policy("cost")
+    assert isinstance(policy, cost.CostPolicy)
+    for i in range(cost._MAX_SCORED + 50):
+        policy.on_first_token(req(f"r{i}", [1]), "a", 0.1)
+    assert len(policy._first) == cost._MAX_SCORED
