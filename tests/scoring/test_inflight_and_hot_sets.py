@@ -5,7 +5,7 @@ set (scoring/policies/hot_set.py)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from scoring.blocks import BlockHasher
 from scoring.policies.hot_set import HotBlocks
@@ -104,6 +104,26 @@ def prompts(rng: random.Random) -> Callable[[], list[int]]:
     return prompt
 
 
+def routed_then_queried(
+    rng: random.Random, *, pauses: bool, steps: int = 300
+) -> Iterator[tuple[HotBlocks, float, dict[int, float], list[int]]]:
+    """Route a random prompt to pod ``p`` of a 50 s hot set at increasing times (now and
+    then after a pause), then yield the hot set, the time, each key's last routing time
+    and a random query prompt."""
+    prompt = prompts(rng)
+    hot = HotBlocks(window_s=50.0)
+    last: dict[int, float] = {}
+    now = 0.0
+    for _ in range(steps):
+        now += rng.random() * 2
+        if pauses:
+            now += rng.random() * 30 if rng.random() < 0.05 else 0.0
+        keys = prompt()
+        hot.routed("p", keys, now)
+        last.update(dict.fromkeys(keys, now))
+        yield hot, now, last, prompt()
+
+
 def test_the_hot_set_counts_what_a_dictionary_of_keys_would() -> None:
     """Many prompts over a few shared prefixes, some repeated, some cut short, at
     increasing times: the tree's count equals the distinct keys routed in the window."""
@@ -131,18 +151,8 @@ def test_a_prefix_lru_distance_counts_what_a_dictionary_of_keys_would() -> None:
     prefix's own, within the window; every key of the window when the prefix is not in
     it; at most the limit."""
     rng = random.Random(12)
-    prompt = prompts(rng)
-    hot = HotBlocks(window_s=50.0)
-    last: dict[int, float] = {}
-    now = 0.0
-
     checked = 0
-    for _ in range(300):
-        now += rng.random() * 2
-        keys = prompt()
-        hot.routed("p", keys, now)
-        last.update(dict.fromkeys(keys, now))
-        query = prompt()
+    for hot, now, last, query in routed_then_queried(rng, pauses=False):
         cached = rng.randrange(1, len(query) + 1)
         window = {k: t for k, t in last.items() if t >= now - 50.0}
         since = window.get(query[cached - 1], float("-inf"))
@@ -157,19 +167,8 @@ def test_a_prefix_lru_distance_counts_what_a_dictionary_of_keys_would() -> None:
 def test_a_routed_prefix_is_the_leading_keys_a_dictionary_of_keys_holds_in_the_window() -> None:
     """``prefix``: the leading blocks of a prompt routed to the pod within the window
     (what the router falls back on while the shared index cannot be read)."""
-    rng = random.Random(13)
-    prompt = prompts(rng)
-    hot = HotBlocks(window_s=50.0)
-    last: dict[int, float] = {}
-    now = 0.0
-
     partial = 0
-    for _ in range(300):
-        now += rng.random() * 2 + (rng.random() * 30 if rng.random() < 0.05 else 0.0)
-        keys = prompt()
-        hot.routed("p", keys, now)
-        last.update(dict.fromkeys(keys, now))
-        query = prompt()
+    for hot, now, last, query in routed_then_queried(random.Random(13), pauses=True):
         window = {k for k, t in last.items() if t >= now - 50.0}
         expected = next((i for i, k in enumerate(query) if k not in window), len(query))
         assert hot.prefix("p", query, now) == expected
