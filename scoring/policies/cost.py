@@ -129,13 +129,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Literal
 
 import xxhash
-from pydantic import Field, field_validator
 
-from scoring.index.base import DEFAULT_TIERS
 from scoring.policies.base import Decision, PodView, Policy, PolicyParams, RouteRequest
+from scoring.policies.cost_params import CostParams
 from scoring.policies.hot_set import HotBlocks, evicted_hot, most_room
 from scoring.policies.inflight import InflightPrefixes
 from scoring.policies.kv_admission import DecodeTimes, admission_wait
@@ -149,82 +147,6 @@ _MAX_SCORED = 65_536
 
 def _key(request: RouteRequest) -> tuple[str, int]:
     return (request.request_id, id(request))
-
-
-class CostParams(PolicyParams):
-    prefill_rate_tokens_per_s: float = Field(
-        default=5000.0, gt=0.0, description="prompt tokens one pod prefills per second"
-    )
-    tier_load_rates_tokens_per_s: dict[str, float] = Field(
-        default_factory=lambda: {"CPU": 50_000.0, "DISK": 10_000.0},
-        description="tokens/s loaded from each slower tier into GPU memory",
-    )
-    tiers: tuple[str, ...] = DEFAULT_TIERS
-    decode_slowdown_per_running: float = Field(
-        default=0.0, ge=0.0, description="fractional prefill slowdown per running request"
-    )
-    miss_weight: float = Field(
-        default=1.0, ge=0.0, description="weight of uncached prompt tokens with no backlog"
-    )
-    backlog_weight: float | None = Field(
-        default=None,
-        ge=0.0,
-        description="scale of the backlog term: followers per queued request (default 1), "
-        "or with backlog_unit=prompt the miss weight per prompt of backlog (default 12)",
-    )
-    backlog_unit: Literal["prompt", "request"] = Field(
-        default="request",
-        description="the backlog a miss delays, in requests (the mean live request's "
-        "predicted miss), or in prompts of this size times backlog_weight (the old default)",
-    )
-    fleet_backlog_share: float = Field(
-        default=0.125,
-        ge=0.0,
-        le=1.0,
-        description="share of the fleet's mean backlog every pod charges for a miss",
-    )
-    count_inflight_prefixes: bool = Field(
-        default=True, description="treat prefixes of in-flight requests as cached"
-    )
-    discount_queued_hits: bool = Field(
-        default=True, description="scale outstanding tokens by their predicted miss share"
-    )
-    lru_evictions: bool = Field(
-        default=True,
-        description="count only the cached prefix that survives the blocks routed to the "
-        "pod since it was last routed there (LRU; needs hot_window_s > 0)",
-    )
-    queue_evictions: bool = Field(
-        default=True,
-        description="count only the cached prefix that survives the blocks of the requests "
-        "queued ahead (LRU)",
-    )
-    tie_epsilon_s: float = Field(default=0.001, ge=0.0, description="predictions this close tie")
-    tie_break_by_room: bool = Field(
-        default=True, description="ties go to the pods with the most room for a new prefix"
-    )
-    hot_window_s: float = Field(
-        default=300.0,
-        ge=0.0,
-        description="blocks routed to a pod this recently are hot (room, eviction charge); 0: off",
-    )
-    charge_hot_evictions: bool = Field(
-        default=False, description="charge the hot blocks a miss would evict as misses"
-    )
-    kv_admission: bool = Field(
-        default=True,
-        description="add the wait for KV room on a pod whose free blocks cannot hold the "
-        "request and the queue ahead (scoring/policies/kv_admission.py)",
-    )
-    seed: int = 0
-
-    @field_validator("tier_load_rates_tokens_per_s")
-    @classmethod
-    def _rates_positive(cls, v: dict[str, float]) -> dict[str, float]:
-        for tier, rate in v.items():
-            if not rate > 0:
-                raise ValueError(f"load rate of tier {tier!r} must be > 0, got {rate}")
-        return v
 
 
 def predict_ttft(
