@@ -203,20 +203,21 @@ def _demand(
         decoded += o
         context += o * r.prompt_tokens + o * (o + 1) / 2
     rates = load_rates(cfg, context / decoded if decoded else 0.0)
-    uncached = uncached_tokens(trace, _capacity(rates, basis))
-    work = uncached / rates.prefill_rate
+    prefills = list(_prefill_at_ceiling(trace, _capacity(rates, basis)))
+    work = sum(max(1, p - c) for p, c in prefills) / rates.prefill_rate
     if isinstance(cfg, VllmFleetConfig):
-        work += _context_attention_s(trace, cfg, _capacity(rates, basis))
+        work += _context_attention_s(prefills, cfg)
     return work, decoded / rates.decode_rate, span, rates
 
 
-def _context_attention_s(trace: Trace, cfg: VllmFleetConfig, capacity: int | None) -> float:
+def _context_attention_s(prefills: list[tuple[int, int]], cfg: VllmFleetConfig) -> float:
     """The prefill attention ``prefill_rate`` leaves out: each request's uncached tokens
-    attending to the context before them, beyond the pairs inside one chunk."""
+    (``prefills``: prompt and cached tokens at the ceiling) attending to the context
+    before them, beyond the pairs inside one chunk."""
     e = cfg.engine.cost.prefill_pair_s
     n = cfg.engine.max_num_batched_tokens
     total = 0.0
-    for prompt, cached in _prefill_at_ceiling(trace, capacity):
+    for prompt, cached in prefills:
         u = max(1, prompt - cached)
         extra = prefill_pairs(prompt - u, u) - u * (n + 1) / 2
         if extra > 0:
