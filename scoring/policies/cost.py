@@ -78,8 +78,10 @@ small for both the prefix's tail goes first::
 
     newer  = the prefix's LRU distance in this router's traffic: the distinct blocks
              routed to the pod since the prefix was last routed there (every block
-             routed there within hot_window_s when it was not), less those this prompt
-             shares (scoring/policies/hot_set.py, HotBlocks.newer)
+             routed there within hot_window_s when it was not; a prefix running on
+             past the end of a routed prompt, e.g. into its answer, counts from that
+             prompt), less those this prompt shares (scoring/policies/hot_set.py,
+             HotBlocks.newer)
     cached = min(cached, (capacity_blocks - newer) * B)          # 0 when newer >= capacity
 
 That covers the requests queued ahead (routed after the prefix, touched before this

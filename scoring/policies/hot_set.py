@@ -186,18 +186,29 @@ class HotBlocks:
     def newer(self, pod: str, keys: Sequence[int], cached: int, now: float, limit: int) -> int:
         """The LRU distance of the ``cached`` leading blocks of ``keys`` on ``pod`` in
         this router's traffic: the distinct keys routed there after that prefix was last
-        routed there (all of the window's when it was not), less those on ``keys``'s own
-        path; at most ``limit``.  Walks the pod's nodes from the most recently refreshed
-        back to the prefix's, so it costs what it counts."""
+        routed there, less those on ``keys``'s own path; at most ``limit``.  A prefix
+        that runs on past the end of a routed chain counts from that chain; any other
+        not routed there whole, every key of the window.  Walks the pod's
+        nodes from the most recently refreshed back to the prefix's, so it costs what it
+        counts."""
         tree = self._pods.get(pod)
         if tree is None:
             return 0
         if now >= tree.next_expiry:
             self._expire(tree, now)
         shared, last = _path(tree, keys, min(cached, len(keys)))
-        if last is None:  # not routed here within the window: every key is newer
-            count = tree.keys - sum(shared.values())
-            return count if count < limit else limit
+        if last is None:
+            # the pod holds more of the prefix than this router sent it.  Past the end
+            # of a routed chain (a leaf, covered whole), the rest is that request's own
+            # continuation: its answer, cached as the pod decoded it, which the next
+            # turn of a chat carries.  Anywhere else (the prefix leaves the routed
+            # chains where they go on, or was never routed here), it is older than
+            # everything routed: every key is newer.
+            tip = next(reversed(shared), None)
+            if tip is None or tip.children or shared[tip] < tip.end - tip.start:
+                count = tree.keys - sum(shared.values())
+                return count if count < limit else limit
+            last = tip
         since = last.time
         count = 0
         for x in reversed(tree.order):  # refresh order: times never decrease along it

@@ -149,7 +149,8 @@ def test_the_hot_set_counts_what_a_dictionary_of_keys_would() -> None:
 def test_a_prefix_lru_distance_counts_what_a_dictionary_of_keys_would() -> None:
     """``newer``: the distinct keys routed after the prefix's last block was, less the
     prefix's own, within the window; every key of the window when the prefix is not in
-    it; at most the limit."""
+    it; at most the limit.  (A prefix running on past the end of a routed chain, which
+    these random prompts do not make, is the next test's case.)"""
     rng = random.Random(12)
     checked = 0
     for hot, now, last, query in routed_then_queried(rng, pauses=False):
@@ -203,3 +204,22 @@ def test_a_prompt_routed_again_and_again_keeps_one_entry_per_node() -> None:
         hot.routed("p", keys, now=float(i) / 100)
     tree = hot._pods["p"]
     assert len(tree.order) == 1 and hot.count("p", now=10.0) == len(keys)
+
+
+def test_a_chat_whose_pod_cached_its_answer_counts_only_what_was_routed_after_it() -> None:
+    """The pod caches a turn's answer as it decodes it, so the next turn's prompt hits
+    one block more than was routed there.  Its LRU distance is the traffic routed after
+    the turn, not the pod's whole window (which predicted a full cache had evicted it,
+    and sent a conversation away from the pod holding it)."""
+    hot = HotBlocks(window_s=1e9)
+    hot.routed("p", list(range(2000, 2300)), now=0.5)  # older traffic: not newer
+    turn = list(range(100))
+    hot.routed("p", turn, now=1.0)
+    hot.routed("p", list(range(1000, 1050)), now=2.0)  # another conversation, after it
+    next_turn = [*turn, 100, 101, 102]  # block 100: the answer, cached by the pod
+    assert hot.newer("p", next_turn, 101, now=3.0, limit=10**6) == 50
+    # a prompt of which no block was routed here: every key of the window is newer
+    assert hot.newer("p", [5000, 5001], 2, now=3.0, limit=10**6) == 450
+    # one that leaves a routed chain where another chain goes on: older than them all
+    hot.routed("p", [*turn, 7000, 7001], now=4.0)  # a second branch after block 99
+    assert hot.newer("p", next_turn, 101, now=5.0, limit=10**6) == 450 + 2 - 100

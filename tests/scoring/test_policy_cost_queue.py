@@ -223,6 +223,25 @@ def test_a_prefix_this_router_never_sent_is_older_than_everything_it_sent() -> N
     assert d.detail["cached_tokens"]["a"] == (30 - 22) * BS
 
 
+def test_the_next_turn_of_a_chat_counts_the_answer_the_pod_cached_as_routed_with_it() -> None:
+    """The pod caches a turn's answer as it decodes it, so the next turn hits a block
+    more than was routed.  Only what was routed after the turn is newer (here the other
+    document's 16 blocks): 30 - 16 = 14 of its 24 cached blocks stay, as if the answer
+    had been routed too (counted as never routed there, the older document's 16 blocks
+    would be newer as well, and none would stay)."""
+    p = lru()
+    p.on_routed(req("older-doc", chain(3, 15, question=0)), "a")  # before the turn
+    turn = chain(1, 20, question=0)  # 23 blocks routed to a
+    p.on_routed(req("turn-1", turn), "a")
+    p.on_routed(req("other-doc", chain(2, 15, question=0)), "a")
+    next_turn = [*turn, 5000, 5001]  # block 5000: the answer, cached by a
+    d = p.pick(req("turn-2", next_turn), two_pods(cached_on_a=24))
+    assert d.detail["cached_tokens"]["a"] == 14 * BS
+    # a prefix that leaves a routed prompt partway is older than everything routed
+    d = p.pick(req("edit", [*SYSTEM, 1000, 7777, 7778]), two_pods(cached_on_a=4))
+    assert d.detail["cached_tokens"]["a"] == 0
+
+
 def test_without_hot_tracking_the_queue_rule_applies() -> None:
     p = lru(hot_window_s=0)
     ahead = req("other-doc", chain(2, 15, question=0))
