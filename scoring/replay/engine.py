@@ -177,6 +177,8 @@ def _replay_simple(
             pod.decoding -= 1
             pod.inflight -= 1
             pod.active_blocks -= _blocks(r.prompt_tokens + r.output_tokens, bs)
+            if r.answer_keys:
+                pod.cache_answer(r.cached_keys())
             last_finish = max(last_finish, now)
             policy.on_finished(r.route, pod.name, r.output_tokens)
             policy.on_complete(r.route, pod.name)

@@ -59,43 +59,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
+from scoring.replay.ceilings import prefill_at_ceiling
 from scoring.replay.simpod import FleetConfig
 from scoring.replay.step_cost import prefill_pairs
-from scoring.replay.trace import Trace, TraceRequest
+from scoring.replay.trace import Trace
 from scoring.replay.vllm_pod import VllmFleetConfig
-from scoring.simcache import PrefixCache
 
 
 def uncached_tokens(trace: Trace, capacity_tokens: int | None) -> int:
     """Prompt tokens still to prefill at a ceiling: the pooled cache of
     ``capacity_tokens`` (``None``: an infinite cache), ``max(1, .)`` per request."""
-    return sum(max(1, p - c) for p, c in _prefill_at_ceiling(trace, capacity_tokens))
-
-
-def _prefill_at_ceiling(trace: Trace, capacity_tokens: int | None) -> Iterator[tuple[int, int]]:
-    """Each request's ``(prompt tokens, cached tokens)`` at the ceiling: the pooled cache
-    of ``capacity_tokens`` (``None``: an infinite cache)."""
-    bs = trace.block_size
-    if capacity_tokens is None:
-        seen: set[int] = set()
-        for r in trace.requests:
-            keys = r.route.block_keys
-            n = 0
-            for k in keys:
-                if k not in seen:
-                    break
-                n += 1
-            yield r.prompt_tokens, min(n * bs, r.prompt_tokens)
-            seen.update(keys)
-        return
-    cache = PrefixCache(capacity_tokens // bs)
-    for r in trace.requests:
-        keys = r.route.block_keys
-        yield r.prompt_tokens, min(cache.match(keys) * bs, r.prompt_tokens)
-        cache.insert(keys)
+    return sum(max(1, p - c) for p, c in prefill_at_ceiling(trace, capacity_tokens))
 
 
 def span_s(trace: Trace) -> float:
@@ -179,13 +155,7 @@ def scale_to_load(
     factor = hi
     t0 = trace.requests[0].arrival_s
     requests = [
-        TraceRequest(
-            arrival_s=t0 + (r.arrival_s - t0) * factor,
-            output_tokens=r.output_tokens,
-            route=r.route,
-            turns=r.turns,
-        )
-        for r in trace.requests
+        dataclasses.replace(r, arrival_s=t0 + (r.arrival_s - t0) * factor) for r in trace.requests
     ]
     return dataclasses.replace(trace, requests=requests, errors=list(trace.errors)), factor
 
@@ -203,7 +173,7 @@ def _demand(
         decoded += o
         context += o * r.prompt_tokens + o * (o + 1) / 2
     rates = load_rates(cfg, context / decoded if decoded else 0.0)
-    prefills = list(_prefill_at_ceiling(trace, _capacity(rates, basis)))
+    prefills = list(prefill_at_ceiling(trace, _capacity(rates, basis)))
     work = sum(max(1, p - c) for p, c in prefills) / rates.prefill_rate
     if isinstance(cfg, VllmFleetConfig):
         work += _context_attention_s(prefills, cfg)

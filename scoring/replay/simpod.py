@@ -23,9 +23,13 @@ Pod model (one per pod, all times in seconds):
       step_s = (1 / decode_rate) * (1 + decode_batch_slope * (b - 1))
 
   (an approximation: the batch size is sampled at join time, not re-evaluated per step).
+* **Answers** — when a later prompt of the trace carries a request's answer (a chat's or
+  an agent's next turn: ``TraceRequest.answer_keys``), the answer's blocks enter the
+  cache when the request ends, so that prompt hits them on this pod; an answer nobody
+  reads again is not cached.
 * **Not modelled** — admission limits (max_num_seqs, KV-capacity preemption), pinning of
   a running request's blocks (a running chain is the most recently touched, so the LRU
-  evicts it last), generated tokens entering the cache.
+  evicts it last), the room an answer nobody reads again takes.
 """
 
 from __future__ import annotations
@@ -192,12 +196,20 @@ class SimPod:
             uncached / cfg.prefill_rate * (1.0 + cfg.decode_interference * self.decoding)
             + cpu_tok / cfg.cpu_load_rate
         )
-        _, evicted = self.cache.insert(keys)
-        if self.cpu is not None and evicted:
-            self.cpu.insert(evicted)
+        self._insert(keys)
         self.prefilling = True
         self.busy_s += duration
         return duration, gpu_tok, cpu_tok
+
+    def cache_answer(self, keys: list[int]) -> None:
+        """A request ended: its answer's blocks enter the cache (``keys``: the prompt's
+        full blocks, then the answer's), touched as the newest."""
+        self._insert(keys)
+
+    def _insert(self, keys: list[int]) -> None:
+        _, evicted = self.cache.insert(keys)
+        if self.cpu is not None and evicted:
+            self.cpu.insert(evicted)
 
     def decode_step_s(self) -> float:
         """Step time for a request joining the batch now (batch includes it)."""

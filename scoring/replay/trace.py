@@ -57,10 +57,24 @@ class TraceRequest:
     output_tokens: int
     route: RouteRequest
     turns: int | None = None  # user turns in the conversation, when known
+    #: keys of the blocks past the prompt's full ones that its answer fills, when a later
+    #: prompt of the trace carries the answer (a chat's or an agent's next turn): the
+    #: engine caches them as it decodes, so that prompt hits them on the same pod.
+    #: Empty: the answer's blocks are the request's own (no later prompt has them)
+    answer_keys: Sequence[int] = ()
 
     @property
     def prompt_tokens(self) -> int:
         return self.route.prompt_tokens
+
+    def cached_keys(self) -> list[int]:
+        """The keys a pod's cache holds once this request ran: its prompt's full blocks,
+        then its answer's (``answer_keys``)."""
+        keys = list(self.route.block_keys)
+        if self.answer_keys:
+            del keys[self.prompt_tokens // self.route.block_size :]
+            keys.extend(self.answer_keys)
+        return keys
 
 
 @dataclass

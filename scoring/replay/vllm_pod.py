@@ -136,9 +136,13 @@ class VllmPod:
             return None
         full = prompt // self.cfg.block_size
         keys = request.route.block_keys
+        if request.answer_keys:  # its answer's blocks, keyed as the next turn has them
+            keys = request.cached_keys()
+        elif len(keys) > full:
+            keys = keys[:full]
         seq = Seq(
             rid=rid,
-            prompt_keys=keys[:full] if len(keys) > full else keys,
+            prompt_keys=keys,
             prompt_tokens=prompt,
             max_output=max(1, min(request.output_tokens, self.max_model_len - prompt)),
         )
