@@ -285,7 +285,33 @@ def load_openai(
         prev = req.arrival_s
         trace.requests.append(req)
     trace.requests.sort(key=lambda r: r.arrival_s)
+    link_answers(trace.requests)
     return trace
+
+
+def link_answers(requests: Sequence[TraceRequest]) -> None:
+    """Set ``answer_keys`` of each request (in arrival order) whose session's next
+    prompt goes on from its prompt: that prompt holds the answer's tokens next (a chat
+    history, an agent's context with its output appended), so the blocks it has in
+    ``[prompt // B, (prompt + output - 1) // B)`` are the ones the engine cached while
+    decoding (the last token is sampled, never computed).  A next prompt that starts
+    over (an agent's compaction) or edits the history links nothing; requests without
+    a session are left alone."""
+    last: dict[str, TraceRequest] = {}
+    for r in requests:
+        session = r.route.session
+        if session is None:
+            continue
+        prev = last.get(session)
+        last[session] = r
+        if prev is None:
+            continue
+        bs = prev.route.block_size
+        full = prev.prompt_tokens // bs
+        keys = r.route.block_keys
+        end = min(len(keys), (prev.prompt_tokens + prev.output_tokens - 1) // bs)
+        if end > full and list(keys[:full]) == list(prev.route.block_keys[:full]):
+            prev.answer_keys = keys[full:end]
 
 
 def load_trace(

@@ -5,8 +5,11 @@ in both pod models and at the ceilings."""
 
 from __future__ import annotations
 
+import json
 from itertools import pairwise
+from pathlib import Path
 
+from router.tokenize import ByteTokenizer
 from scoring.policies import RouteRequest, build_policy
 from scoring.replay.ceilings import infinite_ceiling, pooled_ceiling
 from scoring.replay.engine import replay_policy
@@ -14,7 +17,7 @@ from scoring.replay.families import generate
 from scoring.replay.presets import EngineSpec
 from scoring.replay.simpod import FleetConfig
 from scoring.replay.step_cost import StepCost
-from scoring.replay.trace import Trace, TraceRequest
+from scoring.replay.trace import Trace, TraceRequest, load_trace
 from scoring.replay.vllm_pod import VllmFleetConfig
 
 BS = 16
@@ -117,3 +120,37 @@ def test_the_ceilings_count_an_answer_read_back() -> None:
     assert infinite_ceiling(two_turns(answer=True)) == 14 / 26
     assert infinite_ceiling(two_turns(answer=False)) == 10 / 26
     assert pooled_ceiling(two_turns(answer=True), 64 * BS) == 14 / 26
+
+
+def test_an_openai_trace_links_a_sessions_turns_through_the_answer_in_the_history(
+    tmp_path: Path,
+) -> None:
+    """A captured chat (``session_id`` per line): the second body's history holds the
+    first answer right after the first prompt, so the first request's answer keys are
+    the second prompt's blocks there.  Without a session nothing is linked."""
+    first = [
+        {"role": "system", "content": "You are a helpful assistant. " * 8},
+        {"role": "user", "content": "Tell me about caches and prefixes and routers. " * 4},
+    ]
+    answer = "Caches keep blocks of tokens so that a later prompt can reuse them. " * 3
+    second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "?"}]
+    output = len(answer.encode())  # the byte tokenizer: one token a byte
+
+    def load(session: bool) -> Trace:
+        path = tmp_path / f"chat-{session}.jsonl"
+        lines = [(0, first, output), (1000, second, 8)]
+        with path.open("w") as f:
+            for ts, messages, out in lines:
+                line: dict[str, object] = {"timestamp": ts, "output_length": out}
+                line["body"] = {"model": "m", "messages": messages}
+                if session:
+                    line["session_id"] = "c1"
+                f.write(json.dumps(line) + "\n")
+        return load_trace(path, "openai", block_size=BS, tokenizer=ByteTokenizer())
+
+    a, b = load(session=True).requests
+    end = (a.prompt_tokens + output - 1) // BS
+    assert end - a.prompt_tokens // BS >= 10  # the answer fills 10+ blocks
+    assert a.cached_keys() == list(b.route.block_keys[:end])
+    assert not b.answer_keys
+    assert all(not r.answer_keys for r in load(session=False).requests)

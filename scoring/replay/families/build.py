@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from scoring.policies.base import RouteRequest
 from scoring.replay.families.context import Context
-from scoring.replay.trace import Trace, TraceRequest
+from scoring.replay.trace import Trace, TraceRequest, link_answers
 
 
 class _Row(NamedTuple):
@@ -69,7 +69,6 @@ class TraceBuilder:
                 raise ValueError(f"no request of {self.family!r} arrives in {window}")
             t0 = rows[0].arrival_s
             rows = [r._replace(arrival_s=r.arrival_s - t0) for r in rows]
-        answers = _answer_keys(rows, self.block_size)
         requests = []
         for i, r in enumerate(rows):
             route = RouteRequest(
@@ -87,40 +86,15 @@ class TraceBuilder:
                     output_tokens=r.output_tokens,
                     route=route,
                     turns=r.turns,
-                    answer_keys=answers.get(i, ()),
                 )
             )
+        link_answers(requests)  # each step's output is appended to its context next
         return Trace(
             requests=requests,
             block_size=self.block_size,
             fmt=f"synthetic:{self.family}",
             lines=len(requests),
         )
-
-
-def _answer_keys(rows: list[_Row], block_size: int) -> dict[int, list[int]]:
-    """Row index -> the keys of the blocks its answer fills, for each row whose session's
-    next prompt carries it.  The session families append a request's output to its
-    context right after adding the request, so the next prompt of the session that goes
-    on from this one's prompt holds the answer's tokens next: the blocks it has in
-    ``[prompt // B, (prompt + output - 1) // B)`` are the ones the engine cached while
-    decoding (its last token is sampled, never computed).  A next prompt that starts
-    over (an agent's compaction) carries none."""
-    out: dict[int, list[int]] = {}
-    last: dict[str, int] = {}
-    for i, r in enumerate(rows):
-        if r.session is None:
-            continue
-        j = last.get(r.session)
-        last[r.session] = i
-        if j is None:
-            continue
-        prev = rows[j]
-        full = prev.tokens // block_size
-        end = min(len(r.keys), (prev.tokens + prev.output_tokens - 1) // block_size)
-        if end > full and r.keys[:full] == prev.keys[:full]:
-            out[j] = r.keys[full:end]
-    return out
 
 
 def steady_window(
