@@ -121,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer", help="model dir or 'builtin' (openai); else a char estimate")
     ap.add_argument("--default-output-tokens", type=int, default=128)
     ap.add_argument(
+        "--answers-in-history",
+        action="store_true",
+        help="openai: the histories carry the pods' own answers (captured traffic): each "
+        "turn's answer is cached where it was generated and hit by the session's next turn",
+    )
+    ap.add_argument(
         "--arrival-rate", type=float, default=1.0, help="req/s for lines without a timestamp"
     )
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
@@ -229,6 +235,7 @@ def _load(args: argparse.Namespace) -> Trace:
         tokenizer=tokenizer,
         default_output=args.default_output_tokens,
         arrival_rate=args.arrival_rate,
+        answers_in_history=args.answers_in_history,
     )
 
 

@@ -262,7 +262,12 @@ def load_openai(
     tokenizer: Any = None,
     default_output: int = 128,
     arrival_rate: float = 1.0,
+    answers_in_history: bool = False,
 ) -> Trace:
+    """An OpenAI-body trace (one request a line).  With ``answers_in_history`` (a capture
+    of real traffic, whose histories carry the answers the pods generated) each turn's
+    answer is linked to its session's next prompt (:func:`link_answers`); without it (a
+    benchmark whose histories carry answers of its own) no answer is read back."""
     trace = Trace(requests=[], block_size=block_size, fmt="openai", approximate=tokenizer is None)
     prev = -1.0 / arrival_rate
     for lineno, line in _lines(path):
@@ -285,7 +290,8 @@ def load_openai(
         prev = req.arrival_s
         trace.requests.append(req)
     trace.requests.sort(key=lambda r: r.arrival_s)
-    link_answers(trace.requests)
+    if answers_in_history:
+        link_answers(trace.requests)
     return trace
 
 
@@ -322,8 +328,10 @@ def load_trace(
     tokenizer: Any = None,
     default_output: int = 128,
     arrival_rate: float = 1.0,
+    answers_in_history: bool = False,
 ) -> Trace:
-    """Load ``path`` in format ``fmt`` ("mooncake" or "openai")."""
+    """Load ``path`` in format ``fmt`` ("mooncake" or "openai"; ``answers_in_history``:
+    see :func:`load_openai`)."""
     p = Path(path)
     if fmt == "mooncake":
         return load_mooncake(p)
@@ -334,5 +342,6 @@ def load_trace(
             tokenizer=tokenizer,
             default_output=default_output,
             arrival_rate=arrival_rate,
+            answers_in_history=answers_in_history,
         )
     raise TraceFormatError(f"unknown trace format {fmt!r}; use 'mooncake' or 'openai'")

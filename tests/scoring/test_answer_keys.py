@@ -125,9 +125,11 @@ def test_the_ceilings_count_an_answer_read_back() -> None:
 def test_an_openai_trace_links_a_sessions_turns_through_the_answer_in_the_history(
     tmp_path: Path,
 ) -> None:
-    """A captured chat (``session_id`` per line): the second body's history holds the
-    first answer right after the first prompt, so the first request's answer keys are
-    the second prompt's blocks there.  Without a session nothing is linked."""
+    """A captured chat (``session_id`` per line, ``answers_in_history``): the second
+    body's history holds the first answer right after the first prompt, so the first
+    request's answer keys are the second prompt's blocks there.  Without a session, or
+    without the flag (a benchmark's histories carry answers of its own, not the pods'),
+    nothing is linked."""
     first = [
         {"role": "system", "content": "You are a helpful assistant. " * 8},
         {"role": "user", "content": "Tell me about caches and prefixes and routers. " * 4},
@@ -136,7 +138,7 @@ def test_an_openai_trace_links_a_sessions_turns_through_the_answer_in_the_histor
     second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "?"}]
     output = len(answer.encode())  # the byte tokenizer: one token a byte
 
-    def load(session: bool) -> Trace:
+    def load(session: bool, answers: bool = True) -> Trace:
         path = tmp_path / f"chat-{session}.jsonl"
         lines = [(0, first, output), (1000, second, 8)]
         with path.open("w") as f:
@@ -146,7 +148,9 @@ def test_an_openai_trace_links_a_sessions_turns_through_the_answer_in_the_histor
                 if session:
                     line["session_id"] = "c1"
                 f.write(json.dumps(line) + "\n")
-        return load_trace(path, "openai", block_size=BS, tokenizer=ByteTokenizer())
+        return load_trace(
+            path, "openai", block_size=BS, tokenizer=ByteTokenizer(), answers_in_history=answers
+        )
 
     a, b = load(session=True).requests
     end = (a.prompt_tokens + output - 1) // BS
@@ -154,3 +158,4 @@ def test_an_openai_trace_links_a_sessions_turns_through_the_answer_in_the_histor
     assert a.cached_keys() == list(b.route.block_keys[:end])
     assert not b.answer_keys
     assert all(not r.answer_keys for r in load(session=False).requests)
+    assert all(not r.answer_keys for r in load(session=True, answers=False).requests)
