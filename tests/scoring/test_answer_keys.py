@@ -14,9 +14,8 @@ from scoring.policies import RouteRequest, build_policy
 from scoring.replay.ceilings import infinite_ceiling, pooled_ceiling
 from scoring.replay.engine import replay_policy
 from scoring.replay.families import generate
-from scoring.replay.presets import EngineSpec
+from scoring.replay.presets import resolve_preset
 from scoring.replay.simpod import FleetConfig
-from scoring.replay.step_cost import StepCost
 from scoring.replay.trace import Trace, TraceRequest, load_trace
 from scoring.replay.vllm_pod import VllmFleetConfig
 
@@ -96,20 +95,7 @@ def second_turn_hit(trace: Trace, cfg: FleetConfig | VllmFleetConfig) -> int:
 
 def test_the_next_turn_hits_the_answer_on_the_pod_that_decoded_it_in_both_models() -> None:
     simple = FleetConfig(pods=1, capacity_tokens=64 * BS, block_size=BS)
-    engine = EngineSpec(
-        name="t",
-        cost=StepCost(
-            base_s=0.001,
-            prefill_token_s=1e-5,
-            prefill_pair_s=0.0,
-            decode_seq_s=1e-4,
-            decode_context_token_s=0.0,
-        ),
-        max_num_batched_tokens=2048,
-        max_num_seqs=8,
-        max_model_len=4096,
-        kv_capacity_tokens=64 * BS,
-    )
+    engine = resolve_preset("cpu-tiny", {})  # the fleet sets its cache: 64 blocks
     vllm = VllmFleetConfig(pods=1, capacity_tokens=64 * BS, block_size=BS, engine=engine)
     for cfg in (simple, vllm):
         assert second_turn_hit(two_turns(answer=True), cfg) == 14 * BS  # prompt + answer
