@@ -188,9 +188,8 @@ class HotBlocks:
         this router's traffic: the distinct keys routed there after that prefix was last
         routed there, less those on ``keys``'s own path; at most ``limit``.  A prefix
         that runs on past the end of a routed chain counts from that chain; any other
-        not routed there whole, every key of the window.  Walks the pod's
-        nodes from the most recently refreshed back to the prefix's, so it costs what it
-        counts."""
+        not routed there whole, every key of the window.  Walks the pod's nodes from the
+        most recently refreshed back to the prefix's, so it costs what it counts."""
         tree = self._pods.get(pod)
         if tree is None:
             return 0
