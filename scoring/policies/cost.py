@@ -8,7 +8,7 @@ leading blocks servable from tier ``t`` or faster (tiers fastest first)::
     transfer    = sum over slower tiers t with a rate of
                   (cached[t] - cached[faster]) / tier_load_rates_tokens_per_s[t]
     cached      = max(cached[slowest tier with a rate], in-flight hits * B)   (see below)
-    cached      = min(cached, (capacity_blocks - newer) * B)      (LRU distance, below)
+    cached      = min(cached, kept * B)           (the blocks an LRU cache keeps, below)
     uncached    = P - cached
     evicted     = clamp(hot + new - capacity_blocks, 0, new) * B      (opt-in, below)
     slowdown    = 1 + decode_slowdown_per_running * running
@@ -72,17 +72,19 @@ blocks count as GPU blocks).  The index only learns a block once the engine stor
 so without this a burst of requests sharing a new prefix scatters over the fleet.
 
 Only the part of that prefix that survives until this request's prefill counts.  vLLM
-evicts unreferenced blocks LRU (a freed request's tail first), so every block touched
-on the pod after the prefix was last touched is newer than it, and in a cache too
-small for both the prefix's tail goes first::
+evicts unreferenced blocks LRU (a freed request's tail first), so a block survives
+while fewer than ``capacity_blocks`` blocks are newer than it, and in a cache too small
+for all of them the prefix's tail goes first::
 
-    newer  = the prefix's LRU distance in this router's traffic: the distinct blocks
-             routed to the pod since the prefix was last routed there (every block
-             routed there within hot_window_s when it was not; a prefix running on
-             past the end of a routed prompt, e.g. into its answer, counts from that
-             prompt), less those this prompt shares (scoring/policies/hot_set.py,
-             HotBlocks.newer)
-    cached = min(cached, (capacity_blocks - newer) * B)          # 0 when newer >= capacity
+    kept   = the leading blocks of the prefix that stay: block i stays while
+             i + (the distinct blocks routed to the pod after block i was last routed
+             there, less those this prompt shares) < capacity_blocks
+             (scoring/policies/hot_set.py, HotBlocks.surviving).  A shared head that
+             every request carries (an instruction, a system prompt) is as recent as
+             the last request routed there; a prefix running on past the end of a
+             routed prompt (into its answer) is as recent as that prompt; any other
+             block not routed there within hot_window_s is older than every routed one
+    cached = min(cached, kept * B)
 
 That covers the requests queued ahead (routed after the prefix, touched before this
 request runs, FCFS) and the ones already served (touched after the prefix: newer in
@@ -323,13 +325,13 @@ class CostPolicy(Policy):
                 c = max(c, min(inflight.hits(name, keys) * bs, prompt))
             cap_b = pod.capacity_blocks
             if c and lru is not None and cap_b:
-                # the blocks routed here since the prefix was last: newer in vLLM's LRU
+                # the blocks routed here since each of the prefix's: newer in vLLM's LRU
                 # (none can push it out while all this pod's routed blocks fit beside it)
                 cb = -(-c // bs)
                 if lru.routed_keys(name) > cap_b - cb:
-                    keep = cap_b - lru.newer(name, keys, cb, now, cap_b)
+                    keep = lru.surviving(name, keys, cb, now, cap_b)
                     if keep < cb:
-                        c = keep * bs if keep > 0 else 0
+                        c = keep * bs
             elif c and queues and cap_b and name in queues:
                 cb = -(-c // bs)
                 keep = surviving(queues[name], keys, cb, cap_b)

@@ -16,9 +16,10 @@ count is a lower bound of the pod's hot set (other routers' traffic is not in it
 * :func:`room` — free blocks for a new prefix: ``min(free_blocks(view), capacity -
   hot)``: a block is taken when a running request holds it (vLLM) or when this router
   sent it there within the window; cold cache is free.
-* :meth:`HotBlocks.newer` — a prefix's LRU distance in this router's traffic: the
-  distinct blocks routed to the pod since the prefix was last routed there.  vLLM
-  evicts LRU, so a cache of ``capacity`` blocks keeps ``capacity - newer`` of it.
+* :meth:`HotBlocks.surviving` — the leading blocks of a cached prefix an LRU cache of
+  ``capacity`` blocks keeps, by this router's traffic: block ``i`` stays while ``i`` +
+  the distinct blocks routed to the pod after it was last routed there stay under the
+  capacity (vLLM evicts LRU, a freed request's tail first).
 * :func:`evicted_hot` — the hot blocks a request's uncached blocks would push out of a
   pod: ``clamp(hot + new - capacity, 0, new)``.  Each is a miss some later request pays.
 
@@ -179,44 +180,68 @@ class HotBlocks:
 
     def routed_keys(self, pod: str) -> int:
         """Distinct keys routed to ``pod`` that the tree holds (an upper bound of
-        :meth:`count` and of :meth:`newer`: no expiry is applied)."""
+        :meth:`count`: no expiry is applied; all of them fit beside a prefix of ``n``
+        blocks when it is at most ``capacity - n``)."""
         tree = self._pods.get(pod)
         return 0 if tree is None else tree.keys
 
-    def newer(self, pod: str, keys: Sequence[int], cached: int, now: float, limit: int) -> int:
-        """The LRU distance of the ``cached`` leading blocks of ``keys`` on ``pod`` in
-        this router's traffic: the distinct keys routed there after that prefix was last
-        routed there, less those on ``keys``'s own path; at most ``limit``.  A prefix
-        that runs on past the end of a routed chain counts from that chain; any other
-        not routed there whole, every key of the window.  Walks the pod's nodes from the
-        most recently refreshed back to the prefix's, so it costs what it counts."""
+    def surviving(
+        self, pod: str, keys: Sequence[int], cached: int, now: float, capacity: int
+    ) -> int:
+        """How many of the ``cached`` leading blocks of ``keys`` on ``pod`` an LRU cache
+        of ``capacity`` blocks keeps, by this router's traffic: block ``i`` stays while
+        ``i`` + the keys routed there more recently than it (its own node's time), less
+        the prompt's own, stay under ``capacity``.  A block routed again since (a shared
+        instruction every request carries) is as recent as that; a request's blocks go
+        tail first (vLLM frees them so).  Blocks past the routed path: after the end of a
+        routed chain (a leaf, covered whole), that request's own continuation (its
+        answer, cached as the pod decoded it, which a chat's next turn carries), as
+        recent as the chain; anywhere else (the prefix leaves routed chains where they
+        go on, or was never routed here), older than every routed key.  One walk of the
+        pod's nodes from the most recently refreshed back to the prefix's deepest."""
         tree = self._pods.get(pod)
-        if tree is None:
-            return 0
+        n = min(cached, len(keys))
+        if tree is None or n <= 0:
+            return n
         if now >= tree.next_expiry:
             self._expire(tree, now)
-        shared, last = _path(tree, keys, min(cached, len(keys)))
+        shared, last = _path(tree, keys, n)
+        routed = sum(shared.values())
+        first_out = n  # the first block that does not stay
         if last is None:
-            # the pod holds more of the prefix than this router sent it.  Past the end
-            # of a routed chain (a leaf, covered whole), the rest is that request's own
-            # continuation: its answer, cached as the pod decoded it, which the next
-            # turn of a chat carries.  Anywhere else (the prefix leaves the routed
-            # chains where they go on, or was never routed here), it is older than
-            # everything routed: every key is newer.
             tip = next(reversed(shared), None)
             if tip is None or tip.children or shared[tip] < tip.end - tip.start:
-                count = tree.keys - sum(shared.values())
-                return count if count < limit else limit
-            last = tip
-        since = last.time
-        count = 0
+                # past the routed path: older than every routed key
+                first_out = max(routed, capacity - (tree.keys - routed))
+                if first_out >= n:
+                    first_out = n
+            else:
+                last = tip  # its continuation (the answer) is as recent as it
+        pending = {y for y, v in shared.items() if v > 0}
+        newer = 0  # keys off the path routed strictly after the current node's time
+        run_t, run = _INF, 0  # the current time, and its keys off the path so far
         for x in reversed(tree.order):  # refresh order: times never decrease along it
-            if x.time <= since:
-                break
-            count += x.end - x.start - shared.get(x, 0)
-            if count >= limit:
-                return limit
-        return count
+            if x.time != run_t:
+                newer += run
+                run_t, run = x.time, 0
+                if newer >= capacity:  # every path node left is out from its first block
+                    for y in pending:
+                        if y.start < first_out:
+                            first_out = y.start
+                    return first_out
+            on_path = shared.get(x, 0)
+            if on_path:
+                end = n if x is last else x.start + on_path
+                out = capacity - newer
+                if out < x.start:
+                    out = x.start
+                if out < end and out < first_out:
+                    first_out = out
+                pending.discard(x)
+                if not pending:
+                    return first_out
+            run += x.end - x.start - on_path
+        return first_out
 
     def prefix(self, pod: str, keys: Sequence[int], now: float) -> int:
         """The leading blocks of ``keys`` routed to ``pod`` within the window (the

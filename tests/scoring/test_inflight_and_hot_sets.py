@@ -146,25 +146,6 @@ def test_the_hot_set_counts_what_a_dictionary_of_keys_would() -> None:
         assert bounded.count("p", now) == min(distinct, 60)
 
 
-def test_a_prefix_lru_distance_counts_what_a_dictionary_of_keys_would() -> None:
-    """``newer``: the distinct keys routed after the prefix's last block was, less the
-    prefix's own, within the window; every key of the window when the prefix is not in
-    it; at most the limit.  (A prefix running on past the end of a routed chain, which
-    these random prompts do not make, is the next test's case.)"""
-    rng = random.Random(12)
-    checked = 0
-    for hot, now, last, query in routed_then_queried(rng, pauses=False):
-        cached = rng.randrange(1, len(query) + 1)
-        window = {k: t for k, t in last.items() if t >= now - 50.0}
-        since = window.get(query[cached - 1], float("-inf"))
-        own = set(query[:cached])
-        expected = sum(1 for k, t in window.items() if t > since and k not in own)
-        assert hot.newer("p", query, cached, now, 10**9) == expected
-        assert hot.newer("p", query, cached, now, 5) == min(expected, 5)
-        checked += since > float("-inf") and expected > 0
-    assert checked > 10  # prefixes routed before, with newer keys after them
-
-
 def test_a_routed_prefix_is_the_leading_keys_a_dictionary_of_keys_holds_in_the_window() -> None:
     """``prefix``: the leading blocks of a prompt routed to the pod within the window
     (what the router falls back on while the shared index cannot be read)."""
@@ -206,20 +187,49 @@ def test_a_prompt_routed_again_and_again_keeps_one_entry_per_node() -> None:
     assert len(tree.order) == 1 and hot.count("p", now=10.0) == len(keys)
 
 
-def test_a_chat_whose_pod_cached_its_answer_counts_only_what_was_routed_after_it() -> None:
-    """The pod caches a turn's answer as it decodes it, so the next turn's prompt hits
-    one block more than was routed there.  Its LRU distance is the traffic routed after
-    the turn, not the pod's whole window (which predicted a full cache had evicted it,
-    and sent a conversation away from the pod holding it)."""
+def test_a_chats_answer_cached_by_its_pod_is_as_recent_as_the_turn_before_it() -> None:
+    """The pod caches a turn's answer as it decodes it, so the next turn hits one block
+    more than was routed.  That block is as recent as the turn (the end of a routed
+    chain), not older than everything routed (which predicted a nearly full pod had
+    evicted it, and sent the conversation away from the pod holding it)."""
     hot = HotBlocks(window_s=1e9)
-    hot.routed("p", list(range(2000, 2300)), now=0.5)  # older traffic: not newer
+    hot.routed("p", list(range(2000, 2300)), now=0.5)  # older traffic
     turn = list(range(100))
     hot.routed("p", turn, now=1.0)
     hot.routed("p", list(range(1000, 1050)), now=2.0)  # another conversation, after it
     next_turn = [*turn, 100, 101, 102]  # block 100: the answer, cached by the pod
-    assert hot.newer("p", next_turn, 101, now=3.0, limit=10**6) == 50
-    # a prompt of which no block was routed here: every key of the window is newer
-    assert hot.newer("p", [5000, 5001], 2, now=3.0, limit=10**6) == 450
-    # one that leaves a routed chain where another chain goes on: older than them all
+    # 50 keys are newer than the turn: blocks 0..149 of it would stay in 200
+    assert hot.surviving("p", next_turn, 101, now=3.0, capacity=200) == 101
+    assert hot.surviving("p", next_turn, 101, now=3.0, capacity=120) == 70
+    # one that leaves a routed chain where another chain goes on: past the point where
+    # it leaves, older than every routed key (300 + 50 + 2 of them)
     hot.routed("p", [*turn, 7000, 7001], now=4.0)  # a second branch after block 99
-    assert hot.newer("p", next_turn, 101, now=5.0, limit=10**6) == 450 + 2 - 100
+    assert hot.surviving("p", next_turn, 101, now=5.0, capacity=200) == 100
+    assert hot.surviving("p", next_turn, 101, now=5.0, capacity=451) == 100
+    assert hot.surviving("p", next_turn, 101, now=5.0, capacity=453) == 101
+
+
+def test_the_blocks_an_lru_cache_keeps_are_what_a_dictionary_of_keys_says() -> None:
+    """``surviving``: block ``i`` of the cached prefix stays while ``i`` + the keys routed
+    strictly after it (each block its own last routing time: a shared head routed again
+    is recent), less the prompt's own, stay under the capacity; a block not in the window
+    is older than every key in it."""
+    rng = random.Random(14)
+    checked = partial = 0
+    for hot, now, last, query in routed_then_queried(rng, pauses=False):
+        cached = rng.randrange(1, len(query) + 1)
+        window = {k: t for k, t in last.items() if t >= now - 50.0}
+        own = set(query[:cached])
+        others = [t for k, t in window.items() if k not in own]
+        for capacity in (5, 20, 60):
+            expected = cached
+            for i, k in enumerate(query[:cached]):
+                t = window.get(k)
+                newer = len(others) if t is None else sum(1 for u in others if u > t)
+                if i + newer >= capacity:
+                    expected = i
+                    break
+            assert hot.surviving("p", query, cached, now, capacity) == expected
+            checked += 1
+            partial += 0 < expected < cached
+    assert checked > 500 and partial > 20
