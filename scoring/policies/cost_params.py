@@ -51,8 +51,8 @@ class CostParams(PolicyParams):
     )
     lru_evictions: bool = Field(
         default=True,
-        description="count only the cached prefix that survives the blocks routed to the "
-        "pod since it was last routed there (LRU; needs hot_window_s > 0)",
+        description="count only the cached blocks that survive the blocks routed to the "
+        "pod since each was last routed there (LRU; needs hot_window_s > 0)",
     )
     queue_evictions: bool = Field(
         default=True,
