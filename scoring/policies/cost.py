@@ -215,6 +215,8 @@ class CostPolicy(Policy):
         self._decode = DecodeTimes()
         self._first: dict[tuple[str, int], float] = {}
         self._kv = self._p.kv_admission
+        self._count_inflight = self._p.count_inflight_prefixes
+        self._hot_on = self._p.hot_window_s > 0
 
     def hot_blocks(self, pod: str) -> int:
         """Distinct blocks routed to ``pod`` within ``hot_window_s`` (0 when off)."""
@@ -284,7 +286,10 @@ class CostPolicy(Policy):
             size: float = max(1, prompt)
             backlog_weight = 12.0 if p.backlog_weight is None else p.backlog_weight
         else:  # "request": the backlog in requests = the followers a miss delays
-            size = self.backlog_unit_tokens(prompt)
+            live_miss, live_count = self._live_total  # backlog_unit_tokens, inlined
+            size = live_miss / live_count if live_count > 0 else prompt
+            if size < 1.0:
+                size = 1.0
             backlog_weight = 1.0 if p.backlog_weight is None else p.backlog_weight
         share_backlog = p.fleet_backlog_share * backlog
         miss_weight = p.miss_weight
@@ -324,7 +329,9 @@ class CostPolicy(Policy):
             if inflight is not None:
                 c = max(c, min(inflight.hits(name, keys) * bs, prompt))
             cap_b = pod.capacity_blocks
-            if c and lru is not None and cap_b:
+            if not c or not cap_b:
+                pass
+            elif lru is not None:
                 # the blocks routed here since each of the prefix's: newer in vLLM's LRU
                 # (none can push it out while all this pod's routed blocks fit beside it)
                 cb = -(-c // bs)
@@ -332,7 +339,7 @@ class CostPolicy(Policy):
                     keep = lru.surviving(name, keys, cb, now, cap_b)
                     if keep < cb:
                         c = keep * bs
-            elif c and queues and cap_b and name in queues:
+            elif queues and name in queues:
                 cb = -(-c // bs)
                 keep = surviving(queues[name], keys, cb, cap_b)
                 if keep < cb:
@@ -369,11 +376,7 @@ class CostPolicy(Policy):
         limit = best + p.tie_epsilon_s  # type: ignore[operator]
         tied = [name for name, t in predicted.items() if t <= limit]
         if len(tied) > 1 and p.tie_break_by_room:
-            tied_views = [v for v in pods if predicted[v.pod] <= limit]
-            if hot_set is not None and not charge:
-                for v in tied_views:
-                    hot[v.pod] = hot_set.count(v.pod, now)
-            tied = most_room(tied_views, hot)
+            tied = most_room([v for v in pods if predicted[v.pod] <= limit], hot_set, now)
         chosen = tied[0]
         if len(tied) > 1:  # rendezvous: the highest hash (the first of equal ones) wins
             rid = request.request_id.encode() + b"\x00"
@@ -408,7 +411,7 @@ class CostPolicy(Policy):
         )
 
     def on_routed(self, request: RouteRequest, pod: str) -> None:
-        key = _key(request)
+        key = (request.request_id, id(request))  # _key(request)
         scored = self._scored.pop(key, None)
         if scored is None:
             prompt = request.prompt_tokens
@@ -423,30 +426,31 @@ class CostPolicy(Policy):
         if old is not None:  # routed again (retry): forget the first attempt
             self._unledger(old[0], old[1], old[2], request.block_keys)
         self._live[key] = (pod, prompt, miss)
-        if self._p.count_inflight_prefixes:
-            self._inflight.add(pod, request.block_keys)
+        keys = request.block_keys
+        if keys and self._count_inflight:
+            self._inflight.add(pod, keys)
         if self._queue_rule:
-            self._queued.add(pod, key, request.block_keys)
+            self._queued.add(pod, key, keys)
         entry = self._ledger.setdefault(pod, [0, 0])
         entry[0] += prompt
         entry[1] += miss
         total = self._live_total
         total[0] += miss
         total[1] += 1
-        if self._p.hot_window_s > 0:
-            self._hot.routed(pod, request.block_keys, self.clock(), self._capacity.get(pod))
+        if keys and self._hot_on:  # (no block: nothing to hold)
+            self._hot.routed(pod, keys, self.clock(), self._capacity.get(pod))
 
     def on_first_token(self, request: RouteRequest, pod: str, ttft_s: float) -> None:
         if self._queue_rule:
-            self._queued.remove(_key(request))
+            self._queued.remove((request.request_id, id(request)))
         if self._kv:
             first = self._first
-            first[_key(request)] = self.clock()
+            first[(request.request_id, id(request))] = self.clock()
             if len(first) > _MAX_SCORED:  # requests never completed must not pile up
                 del first[next(iter(first))]
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
-        key = _key(request)
+        key = (request.request_id, id(request))  # _key(request)
         if self._queue_rule:
             self._queued.remove(key)
         first = self._first.pop(key, None) if self._first else None
@@ -467,7 +471,7 @@ class CostPolicy(Policy):
             self._live_total[1] -= 1
 
     def _unledger(self, pod: str, prompt: int, miss: int, keys: Sequence[int]) -> None:
-        if self._p.count_inflight_prefixes:
+        if keys and self._count_inflight:
             self._inflight.remove(pod, keys)
         entry = self._ledger.get(pod)
         if entry is not None:

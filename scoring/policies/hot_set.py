@@ -306,20 +306,44 @@ def evicted_hot(hot: int, new: int, capacity: int | None) -> int:
     return 0 if over <= 0 else min(over, new)
 
 
-def most_room(tied: Sequence[PodView], hot: dict[str, int]) -> list[str]:
-    """The names of the tied pods with the most room for a new prefix
-    (:func:`room`: vLLM's free blocks less the hot blocks
-    this router sent there) when every tied pod has it, else the fewest resident blocks
-    (all of them when a tied pod's count is unknown)."""
-    rooms: list[float] = []
+def most_room(tied: Sequence[PodView], hot: HotBlocks | None = None, now: float = 0.0) -> list[str]:
+    """The names of the tied pods with the most room for a new prefix (:func:`room`:
+    vLLM's free blocks less the blocks ``hot`` says this router sent there within its
+    window, read at ``now``) when every tied pod has it, else the fewest resident
+    blocks (all of them when a tied pod's count is unknown).
+
+    :func:`room` inlined (one pass, hot counts read only here): it runs on every
+    decision whose candidates tie, the usual case for a prefix no pod holds."""
+    most = -_INF
+    names: list[str] = []
+    trees = hot._pods if hot is not None else None
     for v in tied:
-        f = room(v, hot.get(v.pod, 0))
-        if f is None:
+        cap = v.capacity_blocks
+        if cap is None:
             break
-        rooms.append(f)
+        usage = v.kv_usage
+        if usage is not None and -_INF < usage < _INF:  # free_blocks (NaN fails both)
+            free = cap * (1.0 - (1.0 if usage > 1.0 else usage if usage > 0.0 else 0.0))
+        elif v.resident_blocks is not None:
+            free = float(cap - v.resident_blocks)
+        else:
+            break
+        if trees:  # hot.count(v.pod, now), inlined
+            tree = trees.get(v.pod)
+            if tree is not None:
+                if now >= tree.next_expiry:
+                    hot._expire(tree, now)  # type: ignore[union-attr]
+                n = tree.keys
+                left = cap - (n if n <= tree.limit else tree.limit)
+                if left < free:
+                    free = float(left)
+        if free > most:
+            most = free
+            names = [v.pod]
+        elif free == most:
+            names.append(v.pod)
     else:
-        most = max(rooms)
-        return [v.pod for v, r in zip(tied, rooms, strict=True) if r == most]
+        return names
     least = None
     for v in tied:
         if v.resident_blocks is None:

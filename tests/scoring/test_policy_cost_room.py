@@ -4,11 +4,12 @@ recently is not, and a miss that would push hot blocks out of a full cache pays 
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 from scoring.policies import PodView, RouteRequest, build_policy
 from scoring.policies.cost import CostPolicy
-from scoring.policies.hot_set import HotBlocks, evicted_hot, room
+from scoring.policies.hot_set import HotBlocks, evicted_hot, most_room, room
 
 BS = 16
 
@@ -123,6 +124,39 @@ def test_room_is_the_smaller_of_vllms_free_blocks_and_capacity_less_hot() -> Non
     assert room(view, hot=10) == 75.0  # running requests hold more than the hot set
     assert room(view, hot=40) == 60.0
     assert room(PodView(pod="p", resident_blocks=80), hot=10) is None  # capacity unknown
+
+
+def test_the_tie_break_keeps_the_pods_with_the_most_room_else_the_fewest_resident() -> None:
+    """``most_room`` (one pass, inlined for speed) against its definition: every tied
+    pod's :func:`room` known, the pods with the largest; else the fewest resident
+    blocks; else all of them.  Random views, with bogus usages (NaN, infinite, out of
+    [0, 1]) and pods with and without hot blocks."""
+    rng = random.Random(7)
+    usages = [None, 0.0, 0.3, 0.5, 1.0, 1.7, -0.2, float("nan"), float("inf")]
+    for _ in range(1000):
+        hot = HotBlocks(window_s=100.0)
+        for i in range(4):
+            hot.routed(f"p{i}", list(range(i * 1000, i * 1000 + 40 * i)), now=0.0)
+        views = [
+            PodView(
+                pod=f"p{i}",
+                kv_usage=rng.choice(usages),
+                resident_blocks=rng.choice([None, 0, 30, 60]),
+                capacity_blocks=rng.choice([None, 100, 100, 200]),
+            )
+            for i in range(rng.randint(2, 5))
+        ]
+        now = rng.choice([1.0, 150.0])  # the hot blocks within the window, or gone
+        rooms = [room(v, hot.count(v.pod, now)) for v in views]
+        if all(r is not None for r in rooms):
+            most = max(r for r in rooms if r is not None)
+            want = [v.pod for v, r in zip(views, rooms, strict=True) if r == most]
+        elif all(v.resident_blocks is not None for v in views):
+            least = min(v.resident_blocks for v in views if v.resident_blocks is not None)
+            want = [v.pod for v in views if v.resident_blocks == least]
+        else:
+            want = [v.pod for v in views]
+        assert most_room(views, hot, now) == want
 
 
 def test_a_pods_remembered_keys_are_bounded_by_its_capacity() -> None:
