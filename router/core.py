@@ -39,7 +39,7 @@ from router.fleet.scrape import MetricsScraper
 from router.fleet.tls import PodTLS, make_client
 from router.fleet.transport import PodTransport
 from router.indexer.lease import WriterLease
-from router.metrics import RouterMetrics, register_build_info
+from router.metrics import RouterMetrics, policy_families, register_build_info
 from router.metrics_share import SharedMetrics
 from router.shared_state import count_errors, make_guard
 from router.tokenize import PromptTokenizer, load_tokenizer
@@ -60,6 +60,11 @@ class RouterCore:
         register_build_info(self.metrics.registry, component, settings.policy)
         self.registry = PodRegistry()
         self.policy: Policy = build_policy(settings.policy, settings.policy_params)
+        self.metrics.add_collector(
+            lambda: policy_families(
+                self.policy.name, self.policy.learned(), self.policy.rejected_observations()
+            )
+        )
         self._tokenizers: dict[str, PromptTokenizer] = {}
         #: the one TLS context for https pods (requests, scrapes, health checks)
         self.pod_tls = PodTLS.from_settings(settings.proxy)

@@ -496,3 +496,26 @@ def gauge_family(name: str, doc: str, label: str, values: dict[str, float]) -> M
     for k, v in values.items():
         fam.add_metric([k], v)
     return fam
+
+
+def policy_families(name: str, learned: dict[str, float], rejected: dict[str, int]) -> list[Metric]:
+    """``kvroute_policy_learned{policy,quantity}`` (what the routing policy learned from
+    its observations: ``cost``'s prefill rate and decode time) and
+    ``kvroute_policy_rejected_observations_total{policy,reason}`` (observations it
+    dropped as bad input), built at scrape time from ``Policy.learned`` and
+    ``Policy.rejected_observations``."""
+    fam = GaugeMetricFamily(
+        "kvroute_policy_learned",
+        "What the routing policy learned from its observations, by quantity",
+        labels=["policy", "quantity"],
+    )
+    for k, v in learned.items():
+        fam.add_metric([name, k], v)
+    bad = CounterMetricFamily(
+        "kvroute_policy_rejected_observations",
+        "Observations the routing policy dropped as bad input, by reason",
+        labels=["policy", "reason"],
+    )
+    for k, n in rejected.items():
+        bad.add_metric([name, k], n)
+    return [fam, bad]

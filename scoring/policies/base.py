@@ -125,6 +125,16 @@ class Policy(ABC):
     def on_pod_removed(self, pod: str) -> None:  # noqa: B027
         """``pod`` left the fleet."""
 
+    def learned(self) -> dict[str, float]:
+        """What the policy has learned from its observations so far, by quantity
+        (``kvroute_policy_learned``; a policy that learns nothing returns ``{}``)."""
+        return {}
+
+    def rejected_observations(self) -> dict[str, int]:
+        """Observations the policy dropped as bad input, by reason
+        (``kvroute_policy_rejected_observations_total``)."""
+        return {}
+
     def routed_prefixes(self, keys: Sequence[int], pods: Sequence[str]) -> dict[str, int]:
         """Per pod, the leading blocks of ``keys`` this policy remembers routing there
         (pods with none left out).  The router's stand-in for the index's hits while the

@@ -20,6 +20,13 @@ leading blocks servable from tier ``t`` or faster (tiers fastest first)::
 both below.  With ``w = 1`` the score is the predicted TTFT: queue wait + own prefill +
 load from slower tiers.
 
+``prefill_rate_tokens_per_s`` is learned (``learn_prefill_rate``, default on): the
+fleet's prompt tokens per second of prefill, from the first tokens the router sees, a
+pod's service of a request running from its routing (or the pod's previous first token,
+FCFS) to its first token (scoring/policies/learned_rate.py).  The setting is the prior
+until first tokens come back; live, only streamed answers have a first token of their
+own, so a fleet serving only non-streamed requests keeps the prior.
+
 ``hot`` is the pod's hot working set as this policy knows it: the distinct blocks it
 routed there in the last ``hot_window_s`` (300 s, the lifetime hosted APIs give an
 unused cached prefix; scoring/policies/hot_set.py), and ``new`` the request's full
@@ -133,6 +140,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import xxhash
 
@@ -141,6 +149,7 @@ from scoring.policies.cost_params import CostParams
 from scoring.policies.hot_set import HotBlocks, evicted_hot, most_room
 from scoring.policies.inflight import InflightPrefixes
 from scoring.policies.kv_admission import DecodeTimes, admission_wait
+from scoring.policies.learned_rate import PrefillRate
 from scoring.policies.queued import QueuedPrompts, surviving
 from scoring.policies.select import require_candidates
 from scoring.policies.tiers import tier_hits
@@ -194,8 +203,9 @@ class CostPolicy(Policy):
         self._scored: OrderedDict[tuple[str, int], tuple[int, dict[str, int], str, int | None]] = (
             OrderedDict()
         )
-        # key -> (pod, prompt tokens, predicted uncached tokens), until complete
-        self._live: dict[tuple[str, int], tuple[str, int, int]] = {}
+        # key -> [pod, prompt tokens, predicted uncached tokens, routed at, first token
+        # at (-1: not yet)], until complete
+        self._live: dict[tuple[str, int], list[Any]] = {}
         # pod -> the block-key chains of the live requests routed there
         self._inflight = InflightPrefixes()
         # pod -> the chains of those not yet past prefill, in the order routed (kept
@@ -211,12 +221,30 @@ class CostPolicy(Policy):
         self._hot = HotBlocks(self._p.hot_window_s)
         # pod -> the capacity (blocks) its last view carried: bounds its hot set
         self._capacity: dict[str, int] = {}
-        # the time from first token to end, and when each live request's first came
+        # the time from first token to end (each live request's first: in _live)
         self._decode = DecodeTimes()
-        self._first: dict[tuple[str, int], float] = {}
         self._kv = self._p.kv_admission
+        # the fleet's prefill rate, learned from first tokens (None: the setting, fixed)
+        self._rate = (
+            PrefillRate(self._p.prefill_rate_tokens_per_s) if self._p.learn_prefill_rate else None
+        )
         self._count_inflight = self._p.count_inflight_prefixes
         self._hot_on = self._p.hot_window_s > 0
+
+    def learned(self) -> dict[str, float]:
+        """The prefill rate the scores use (learned, else the setting) and, with
+        ``kv_admission``, the mean decode time learned (0 until the first)."""
+        rate = self._p.prefill_rate_tokens_per_s if self._rate is None else self._rate.rate
+        out = {"prefill_rate_tokens_per_s": rate}
+        if self._kv:
+            out["decode_seconds"] = self._decode.mean_s
+        return out
+
+    def rejected_observations(self) -> dict[str, int]:
+        out = dict(self._rate.rejected) if self._rate is not None else {}
+        if self._decode.rejected:
+            out["decode time"] = self._decode.rejected
+        return out
 
     def hot_blocks(self, pod: str) -> int:
         """Distinct blocks routed to ``pod`` within ``hot_window_s`` (0 when off)."""
@@ -294,7 +322,7 @@ class CostPolicy(Policy):
         share_backlog = p.fleet_backlog_share * backlog
         miss_weight = p.miss_weight
         slowdown_per = p.decode_slowdown_per_running
-        rate = p.prefill_rate_tokens_per_s
+        rate = p.prefill_rate_tokens_per_s if self._rate is None else self._rate.rate
         tiers, rates = p.tiers, p.tier_load_rates_tokens_per_s
         inflight = self._inflight if p.count_inflight_prefixes and keys else None
         # what survives of a cached prefix: its LRU distance in the hot set, or without
@@ -425,7 +453,8 @@ class CostPolicy(Policy):
         old = self._live.pop(key, None)
         if old is not None:  # routed again (retry): forget the first attempt
             self._unledger(old[0], old[1], old[2], request.block_keys)
-        self._live[key] = (pod, prompt, miss)
+        now = self.clock()
+        self._live[key] = [pod, prompt, miss, now, -1.0]
         keys = request.block_keys
         if keys and self._count_inflight:
             self._inflight.add(pod, keys)
@@ -438,26 +467,25 @@ class CostPolicy(Policy):
         total[0] += miss
         total[1] += 1
         if keys and self._hot_on:  # (no block: nothing to hold)
-            self._hot.routed(pod, keys, self.clock(), self._capacity.get(pod))
+            self._hot.routed(pod, keys, now, self._capacity.get(pod))
 
     def on_first_token(self, request: RouteRequest, pod: str, ttft_s: float) -> None:
         if self._queue_rule:
             self._queued.remove((request.request_id, id(request)))
-        if self._kv:
-            first = self._first
-            first[(request.request_id, id(request))] = self.clock()
-            if len(first) > _MAX_SCORED:  # requests never completed must not pile up
-                del first[next(iter(first))]
+        live = self._live.get((request.request_id, id(request)))
+        if live is not None and live[0] == pod and live[4] < 0.0:
+            now = live[4] = self.clock()
+            if self._rate is not None:
+                self._rate.first_token(pod, live[3], now, live[2])
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
         key = (request.request_id, id(request))  # _key(request)
         if self._queue_rule:
             self._queued.remove(key)
-        first = self._first.pop(key, None) if self._first else None
-        if first is not None:
-            self._decode.add(self.clock() - first)
         old = self._live.pop(key, None)
         if old is not None:
+            if old[4] >= 0.0 and self._kv:
+                self._decode.add(self.clock() - old[4])
             self._unledger(old[0], old[1], old[2], request.block_keys)
 
     def on_pod_removed(self, pod: str) -> None:
@@ -466,6 +494,8 @@ class CostPolicy(Policy):
         self._queued.forget(pod)
         self._hot.forget(pod)
         self._capacity.pop(pod, None)
+        if self._rate is not None:
+            self._rate.forget(pod)
         for rid in [rid for rid, v in self._live.items() if v[0] == pod]:
             self._live_total[0] -= self._live.pop(rid)[2]
             self._live_total[1] -= 1

@@ -13,7 +13,10 @@ from scoring.policies.base import PolicyParams
 
 class CostParams(PolicyParams):
     prefill_rate_tokens_per_s: float = Field(
-        default=5000.0, gt=0.0, description="prompt tokens one pod prefills per second"
+        default=5000.0,
+        gt=0.0,
+        description="prompt tokens one pod prefills per second (with learn_prefill_rate: "
+        "the prior, until first tokens are observed)",
     )
     tier_load_rates_tokens_per_s: dict[str, float] = Field(
         default_factory=lambda: {"CPU": 50_000.0, "DISK": 10_000.0},
@@ -75,6 +78,11 @@ class CostParams(PolicyParams):
         default=True,
         description="add the wait for KV room on a pod whose free blocks cannot hold the "
         "request and the queue ahead (scoring/policies/kv_admission.py)",
+    )
+    learn_prefill_rate: bool = Field(
+        default=True,
+        description="learn the fleet's prefill rate from first tokens "
+        "(prefill_rate_tokens_per_s is then the prior; scoring/policies/learned_rate.py)",
     )
     seed: int = 0
 

@@ -38,15 +38,18 @@ class DecodeTimes:
     """The mean time from first token to end of the requests seen, recent ones weighted
     most (a running mean over the first :data:`WINDOW`, then an exponential one)."""
 
-    __slots__ = ("mean_s", "samples")
+    __slots__ = ("mean_s", "rejected", "samples")
 
     def __init__(self) -> None:
         self.mean_s = 0.0
         self.samples = 0
+        #: times dropped: a clock that went back, NaN or infinite (not a decode time)
+        self.rejected = 0
 
     def add(self, seconds: float) -> None:
         if not 0.0 <= seconds < math.inf:
-            return  # a clock that went back, NaN or infinite: not a decode time
+            self.rejected += 1
+            return
         n = self.samples = self.samples + 1
         self.mean_s += (seconds - self.mean_s) / (n if n < WINDOW else WINDOW)
 

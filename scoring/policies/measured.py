@@ -320,6 +320,9 @@ class MeasuredPolicy(Policy):
             {"cached_tokens": cached, "tied": len(tied), "evicted_hot_blocks": evicted},
         )
 
+    def rejected_observations(self) -> dict[str, int]:
+        return dict(self.calibration.rejected)
+
     # --- observations -------------------------------------------------------------
 
     def on_routed(self, request: RouteRequest, pod: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import math
 import platform
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -350,6 +351,31 @@ async def test_metrics_name_the_build_component_and_policy(rig: Rig) -> None:
     assert f'python="{platform.python_version()}"' in line
     assert f'version="{kvroute_version()}"' in line and line.endswith(" 1.0")
     assert kvroute_version() == importlib.metadata.version("kvroute")
+
+
+async def test_metrics_show_what_the_policy_learned_from_streamed_first_tokens(rig: Rig) -> None:
+    """``cost`` starts at its prior rate and learns the fleet's from first tokens; the
+    rejected observations family is there, empty, while nothing was bad."""
+
+    def rate(m: str) -> float:
+        (line,) = [
+            ln
+            for ln in m.splitlines()
+            if ln.startswith('kvroute_policy_learned{policy="cost",quantity="prefill_rate')
+        ]
+        return float(line.rsplit(" ", 1)[1])
+
+    before = await rig.metrics()
+    assert rate(before) == 5000.0
+    for i in range(3):
+        r = await rig.client.post(
+            "/v1/chat/completions", json=chat(f"learn {i} " * 50, stream=True, max_tokens=4)
+        )
+        assert r.status_code == 200, r.text
+    after = await rig.metrics()
+    assert rate(after) != 5000.0 and math.isfinite(rate(after)) and rate(after) > 0
+    assert 'kvroute_policy_learned{policy="cost",quantity="decode_seconds"}' in after
+    assert "# TYPE kvroute_policy_rejected_observations_total counter" in after
 
 
 def test_a_departed_pod_leaves_no_series_behind() -> None:

@@ -82,11 +82,18 @@ def test_cost_sends_a_miss_past_a_pod_whose_kv_is_held_by_running_requests() -> 
     assert scores["held"] == scores["free"]
 
 
-def test_first_tokens_of_requests_that_never_complete_do_not_pile_up() -> None:
+def test_first_tokens_are_kept_only_for_live_requests_the_policy_routed() -> None:
+    """A first token is remembered on the request's live entry (dropped at its end);
+    first tokens of requests the policy never routed leave nothing behind."""
     from scoring.policies import cost
 
     policy = build_policy("cost")
     assert isinstance(policy, cost.CostPolicy)
-    for i in range(cost._MAX_SCORED + 50):
+    for i in range(1000):
         policy.on_first_token(req(f"r{i}", [1]), "a", 0.1)
-    assert len(policy._first) == cost._MAX_SCORED
+    assert policy._live == {}
+    r = req("routed", [1])
+    policy.on_routed(r, "a")
+    policy.on_first_token(r, "a", 0.1)
+    policy.on_complete(r, "a")
+    assert policy._live == {} and policy._decode.samples == 1

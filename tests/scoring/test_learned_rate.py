@@ -1,0 +1,134 @@
+"""The fleet's prefill rate learned from first tokens (scoring/policies/learned_rate.py),
+and ``cost`` pricing its predictions with it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from scoring.policies import PodView, RouteRequest, build_policy
+from scoring.policies.cost import CostPolicy
+from scoring.policies.learned_rate import PrefillRate
+
+BS = 16
+
+
+def serve_fcfs(rate: PrefillRate, pod: str, arrivals: list[tuple[float, int]], tps: float) -> None:
+    """``pod`` serves ``(routed at, tokens)`` in order, one at a time, at ``tps`` tokens/s."""
+    free_at = 0.0
+    for at, tokens in arrivals:
+        start = max(at, free_at)
+        free_at = start + tokens / tps
+        assert rate.first_token(pod, at, free_at, tokens) is None
+
+
+def test_before_any_first_token_the_rate_is_the_prior() -> None:
+    assert PrefillRate(5000.0).rate == 5000.0
+    with pytest.raises(ValueError, match="prior_rate"):
+        PrefillRate(0.0)
+
+
+def test_a_pod_serving_fcfs_is_measured_at_its_rate_queued_or_idle() -> None:
+    """Queued requests' service starts at the previous first token, not at their routing
+    (the wait is queueing); an idle pod's starts at the routing (the gap is not work)."""
+    rate = PrefillRate(5000.0)
+    burst = [(0.0, 1000)] * 20  # all queued at once
+    idle = [(100.0 + 10.0 * i, 500 + 10 * i) for i in range(300)]  # one at a time
+    serve_fcfs(rate, "p", burst + idle, tps=2000.0)
+    assert rate.rate == pytest.approx(2000.0, rel=0.02)
+
+
+def test_pods_prefilling_side_by_side_do_not_share_their_service_time() -> None:
+    rate = PrefillRate(5000.0)
+    for k in range(100):
+        for pod in ("a", "b", "c"):
+            serve_fcfs(rate, pod, [(float(k), 800)], tps=1000.0)
+    assert rate.rate == pytest.approx(1000.0, rel=0.02)
+
+
+def test_the_prior_weighs_as_a_few_observations_and_fades() -> None:
+    rate = PrefillRate(5000.0, prior_weight=4.0)
+    serve_fcfs(rate, "p", [(0.0, 1000)], tps=1000.0)
+    assert 1000.0 < rate.rate < 5000.0  # one observation against four of the prior
+    serve_fcfs(rate, "p", [(10.0 * i, 1000) for i in range(1, 200)], tps=1000.0)
+    assert rate.rate == pytest.approx(1000.0, rel=0.02)
+
+
+def test_the_rate_follows_a_pod_that_slows_down() -> None:
+    rate = PrefillRate(5000.0, memory=64)
+    serve_fcfs(rate, "p", [(10.0 * i, 1000) for i in range(200)], tps=4000.0)
+    serve_fcfs(rate, "q", [(5000.0 + 10.0 * i, 1000) for i in range(400)], tps=1000.0)
+    assert rate.rate == pytest.approx(1000.0, rel=0.05)
+
+
+def test_bad_observations_are_dropped_counted_and_never_make_the_rate_bad() -> None:
+    rate = PrefillRate(5000.0)
+    serve_fcfs(rate, "p", [(0.0, 1000)], tps=1000.0)
+    before = rate.rate
+    assert rate.first_token("p", 5.0, 6.0, math.nan) == "tokens"
+    assert rate.first_token("p", 5.0, 6.0, -3) == "tokens"
+    assert rate.first_token("p", 5.0, math.inf, 100) == "clock"
+    assert rate.first_token("p", math.nan, 6.0, 100) == "clock"
+    assert rate.first_token("p", 7.0, 6.0, 100) == "first token before routing"
+    assert rate.rate == before and math.isfinite(rate.rate) and rate.rate > 0
+    assert rate.rejected == {"tokens": 2, "clock": 2, "first token before routing": 1}
+
+
+def test_fully_cached_requests_keep_the_rate_finite() -> None:
+    rate = PrefillRate(5000.0)
+    serve_fcfs(rate, "p", [(float(i), 0) for i in range(10)], tps=1000.0)
+    assert rate.rate == 5000.0  # no token observed yet: still the prior
+    rate.first_token("p", 20.0, 20.0, 0)
+    assert math.isfinite(rate.rate) and rate.rate > 0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def req(rid: str, blocks: int) -> RouteRequest:
+    keys = [hash((rid, i)) for i in range(blocks)]
+    return RouteRequest(
+        request_id=rid, model="m", prompt_tokens=blocks * BS, block_keys=keys, block_size=BS
+    )
+
+
+def test_cost_prices_a_miss_at_the_rate_its_first_tokens_show() -> None:
+    """The operator said 5000 tokens/s; the pods' first tokens say 1000: a 1,600-token
+    miss on an idle pod is then predicted at 1.6 s, and ``learned()`` says so."""
+    policy = build_policy("cost", {"prefill_rate_tokens_per_s": 5000.0, "kv_admission": False})
+    assert isinstance(policy, CostPolicy)
+    clock = Clock()
+    policy.clock = clock
+    views = [PodView(pod="p0"), PodView(pod="p1")]
+    assert policy.learned() == {"prefill_rate_tokens_per_s": 5000.0}
+    for i in range(300):  # one at a time, each a 1,600-token miss served at 1000 tokens/s
+        r = req(f"r{i}", 100)
+        pod = policy.pick(r, views).pod
+        policy.on_routed(r, pod)
+        clock.now += 1.6
+        policy.on_first_token(r, pod, 1.6)
+        policy.on_complete(r, pod)
+        clock.now += 1.0
+    assert policy.learned()["prefill_rate_tokens_per_s"] == pytest.approx(1000.0, rel=0.02)
+    decision = policy.pick(req("next", 100), views)
+    assert decision.scores["p0"] == pytest.approx(1.6, rel=0.02)
+    assert policy.rejected_observations() == {}
+
+
+def test_cost_with_learning_off_keeps_the_setting() -> None:
+    policy = build_policy("cost", {"learn_prefill_rate": False, "kv_admission": False})
+    clock = Clock()
+    policy.clock = clock
+    r = req("a", 100)
+    policy.on_routed(r, "p0")
+    clock.now = 10.0
+    policy.on_first_token(r, "p0", 10.0)
+    policy.on_complete(r, "p0")
+    assert policy.learned() == {"prefill_rate_tokens_per_s": 5000.0}
+    assert policy.pick(req("b", 100), [PodView(pod="p0")]).scores["p0"] == pytest.approx(0.32)
