@@ -21,9 +21,9 @@ both below.  With ``w = 1`` the score is the predicted TTFT: queue wait + own pr
 load from slower tiers.
 
 ``prefill_rate_tokens_per_s`` is learned (``learn_prefill_rate``, default on): the
-fleet's prompt tokens per second of prefill, from the first tokens the router sees, a
-pod's service of a request running from its routing (or the pod's previous first token,
-FCFS) to its first token (scoring/policies/learned_rate.py).  The setting is the prior
+fleet's prompt tokens per second of prefill, the slope of a pod's service of a request
+(from its routing, or the pod's previous first token, FCFS, to its first token) against
+its predicted uncached tokens (scoring/policies/learned_rate.py).  The setting is the prior
 until first tokens come back; live, only streamed answers have a first token of their
 own, so a fleet serving only non-streamed requests keeps the prior.
 

@@ -14,12 +14,19 @@ from scoring.policies.learned_rate import PrefillRate
 BS = 16
 
 
-def serve_fcfs(rate: PrefillRate, pod: str, arrivals: list[tuple[float, int]], tps: float) -> None:
-    """``pod`` serves ``(routed at, tokens)`` in order, one at a time, at ``tps`` tokens/s."""
+def serve_fcfs(
+    rate: PrefillRate,
+    pod: str,
+    arrivals: list[tuple[float, int]],
+    tps: float,
+    per_request_s: float = 0.0,
+) -> None:
+    """``pod`` serves ``(routed at, tokens)`` in order, one at a time: ``per_request_s``
+    plus the tokens at ``tps`` tokens/s each."""
     free_at = 0.0
     for at, tokens in arrivals:
         start = max(at, free_at)
-        free_at = start + tokens / tps
+        free_at = start + per_request_s + tokens / tps
         assert rate.first_token(pod, at, free_at, tokens) is None
 
 
@@ -33,38 +40,52 @@ def test_a_pod_serving_fcfs_is_measured_at_its_rate_queued_or_idle() -> None:
     """Queued requests' service starts at the previous first token, not at their routing
     (the wait is queueing); an idle pod's starts at the routing (the gap is not work)."""
     rate = PrefillRate(5000.0)
-    burst = [(0.0, 1000)] * 20  # all queued at once
-    idle = [(100.0 + 10.0 * i, 500 + 10 * i) for i in range(300)]  # one at a time
-    serve_fcfs(rate, "p", burst + idle, tps=2000.0)
+    burst = [(0.0, 500 + 50 * i) for i in range(20)]  # all queued at once
+    idle = [(100.0 + 10.0 * i, 200 + 37 * (i % 40)) for i in range(300)]  # one at a time
+    serve_fcfs(rate, "p", burst + idle, tps=2000.0, per_request_s=0.03)
     assert rate.rate == pytest.approx(2000.0, rel=0.02)
+
+
+def test_the_per_request_time_is_not_charged_to_the_tokens() -> None:
+    """Mostly cache hits (a few uncached tokens each, a 30 ms step apiece) and a few
+    misses: tokens over seconds would read the 20,000 tokens/s pod at a few thousand."""
+    rate = PrefillRate(5000.0)
+    sizes = [16 * (i % 4) if i % 10 else 4000 + 16 * (i % 7) for i in range(600)]
+    serve_fcfs(rate, "p", [(1.0 * i, n) for i, n in enumerate(sizes)], 20_000.0, 0.03)
+    assert rate.rate == pytest.approx(20_000.0, rel=0.02)
+    tokens_over_seconds = sum(sizes) / sum(0.03 + n / 20_000.0 for n in sizes)
+    assert tokens_over_seconds < 10_000.0
 
 
 def test_pods_prefilling_side_by_side_do_not_share_their_service_time() -> None:
     rate = PrefillRate(5000.0)
     for k in range(100):
-        for pod in ("a", "b", "c"):
-            serve_fcfs(rate, pod, [(float(k), 800)], tps=1000.0)
+        for j, pod in enumerate(("a", "b", "c")):
+            serve_fcfs(rate, pod, [(float(k), 300 + 100 * ((k + j) % 7))], tps=1000.0)
     assert rate.rate == pytest.approx(1000.0, rel=0.02)
 
 
-def test_the_prior_weighs_as_a_few_observations_and_fades() -> None:
-    rate = PrefillRate(5000.0, prior_weight=4.0)
-    serve_fcfs(rate, "p", [(0.0, 1000)], tps=1000.0)
-    assert 1000.0 < rate.rate < 5000.0  # one observation against four of the prior
-    serve_fcfs(rate, "p", [(10.0 * i, 1000) for i in range(1, 200)], tps=1000.0)
+def test_observations_that_cannot_tell_a_slope_leave_the_prior() -> None:
+    rate = PrefillRate(5000.0)
+    serve_fcfs(rate, "p", [(10.0 * i, 1000) for i in range(50)], tps=1000.0)
+    assert rate.rate == pytest.approx(5000.0)  # one size only: any rate fits
+    serve_fcfs(rate, "q", [(10.0 * i, 1000 + 200 * (i % 5)) for i in range(2)], tps=1000.0)
+    assert 1000.0 < rate.rate < 5000.0  # a first slope, against the prior's weight
+    serve_fcfs(rate, "q", [(100.0 + 10.0 * i, 500 + 200 * (i % 5)) for i in range(300)], 1000.0)
     assert rate.rate == pytest.approx(1000.0, rel=0.02)
 
 
 def test_the_rate_follows_a_pod_that_slows_down() -> None:
     rate = PrefillRate(5000.0, memory=64)
-    serve_fcfs(rate, "p", [(10.0 * i, 1000) for i in range(200)], tps=4000.0)
-    serve_fcfs(rate, "q", [(5000.0 + 10.0 * i, 1000) for i in range(400)], tps=1000.0)
+    serve_fcfs(rate, "p", [(10.0 * i, 500 + 97 * (i % 11)) for i in range(200)], tps=4000.0)
+    later = [(5000.0 + 10.0 * i, 500 + 97 * (i % 11)) for i in range(400)]
+    serve_fcfs(rate, "q", later, tps=1000.0)
     assert rate.rate == pytest.approx(1000.0, rel=0.05)
 
 
 def test_bad_observations_are_dropped_counted_and_never_make_the_rate_bad() -> None:
     rate = PrefillRate(5000.0)
-    serve_fcfs(rate, "p", [(0.0, 1000)], tps=1000.0)
+    serve_fcfs(rate, "p", [(0.0, 1000), (5.0, 2000)], tps=1000.0)
     before = rate.rate
     assert rate.first_token("p", 5.0, 6.0, math.nan) == "tokens"
     assert rate.first_token("p", 5.0, 6.0, -3) == "tokens"
@@ -75,12 +96,14 @@ def test_bad_observations_are_dropped_counted_and_never_make_the_rate_bad() -> N
     assert rate.rejected == {"tokens": 2, "clock": 2, "first token before routing": 1}
 
 
-def test_fully_cached_requests_keep_the_rate_finite() -> None:
-    rate = PrefillRate(5000.0)
-    serve_fcfs(rate, "p", [(float(i), 0) for i in range(10)], tps=1000.0)
-    assert rate.rate == 5000.0  # no token observed yet: still the prior
-    rate.first_token("p", 20.0, 20.0, 0)
-    assert math.isfinite(rate.rate) and rate.rate > 0
+def test_a_fit_that_would_make_the_rate_bad_keeps_the_last_one() -> None:
+    """Bigger requests answered sooner (a negative slope), every request fully cached,
+    a prior forgotten entirely: the rate stays finite and positive."""
+    rate = PrefillRate(5000.0, memory=2)
+    for i in range(200):
+        rate.first_token("p", 10.0 * i, 10.0 * i + (1.0 if i % 2 else 0.1), 100 * (i % 2 == 0))
+        rate.first_token("q", 10.0 * i, 10.0 * i + 0.01, 0)
+        assert math.isfinite(rate.rate) and rate.rate > 0
 
 
 class Clock:
@@ -99,19 +122,20 @@ def req(rid: str, blocks: int) -> RouteRequest:
 
 
 def test_cost_prices_a_miss_at_the_rate_its_first_tokens_show() -> None:
-    """The operator said 5000 tokens/s; the pods' first tokens say 1000: a 1,600-token
-    miss on an idle pod is then predicted at 1.6 s, and ``learned()`` says so."""
+    """The operator said 5000 tokens/s; the pods' first tokens say 1000 (and a 50 ms
+    step per request, which is not the tokens'): a 1,600-token miss on an idle pod is
+    then predicted at 1.6 s, and ``learned()`` says so."""
     policy = build_policy("cost", {"prefill_rate_tokens_per_s": 5000.0, "kv_admission": False})
     assert isinstance(policy, CostPolicy)
     clock = Clock()
     policy.clock = clock
     views = [PodView(pod="p0"), PodView(pod="p1")]
     assert policy.learned() == {"prefill_rate_tokens_per_s": 5000.0}
-    for i in range(300):  # one at a time, each a 1,600-token miss served at 1000 tokens/s
-        r = req(f"r{i}", 100)
+    for i in range(300):  # one at a time, misses of 800-2,384 tokens at 1000 tokens/s
+        r = req(f"r{i}", 50 + i % 100)
         pod = policy.pick(r, views).pod
         policy.on_routed(r, pod)
-        clock.now += 1.6
+        clock.now += 0.05 + r.prompt_tokens / 1000.0  # and a 50 ms step apiece
         policy.on_first_token(r, pod, 1.6)
         policy.on_complete(r, pod)
         clock.now += 1.0
