@@ -49,7 +49,19 @@ _INF = math.inf
 class PrefillRate:
     """Prompt tokens per second the fleet prefills, learned online (module docstring)."""
 
-    __slots__ = ("_decay", "_last", "_n", "_ts", "_tt", "_prior", "_pw", "_sec", "_tok", "rate", "rejected")
+    __slots__ = (
+        "_decay",
+        "_last",
+        "_n",
+        "_prior",
+        "_pw",
+        "_sec",
+        "_tok",
+        "_ts",
+        "_tt",
+        "rate",
+        "rejected",
+    )
 
     def __init__(
         self, prior_rate: float, memory: float = MEMORY, prior_weight: float = PRIOR_WEIGHT
