@@ -504,18 +504,25 @@ def policy_families(name: str, learned: dict[str, float], rejected: dict[str, in
     ``kvroute_policy_rejected_observations_total{policy,reason}`` (observations it
     dropped as bad input), built at scrape time from ``Policy.learned`` and
     ``Policy.rejected_observations``."""
-    fam = GaugeMetricFamily(
-        "kvroute_policy_learned",
-        "What the routing policy learned from its observations, by quantity",
-        labels=["policy", "quantity"],
-    )
-    for k, v in learned.items():
-        fam.add_metric([name, k], v)
-    bad = CounterMetricFamily(
-        "kvroute_policy_rejected_observations",
-        "Observations the routing policy dropped as bad input, by reason",
-        labels=["policy", "reason"],
-    )
-    for k, n in rejected.items():
-        bad.add_metric([name, k], n)
-    return [fam, bad]
+    families: list[Metric] = []
+    for cls, metric, doc, label, values in (
+        (
+            GaugeMetricFamily,
+            "kvroute_policy_learned",
+            "What the routing policy learned from its observations, by quantity",
+            "quantity",
+            learned,
+        ),
+        (
+            CounterMetricFamily,
+            "kvroute_policy_rejected_observations",
+            "Observations the routing policy dropped as bad input, by reason",
+            "reason",
+            rejected,
+        ),
+    ):
+        fam = cls(metric, doc, labels=["policy", label])
+        for k, v in values.items():
+            fam.add_metric([name, k], v)
+        families.append(fam)
+    return families
