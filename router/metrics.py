@@ -498,31 +498,26 @@ def gauge_family(name: str, doc: str, label: str, values: dict[str, float]) -> M
     return fam
 
 
-def policy_families(name: str, learned: dict[str, float], rejected: dict[str, int]) -> list[Metric]:
-    """``kvroute_policy_learned{policy,quantity}`` (what the routing policy learned from
-    its observations: ``cost``'s prefill rate and decode time) and
+def policy_families(
+    name: str, learned: dict[tuple[str, str], float], rejected: dict[str, int]
+) -> list[Metric]:
+    """``kvroute_policy_learned{policy,quantity,model}`` (what the routing policy learned
+    from its observations: ``cost``'s prefill rate and decode time, per model) and
     ``kvroute_policy_rejected_observations_total{policy,reason}`` (observations it
     dropped as bad input), built at scrape time from ``Policy.learned`` and
     ``Policy.rejected_observations``."""
-    families: list[Metric] = []
-    for cls, metric, doc, label, values in (
-        (
-            GaugeMetricFamily,
-            "kvroute_policy_learned",
-            "What the routing policy learned from its observations, by quantity",
-            "quantity",
-            learned,
-        ),
-        (
-            CounterMetricFamily,
-            "kvroute_policy_rejected_observations",
-            "Observations the routing policy dropped as bad input, by reason",
-            "reason",
-            rejected,
-        ),
-    ):
-        fam = cls(metric, doc, labels=["policy", label])
-        for k, v in values.items():
-            fam.add_metric([name, k], v)
-        families.append(fam)
-    return families
+    fam = GaugeMetricFamily(
+        "kvroute_policy_learned",
+        "What the routing policy learned from its observations, by quantity and model",
+        labels=["policy", "quantity", "model"],
+    )
+    for (quantity, model), v in learned.items():
+        fam.add_metric([name, quantity, model], v)
+    bad = CounterMetricFamily(
+        "kvroute_policy_rejected_observations",
+        "Observations the routing policy dropped as bad input, by reason",
+        labels=["policy", "reason"],
+    )
+    for reason, n in rejected.items():
+        bad.add_metric([name, reason], n)
+    return [fam, bad]

@@ -125,9 +125,9 @@ class Policy(ABC):
     def on_pod_removed(self, pod: str) -> None:  # noqa: B027
         """``pod`` left the fleet."""
 
-    def learned(self) -> dict[str, float]:
-        """What the policy has learned from its observations so far, by quantity
-        (``kvroute_policy_learned``; a policy that learns nothing returns ``{}``)."""
+    def learned(self) -> dict[tuple[str, str], float]:
+        """What the policy has learned from its observations so far, by (quantity,
+        model) (``kvroute_policy_learned``; a policy that learns nothing returns ``{}``)."""
         return {}
 
     def rejected_observations(self) -> dict[str, int]:

@@ -20,8 +20,9 @@ leading blocks servable from tier ``t`` or faster (tiers fastest first)::
 both below.  With ``w = 1`` the score is the predicted TTFT: queue wait + own prefill +
 load from slower tiers.
 
-``prefill_rate_tokens_per_s`` is learned (``learn_prefill_rate``, default on): the
-fleet's prompt tokens per second of prefill, the slope of a pod's service of a request
+``prefill_rate_tokens_per_s`` is learned (``learn_prefill_rate``, default on), per
+model over its pods (so are the decode times below): prompt tokens per second of
+prefill, the slope of a pod's service of a request
 (from its routing, or the pod's previous first token, FCFS, to its first token) against
 its predicted uncached tokens (scoring/policies/learned_rate.py).  The setting is the prior
 until first tokens come back; live, only streamed answers have a first token of their
@@ -188,6 +189,18 @@ def predict_ttft(
     return work / p.prefill_rate_tokens_per_s * slowdown + transfer, cached
 
 
+class _ModelRates:
+    """What one model's pods showed the policy: its prefill rate (None: not learned) and
+    its decode times.  Per model: a router in front of an 8B and a 70B model learns
+    each its own."""
+
+    __slots__ = ("decode", "prefill")
+
+    def __init__(self, prefill: PrefillRate | None) -> None:
+        self.prefill = prefill
+        self.decode = DecodeTimes()
+
+
 class CostPolicy(Policy):
     name = "cost"
     Params = CostParams
@@ -221,30 +234,43 @@ class CostPolicy(Policy):
         self._hot = HotBlocks(self._p.hot_window_s)
         # pod -> the capacity (blocks) its last view carried: bounds its hot set
         self._capacity: dict[str, int] = {}
-        # the time from first token to end (each live request's first: in _live)
-        self._decode = DecodeTimes()
         self._kv = self._p.kv_admission
-        # the fleet's prefill rate, learned from first tokens (None: the setting, fixed)
-        self._rate = (
-            PrefillRate(self._p.prefill_rate_tokens_per_s) if self._p.learn_prefill_rate else None
-        )
+        # model -> what its pods showed: the prefill rate, learned from first tokens
+        # (None: the setting, fixed), and the time from first token to end (each live
+        # request's first token: in _live)
+        self._models: dict[str, _ModelRates] = {}
         self._count_inflight = self._p.count_inflight_prefixes
         self._hot_on = self._p.hot_window_s > 0
 
-    def learned(self) -> dict[str, float]:
-        """The prefill rate the scores use (learned, else the setting) and, with
-        ``kv_admission``, the mean decode time learned (0 until the first)."""
-        rate = self._p.prefill_rate_tokens_per_s if self._rate is None else self._rate.rate
-        out = {"prefill_rate_tokens_per_s": rate}
-        if self._kv:
-            out["decode_seconds"] = self._decode.mean_s
+    def learned(self) -> dict[tuple[str, str], float]:
+        """Per model routed so far: the prefill rate the scores use (learned, else the
+        setting) and, with ``kv_admission``, the mean decode time (0 until the first)."""
+        out: dict[tuple[str, str], float] = {}
+        for model, m in self._models.items():
+            rate = self._p.prefill_rate_tokens_per_s if m.prefill is None else m.prefill.rate
+            out["prefill_rate_tokens_per_s", model] = rate
+            if self._kv:
+                out["decode_seconds", model] = m.decode.mean_s
         return out
 
     def rejected_observations(self) -> dict[str, int]:
-        out = dict(self._rate.rejected) if self._rate is not None else {}
-        if self._decode.rejected:
-            out["decode time"] = self._decode.rejected
+        out: dict[str, int] = {}
+        for m in self._models.values():
+            if m.prefill is not None:
+                for reason, n in m.prefill.rejected.items():
+                    out[reason] = out.get(reason, 0) + n
+            if m.decode.rejected:
+                out["decode time"] = out.get("decode time", 0) + m.decode.rejected
         return out
+
+    def _rates_of(self, model: str) -> _ModelRates:
+        m = self._models.get(model)
+        if m is None:
+            p = self._p
+            m = self._models[model] = _ModelRates(
+                PrefillRate(p.prefill_rate_tokens_per_s) if p.learn_prefill_rate else None
+            )
+        return m
 
     def hot_blocks(self, pod: str) -> int:
         """Distinct blocks routed to ``pod`` within ``hot_window_s`` (0 when off)."""
@@ -322,7 +348,8 @@ class CostPolicy(Policy):
         share_backlog = p.fleet_backlog_share * backlog
         miss_weight = p.miss_weight
         slowdown_per = p.decode_slowdown_per_running
-        rate = p.prefill_rate_tokens_per_s if self._rate is None else self._rate.rate
+        learned = self._models.get(request.model) or self._rates_of(request.model)
+        rate = p.prefill_rate_tokens_per_s if learned.prefill is None else learned.prefill.rate
         tiers, rates = p.tiers, p.tier_load_rates_tokens_per_s
         inflight = self._inflight if p.count_inflight_prefixes and keys else None
         # what survives of a cached prefix: its LRU distance in the hot set, or without
@@ -339,7 +366,7 @@ class CostPolicy(Policy):
         # hot counts are read only where they matter: every pod when misses are
         # charged their evictions, else only the tied pods of a room tie-break
         charge = hot_set is not None and p.charge_hot_evictions
-        decode_s = self._decode.mean_s if self._kv else 0.0
+        decode_s = learned.decode.mean_s if self._kv else 0.0
         unit = -1.0  # blocks of one queued request, computed when first needed
         best = None
         for pod, q, uncached in rows:
@@ -475,8 +502,9 @@ class CostPolicy(Policy):
         live = self._live.get((request.request_id, id(request)))
         if live is not None and live[0] == pod and live[4] < 0.0:
             now = live[4] = self.clock()
-            if self._rate is not None:
-                self._rate.first_token(pod, live[3], now, live[2])
+            m = self._models.get(request.model) or self._rates_of(request.model)
+            if m.prefill is not None:
+                m.prefill.first_token(pod, live[3], now, live[2])
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
         key = (request.request_id, id(request))  # _key(request)
@@ -485,7 +513,8 @@ class CostPolicy(Policy):
         old = self._live.pop(key, None)
         if old is not None:
             if old[4] >= 0.0 and self._kv:
-                self._decode.add(self.clock() - old[4])
+                m = self._models.get(request.model) or self._rates_of(request.model)
+                m.decode.add(self.clock() - old[4])
             self._unledger(old[0], old[1], old[2], request.block_keys)
 
     def on_pod_removed(self, pod: str) -> None:
@@ -494,8 +523,9 @@ class CostPolicy(Policy):
         self._queued.forget(pod)
         self._hot.forget(pod)
         self._capacity.pop(pod, None)
-        if self._rate is not None:
-            self._rate.forget(pod)
+        for m in self._models.values():
+            if m.prefill is not None:
+                m.prefill.forget(pod)
         for rid in [rid for rid, v in self._live.items() if v[0] == pod]:
             self._live_total[0] -= self._live.pop(rid)[2]
             self._live_total[1] -= 1

@@ -81,7 +81,7 @@ class CostParams(PolicyParams):
     )
     learn_prefill_rate: bool = Field(
         default=True,
-        description="learn the fleet's prefill rate from first tokens "
+        description="learn each model's prefill rate from first tokens "
         "(prefill_rate_tokens_per_s is then the prior; scoring/policies/learned_rate.py)",
     )
     seed: int = 0

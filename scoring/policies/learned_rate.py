@@ -23,9 +23,9 @@ prior; a fit that comes out non-positive keeps the last rate.
 
 The tokens are the ones the policy predicted uncached, so the rate is the one that turns
 the policy's own predictions into seconds: hits it over-counted (blocks evicted before
-the request ran) lower it, as do the decode steps sharing the GPU.  Pooled over the fleet
-(one rate: pods of one model usually run on one kind of GPU; a rate per pod would let
-noise break the ties that spread new prefixes).
+the request ran) lower it, as do the decode steps sharing the GPU.  Pooled over the pods
+of a model (``cost`` keeps one per model: they usually run on one kind of GPU; a rate
+per pod would let noise break the ties that spread new prefixes).
 
 The sums forget: each observation multiplies them by ``1 - 1 / memory``, the prior's
 weight too.  Bad input (a NaN or negative token count, a first token before its routing,

@@ -354,27 +354,33 @@ async def test_metrics_name_the_build_component_and_policy(rig: Rig) -> None:
 
 
 async def test_metrics_show_what_the_policy_learned_from_streamed_first_tokens(rig: Rig) -> None:
-    """``cost`` starts at its prior rate and learns the fleet's from first tokens; the
-    rejected observations family is there, empty, while nothing was bad."""
+    """``cost`` starts a model at its prior rate and learns the model's from first
+    tokens; the rejected observations family is there, empty, while nothing was bad."""
+    learned = (
+        f'kvroute_policy_learned{{model="{MODEL}",policy="cost",'
+        'quantity="prefill_rate_tokens_per_s"}'
+    )
 
     def rate(m: str) -> float:
-        (line,) = [
-            ln
-            for ln in m.splitlines()
-            if ln.startswith('kvroute_policy_learned{policy="cost",quantity="prefill_rate')
-        ]
+        (line,) = [ln for ln in m.splitlines() if ln.startswith(learned)]
         return float(line.rsplit(" ", 1)[1])
 
-    before = await rig.metrics()
-    assert rate(before) == 5000.0
+    assert learned not in await rig.metrics()  # no request of the model routed yet
+    r = await rig.client.post("/v1/chat/completions", json=chat("first", max_tokens=4))
+    assert r.status_code == 200, r.text
+    m = await rig.metrics()
+    assert rate(m) == 5000.0, [ln for ln in m.splitlines() if "policy_learned" in ln]
     for i in range(3):
         r = await rig.client.post(
-            "/v1/chat/completions", json=chat(f"learn {i} " * 50, stream=True, max_tokens=4)
+            "/v1/chat/completions", json=chat(f"learn {i} " * (20 + 30 * i), stream=True)
         )
         assert r.status_code == 200, r.text
     after = await rig.metrics()
     assert rate(after) != 5000.0 and math.isfinite(rate(after)) and rate(after) > 0
-    assert 'kvroute_policy_learned{policy="cost",quantity="decode_seconds"}' in after
+    assert (
+        f'kvroute_policy_learned{{model="{MODEL}",policy="cost",quantity="decode_seconds"}}'
+        in after
+    )
     assert "# TYPE kvroute_policy_rejected_observations_total counter" in after
 
 

@@ -91,9 +91,9 @@ def test_first_tokens_are_kept_only_for_live_requests_the_policy_routed() -> Non
     assert isinstance(policy, cost.CostPolicy)
     for i in range(1000):
         policy.on_first_token(req(f"r{i}", [1]), "a", 0.1)
-    assert policy._live == {}
+    assert policy._live == {} and policy.learned() == {}
     r = req("routed", [1])
     policy.on_routed(r, "a")
     policy.on_first_token(r, "a", 0.1)
     policy.on_complete(r, "a")
-    assert policy._live == {} and policy._decode.samples == 1
+    assert policy._live == {} and policy._models["m"].decode.samples == 1

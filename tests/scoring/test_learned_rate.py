@@ -130,7 +130,7 @@ def test_cost_prices_a_miss_at_the_rate_its_first_tokens_show() -> None:
     clock = Clock()
     policy.clock = clock
     views = [PodView(pod="p0"), PodView(pod="p1")]
-    assert policy.learned() == {"prefill_rate_tokens_per_s": 5000.0}
+    assert policy.learned() == {}  # no request of the model yet
     for i in range(300):  # one at a time, misses of 800-2,384 tokens at 1000 tokens/s
         r = req(f"r{i}", 50 + i % 100)
         pod = policy.pick(r, views).pod
@@ -139,7 +139,7 @@ def test_cost_prices_a_miss_at_the_rate_its_first_tokens_show() -> None:
         policy.on_first_token(r, pod, 1.6)
         policy.on_complete(r, pod)
         clock.now += 1.0
-    assert policy.learned()["prefill_rate_tokens_per_s"] == pytest.approx(1000.0, rel=0.02)
+    assert policy.learned()["prefill_rate_tokens_per_s", "m"] == pytest.approx(1000.0, rel=0.02)
     decision = policy.pick(req("next", 100), views)
     assert decision.scores["p0"] == pytest.approx(1.6, rel=0.02)
     assert policy.rejected_observations() == {}
@@ -154,5 +154,31 @@ def test_cost_with_learning_off_keeps_the_setting() -> None:
     clock.now = 10.0
     policy.on_first_token(r, "p0", 10.0)
     policy.on_complete(r, "p0")
-    assert policy.learned() == {"prefill_rate_tokens_per_s": 5000.0}
     assert policy.pick(req("b", 100), [PodView(pod="p0")]).scores["p0"] == pytest.approx(0.32)
+    assert policy.learned() == {("prefill_rate_tokens_per_s", "m"): 5000.0}
+
+
+def test_each_model_is_priced_at_its_own_pods_rate() -> None:
+    """One router in front of a small and a large model: each learns its own rate."""
+    policy = build_policy("cost", {"kv_admission": False})
+    clock = Clock()
+    policy.clock = clock
+    views = [PodView(pod="small-0"), PodView(pod="large-0")]
+    for i in range(300):
+        for model, pod, tps in (("small", "small-0", 8000.0), ("large", "large-0", 1000.0)):
+            r = RouteRequest(
+                request_id=f"{model}{i}",
+                model=model,
+                prompt_tokens=(50 + i % 100) * BS,
+                block_keys=[hash((model, i, k)) for k in range(50 + i % 100)],
+                block_size=BS,
+            )
+            policy.pick(r, [v for v in views if v.pod == pod])
+            policy.on_routed(r, pod)
+            clock.now += 0.02 + r.prompt_tokens / tps
+            policy.on_first_token(r, pod, 0.0)
+            policy.on_complete(r, pod)
+            clock.now += 1.0
+    learned = policy.learned()
+    assert learned["prefill_rate_tokens_per_s", "small"] == pytest.approx(8000.0, rel=0.02)
+    assert learned["prefill_rate_tokens_per_s", "large"] == pytest.approx(1000.0, rel=0.02)
