@@ -149,8 +149,8 @@ from scoring.policies.base import Decision, PodView, Policy, PolicyParams, Route
 from scoring.policies.cost_params import CostParams
 from scoring.policies.hot_set import HotBlocks, evicted_hot, most_room
 from scoring.policies.inflight import InflightPrefixes
-from scoring.policies.kv_admission import DecodeTimes, admission_wait
-from scoring.policies.learned_rate import PrefillRate
+from scoring.policies.kv_admission import admission_wait
+from scoring.policies.learned_rate import ModelRates, PrefillRate
 from scoring.policies.queued import QueuedPrompts, surviving
 from scoring.policies.select import require_candidates
 from scoring.policies.tiers import tier_hits
@@ -187,18 +187,6 @@ def predict_ttft(
     w = p.miss_weight if miss_weight is None else miss_weight
     work = queued + w * (prompt - cached)
     return work / p.prefill_rate_tokens_per_s * slowdown + transfer, cached
-
-
-class _ModelRates:
-    """What one model's pods showed the policy: its prefill rate (None: not learned) and
-    its decode times.  Per model: a router in front of an 8B and a 70B model learns
-    each its own."""
-
-    __slots__ = ("decode", "prefill")
-
-    def __init__(self, prefill: PrefillRate | None) -> None:
-        self.prefill = prefill
-        self.decode = DecodeTimes()
 
 
 class CostPolicy(Policy):
@@ -238,7 +226,7 @@ class CostPolicy(Policy):
         # model -> what its pods showed: the prefill rate, learned from first tokens
         # (None: the setting, fixed), and the time from first token to end (each live
         # request's first token: in _live)
-        self._models: dict[str, _ModelRates] = {}
+        self._models: dict[str, ModelRates] = {}
         self._count_inflight = self._p.count_inflight_prefixes
         self._hot_on = self._p.hot_window_s > 0
 
@@ -263,11 +251,11 @@ class CostPolicy(Policy):
                 out["decode time"] = out.get("decode time", 0) + m.decode.rejected
         return out
 
-    def _rates_of(self, model: str) -> _ModelRates:
+    def _rates_of(self, model: str) -> ModelRates:
         m = self._models.get(model)
         if m is None:
             p = self._p
-            m = self._models[model] = _ModelRates(
+            m = self._models[model] = ModelRates(
                 PrefillRate(p.prefill_rate_tokens_per_s) if p.learn_prefill_rate else None
             )
         return m

@@ -38,6 +38,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+from scoring.policies.kv_admission import DecodeTimes
+
 #: observations the sums remember (the same memory as the decode times of
 #: scoring/policies/kv_admission.py)
 MEMORY = 256.0
@@ -126,3 +128,15 @@ class PrefillRate:
     def forget(self, pod: str) -> None:
         """``pod`` left the fleet."""
         self._last.pop(pod, None)
+
+
+class ModelRates:
+    """What one model's pods showed a policy: its prefill rate (None: not learned) and
+    its decode times (scoring/policies/kv_admission.py).  Per model: a router in front
+    of an 8B and a 70B model learns each its own."""
+
+    __slots__ = ("decode", "prefill")
+
+    def __init__(self, prefill: PrefillRate | None) -> None:
+        self.prefill = prefill
+        self.decode = DecodeTimes()
