@@ -159,10 +159,6 @@ _h64 = xxhash.xxh3_64_intdigest
 _MAX_SCORED = 65_536
 
 
-def _key(request: RouteRequest) -> tuple[str, int]:
-    return (request.request_id, id(request))
-
-
 def predict_ttft(
     request: RouteRequest,
     pod: PodView,
@@ -328,15 +324,12 @@ class CostPolicy(Policy):
             size: float = max(1, prompt)
             backlog_weight = 12.0 if p.backlog_weight is None else p.backlog_weight
         else:  # "request": the backlog in requests = the followers a miss delays
-            live_miss, live_count = self._live_total  # backlog_unit_tokens, inlined
-            size = live_miss / live_count if live_count > 0 else prompt
-            if size < 1.0:
-                size = 1.0
+            size = self.backlog_unit_tokens(prompt)
             backlog_weight = 1.0 if p.backlog_weight is None else p.backlog_weight
         share_backlog = p.fleet_backlog_share * backlog
         miss_weight = p.miss_weight
         slowdown_per = p.decode_slowdown_per_running
-        learned = self._models.get(request.model) or self._rates_of(request.model)
+        learned = self._rates_of(request.model)
         rate = p.prefill_rate_tokens_per_s if learned.prefill is None else learned.prefill.rate
         tiers, rates = p.tiers, p.tier_load_rates_tokens_per_s
         inflight = self._inflight if p.count_inflight_prefixes and keys else None
@@ -454,7 +447,7 @@ class CostPolicy(Policy):
         )
 
     def on_routed(self, request: RouteRequest, pod: str) -> None:
-        key = (request.request_id, id(request))  # _key(request)
+        key = (request.request_id, id(request))
         scored = self._scored.pop(key, None)
         if scored is None:
             prompt = request.prompt_tokens
@@ -490,18 +483,18 @@ class CostPolicy(Policy):
         live = self._live.get((request.request_id, id(request)))
         if live is not None and live[0] == pod and live[4] < 0.0:
             now = live[4] = self.clock()
-            m = self._models.get(request.model) or self._rates_of(request.model)
+            m = self._rates_of(request.model)
             if m.prefill is not None:
                 m.prefill.first_token(pod, live[3], now, live[2])
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
-        key = (request.request_id, id(request))  # _key(request)
+        key = (request.request_id, id(request))
         if self._queue_rule:
             self._queued.remove(key)
         old = self._live.pop(key, None)
         if old is not None:
             if old[4] >= 0.0 and self._kv:
-                m = self._models.get(request.model) or self._rates_of(request.model)
+                m = self._rates_of(request.model)
                 m.decode.add(self.clock() - old[4])
             self._unledger(old[0], old[1], old[2], request.block_keys)
 

@@ -1,4 +1,4 @@
-"""The fleet's prefill rate, learned from the first tokens the router sees.
+"""A model's prefill rate, learned from the first tokens the router sees.
 
 ``cost`` prices queued and uncached prompt tokens in seconds at a prefill rate.  An
 operator can set it (``prefill_rate_tokens_per_s``), but a router in front of real pods
@@ -49,7 +49,7 @@ _INF = math.inf
 
 
 class PrefillRate:
-    """Prompt tokens per second the fleet prefills, learned online (module docstring)."""
+    """Prompt tokens per second a model's pods prefill, learned online (module docstring)."""
 
     __slots__ = (
         "_decay",
@@ -84,11 +84,6 @@ class PrefillRate:
         self.rate = prior_rate
         #: rejected observations, by reason
         self.rejected: Counter[str] = Counter()
-
-    @property
-    def observations(self) -> float:
-        """The forgotten count of observations (at most ``memory``)."""
-        return self._n
 
     def first_token(self, pod: str, routed_at: float, now: float, tokens: float) -> str | None:
         """A request routed to ``pod`` at ``routed_at`` with ``tokens`` predicted uncached
