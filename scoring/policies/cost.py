@@ -362,8 +362,10 @@ class CostPolicy(Policy):
                 c, transfer = tier_hits(hits, prompt, bs, tiers, rates)
             else:
                 c, transfer = 0, 0.0
+            held = 0  # leading blocks live requests routed here hold (not free)
             if inflight is not None:
-                c = max(c, min(inflight.hits(name, keys) * bs, prompt))
+                held = inflight.hits(name, keys)
+                c = max(c, min(held * bs, prompt))
             cap_b = pod.capacity_blocks
             if not c or not cap_b:
                 pass
@@ -397,7 +399,10 @@ class CostPolicy(Policy):
                 usage = pod.kv_usage
                 if usage is not None:
                     free = cap_b * (1.0 - usage)
-                    need: float = -(-miss // bs)
+                    # every block of the prompt no running request holds: its cached
+                    # prefix too, which leaves the free pool when it is hit (vLLM counts
+                    # evictable computed blocks as blocks to allocate)
+                    need: float = -(-prompt // bs) - held
                     waiting = pod.waiting
                     if waiting:
                         if unit < 0:

@@ -5,17 +5,24 @@ vLLM admits a waiting request only when the pool can supply the blocks of its ne
 chunk (``vllm/v1/core/sched/scheduler.py``; ``scoring/replay/vllm_sched.py``).  Blocks
 held by running requests are not free; cached blocks no running request holds are (they
 are evicted LRU).  vLLM reports the held share as ``kv_cache_usage_perc``
-(``PodView.kv_usage``).  On a pod whose cache holds a few long prompts at a time, a
+(``PodView.kv_usage``).  A hit takes its cached blocks out of the free pool too: vLLM
+counts a computed block nobody holds as a block to allocate
+(``get_num_blocks_to_allocate``'s evictable computed blocks), so a turn of a long
+conversation whose previous turn has ended needs room for its whole context, not only
+for its new tokens.  On a pod whose cache holds a few long prompts at a time, a
 newcomer that does not fit waits for decodes, seconds, not for prefill::
 
     free     = capacity_blocks * (1 - kv_usage)
-    need     = the request's uncached blocks + waiting * unit   # the queue ahead first
+    need     = the request's blocks - held + waiting * unit     # the queue ahead first
     deficit  = need - free                                      # <= 0: no wait
     per_run  = capacity_blocks * kv_usage / running             # blocks a finish frees
     k        = ceil(deficit / per_run)                          # finishes needed
     wait     = decode_s * min(k, running + 1) / (running + 1)
 
-``unit`` is the mean uncached blocks of the requests the policy routes (its
+``held`` is the leading blocks of the prompt that live requests routed to the pod
+carry (``cost``'s in-flight prefixes: held, so not taken from the pool again; 0 with
+``count_inflight_prefixes`` off), ``unit`` the mean uncached blocks of the requests the
+policy routes (its
 ``backlog_unit_tokens``), ``decode_s`` the mean time from a request's first token to its
 end, learned from what the router sees (:class:`DecodeTimes`; streamed requests only:
 a non-streamed answer has no first token of its own), 0 until then.  The ``k``-th of

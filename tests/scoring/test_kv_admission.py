@@ -97,3 +97,30 @@ def test_first_tokens_are_kept_only_for_live_requests_the_policy_routed() -> Non
     policy.on_first_token(r, "a", 0.1)
     policy.on_complete(r, "a")
     assert policy._live == {} and policy._models["m"].decode.samples == 1
+
+
+def test_a_cached_prefix_no_live_request_holds_needs_room_too() -> None:
+    """vLLM takes a hit's cached blocks out of the free pool when it admits the request
+    (an evictable computed block counts as a block to allocate): on a pod whose free
+    blocks hold the new block but not the 40 cached ones, the request waits, unless a
+    live request routed there holds that prefix already."""
+    now = [0.0]
+    policy = build_policy("cost", {"tie_break_by_room": False})
+    policy.clock = lambda: now[0]
+    warm = req("w", [9, 9, 9])  # a decode time of 3 s
+    policy.on_routed(warm, "a")
+    policy.on_first_token(warm, "a", 0.1)
+    now[0] = 3.0
+    policy.on_complete(warm, "a")
+    prefix = list(range(100, 140))
+    holder = req("h", prefix)  # live on "shared": it holds the 40 blocks
+    policy.on_routed(holder, "shared")
+    pods = []
+    for name in ("idle", "shared"):  # 20 of 100 blocks free; both caches hold the prefix
+        v = view(capacity_blocks=100, kv_usage=0.8, running=2, hits={"GPU": 40})
+        v.pod = name
+        pods.append(v)
+    decision = policy.pick(req("n", [*prefix, 999]), pods)  # 41 blocks, 1 uncached
+    assert decision.pod == "shared"
+    # "idle": 41 blocks needed, 21 short, one of two runs frees 40: a third of 3 s
+    assert decision.scores["idle"] - decision.scores["shared"] == pytest.approx(1.0)
