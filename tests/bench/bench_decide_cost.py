@@ -1,0 +1,114 @@
+"""The decision's CPU cost per request, in whichever source tree runs it, to set two trees
+side by side (issue #9's bound: within 10% of its tree's).
+
+    python tests/bench/bench_decide_cost.py [--requests 10000] [--repeat 3]
+    cd DIR && PYTHONPATH=DIR python /path/to/bench_decide_cost.py   # an older tree
+
+``bench_hot_path.py``'s ``decide`` loop without the rest of that bench: 4 simulated pods
+(``kvroute sim --time-scale 0``), `kvroute serve`'s app built in this process,
+``RequestRouter.decide`` on the tiny completion of ``bench_router_overhead.py``, and the
+policy's hooks after it.  Three loops, each ``--requests`` long, ``--repeat`` times in
+turn; the median CPU microseconds per request of each:
+
+* ``decide``   — the decision alone;
+* ``decide+2`` — with ``on_routed`` and ``on_complete``;
+* ``decide+4`` — with ``on_first_token`` and ``on_finished`` too (a tree whose policy
+  lacks them runs without them: then it equals ``decide+2``).
+
+It imports the app from ``router.proxy.app`` or, in a tree from before the layout move
+(issue #9's ``eb283af``), from ``router.app``.  Run the trees in turn, several times: the
+machine is shared.  Only 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_router_overhead as overhead
+
+try:
+    from router.decision.request import parse_body
+    from router.proxy.app import create_app
+except ImportError:  # a tree from before the layout move
+    from router.app import create_app  # type: ignore[no-redef]
+    from router.routing import parse_body  # type: ignore[no-redef]
+from router.config import Settings
+
+HEADERS = {"host": "127.0.0.1", "content-type": "application/json"}
+
+
+async def loops(urls: list[str], n: int, repeat: int) -> dict[str, list[float]]:
+    static = [{"name": f"sim-{i}", "url": u, "models": ["sim-model"]} for i, u in enumerate(urls)]
+    settings = Settings.load(["--discovery.static", json.dumps(static), "--log-level", "warning"])
+    app = create_app(settings)
+    inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+    lifespan = asyncio.create_task(app(scope, inbox.get, outbox.put))  # type: ignore[arg-type]
+    await inbox.put({"type": "lifespan.startup"})
+    started = await outbox.get()
+    if started["type"] != "lifespan.startup.complete":
+        raise RuntimeError(f"the app did not start: {started}")
+    try:
+        router, policy = app.state.gateway.router, app.state.gateway.policy
+        first = getattr(policy, "on_first_token", None)
+        finished = getattr(policy, "on_finished", None)
+        body = overhead.BODY
+        for _ in range(1000):  # warm up
+            await router.decide("completion", parse_body(body), HEADERS)
+        out: dict[str, list[float]] = {"decide": [], "decide+2": [], "decide+4": []}
+        for _ in range(repeat):
+            for name in out:
+                t0 = time.process_time()
+                for _ in range(n):
+                    routed = await router.decide("completion", parse_body(body), HEADERS)
+                    if name == "decide":
+                        continue
+                    route, pod = routed.route, routed.ranking[0]
+                    policy.on_routed(route, pod)
+                    if name == "decide+4":
+                        if first is not None:
+                            first(route, pod, 0.01)
+                        if finished is not None:
+                            finished(route, pod, None)
+                    policy.on_complete(route, pod)
+                out[name].append(1e6 * (time.process_time() - t0) / n)
+        return out
+    finally:
+        await inbox.put({"type": "lifespan.shutdown"})
+        await outbox.get()
+        await lifespan
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument("--repeat", type=int, default=3)
+    a = ap.parse_args()
+    if a.requests < 1 or a.repeat < 1:
+        print("bench_decide_cost: --requests and --repeat must be >= 1", file=sys.stderr)
+        return 2
+    sims = [overhead.start_sim(i) for i in range(4)]
+    try:
+        for _, url in sims:
+            overhead.wait_completion(int(url.rsplit(":", 1)[1]))
+        out = uvloop.run(loops([u for _, u in sims], a.requests, a.repeat))
+    finally:
+        for proc, _ in sims:
+            proc.stop()
+    print(json.dumps({k: round(statistics.median(v), 2) for k, v in out.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
