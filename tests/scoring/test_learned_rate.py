@@ -182,3 +182,38 @@ def test_each_model_is_priced_at_its_own_pods_rate() -> None:
     learned = policy.learned()
     assert learned["prefill_rate_tokens_per_s", "small"] == pytest.approx(8000.0, rel=0.02)
     assert learned["prefill_rate_tokens_per_s", "large"] == pytest.approx(1000.0, rel=0.02)
+
+
+def test_without_a_tie_band_or_kv_wait_the_rate_only_scales_the_predictions() -> None:
+    """Every term of the score but the tie band and the wait for KV room is tokens over
+    the rate: with both off, two very different rates make the same choices, each
+    prediction scaled by their ratio.  (So where a learned rate changes decisions, it
+    is through those two.)"""
+    import random
+
+    rng = random.Random(7)
+    fixed = {"learn_prefill_rate": False, "tie_epsilon_s": 0.0, "kv_admission": False}
+    slow = build_policy("cost", {**fixed, "prefill_rate_tokens_per_s": 2_000.0})
+    fast = build_policy("cost", {**fixed, "prefill_rate_tokens_per_s": 50_000.0})
+    for policy in (slow, fast):
+        policy.clock = lambda: 0.0
+    for i in range(200):
+        keys = [rng.randrange(4) for _ in range(rng.randint(1, 12))]
+        views = [
+            PodView(
+                pod=f"p{j}",
+                hits={"GPU": rng.randint(0, len(keys))},
+                outstanding_prefill_tokens=rng.randint(0, 4000),
+                running=rng.randint(0, 8),
+            )
+            for j in range(4)
+        ]
+        request = RouteRequest(f"r{i}", "m", len(keys) * BS + 5, keys, BS)
+        a, b = slow.pick(request, views), fast.pick(request, views)
+        assert a.pod == b.pod
+        for pod, score in a.scores.items():
+            assert score == pytest.approx(b.scores[pod] * 25.0)
+        for policy, decision in ((slow, a), (fast, b)):
+            policy.on_routed(request, decision.pod)
+            if i % 3 == 0:
+                policy.on_complete(request, decision.pod)
