@@ -196,12 +196,12 @@ class CostPolicy(Policy):
         # Requests are keyed by (request_id, id(request)): a client may reuse an id, and
         # the router hands the same RouteRequest object to pick / on_routed / on_complete.
         # key -> (prompt tokens, {pod: predicted cached tokens}, chosen pod, its
-        # capacity in blocks), until routed
-        self._scored: OrderedDict[tuple[str, int], tuple[int, dict[str, int], str, int | None]] = (
-            OrderedDict()
-        )
+        # capacity in blocks, the model's rates), until routed
+        self._scored: OrderedDict[
+            tuple[str, int], tuple[int, dict[str, int], str, int | None, ModelRates]
+        ] = OrderedDict()
         # key -> [pod, prompt tokens, predicted uncached tokens, routed at, first token
-        # at (-1: not yet)], until complete
+        # at (-1: not yet), the model's rates], until complete
         self._live: dict[tuple[str, int], list[Any]] = {}
         # pod -> the block-key chains of the live requests routed there
         self._inflight = InflightPrefixes()
@@ -225,6 +225,24 @@ class CostPolicy(Policy):
         self._models: dict[str, ModelRates] = {}
         self._count_inflight = self._p.count_inflight_prefixes
         self._hot_on = self._p.hot_window_s > 0
+        p = self._p
+        by_prompt = p.backlog_unit == "prompt"
+        default_weight = 12.0 if by_prompt else 1.0
+        # the settings pick reads, resolved once (params are frozen): it runs per request
+        self._by_prompt = by_prompt
+        self._backlog_weight = default_weight if p.backlog_weight is None else p.backlog_weight
+        self._charge = self._hot_on and p.charge_hot_evictions
+        self._room_ties = p.tie_break_by_room
+        self._settings = (
+            p.discount_queued_hits,
+            p.fleet_backlog_share,
+            p.miss_weight,
+            p.decode_slowdown_per_running,
+            p.tiers,
+            p.tier_load_rates_tokens_per_s,
+            p.tiers[0] if p.tiers else None,  # the fastest tier (alone: no transfer)
+            p.tie_epsilon_s,
+        )
 
     def learned(self) -> dict[tuple[str, str], float]:
         """Per model routed so far: the prefill rate the scores use (learned, else the
@@ -299,40 +317,39 @@ class CostPolicy(Policy):
             require_candidates(self.name, pods)  # raises
         p = self._p
         ledger_get = self._ledger.get
-        discount = p.discount_queued_hits
+        discount, share, miss_weight, slowdown_per, tiers, rates, gpu, eps = self._settings
         # per pod: (view, queued tokens, live uncached tokens); their total queued
-        rows: list[tuple[PodView, float, float]] = []
+        rows: list[tuple[PodView, float, int]] = []
         total = 0.0
+        # (ints stay ints: every one below 2**53 meets a float exactly as float() of it)
+        q: float
         for pod in pods:
-            outstanding = pod.outstanding_prefill_tokens
             entry = ledger_get(pod.pod)
             if entry is None:
-                q = float(outstanding)
-                rows.append((pod, q, 0.0))
+                q = pod.outstanding_prefill_tokens
+                rows.append((pod, q, 0))
             else:
                 if not discount or entry[0] <= 0:
-                    q = float(outstanding)
+                    q = pod.outstanding_prefill_tokens
                 else:
-                    q = outstanding * entry[1] / entry[0]
-                rows.append((pod, q, float(entry[1])))
+                    q = pod.outstanding_prefill_tokens * entry[1] / entry[0]
+                rows.append((pod, q, entry[1]))
             total += q  # (as sum() over the list: the same additions in the same order)
         backlog = total / len(pods)
         prompt = request.prompt_tokens
         bs = request.block_size
         keys = request.block_keys
-        if p.backlog_unit == "prompt":
+        if self._by_prompt:
             size: float = max(1, prompt)
-            backlog_weight = 12.0 if p.backlog_weight is None else p.backlog_weight
         else:  # "request": the backlog in requests = the followers a miss delays
-            size = self.backlog_unit_tokens(prompt)
-            backlog_weight = 1.0 if p.backlog_weight is None else p.backlog_weight
-        share_backlog = p.fleet_backlog_share * backlog
-        miss_weight = p.miss_weight
-        slowdown_per = p.decode_slowdown_per_running
-        learned = self._rates_of(request.model)
+            live_miss, live_count = self._live_total  # (backlog_unit_tokens, inlined)
+            size = max(1.0, live_miss / live_count if live_count > 0 else prompt)
+        backlog_weight = self._backlog_weight
+        share_backlog = share * backlog
+        learned = self._models.get(request.model) or self._rates_of(request.model)
         rate = p.prefill_rate_tokens_per_s if learned.prefill is None else learned.prefill.rate
-        tiers, rates = p.tiers, p.tier_load_rates_tokens_per_s
-        inflight = self._inflight if p.count_inflight_prefixes and keys else None
+        inflight = self._inflight if self._count_inflight and keys else None
+        live_on = inflight.pods if inflight is not None else None  # pods with live chains
         # what survives of a cached prefix: its LRU distance in the hot set, or without
         # one the queue rule (pod -> its prompts not past prefill, only pods with one)
         lru = self._hot if self._lru and keys else None
@@ -340,32 +357,42 @@ class CostPolicy(Policy):
         predicted: dict[str, float] = {}
         cached: dict[str, int] = {}
         weights: dict[str, float] = {}
-        hot: dict[str, int] = {}
         evicted: dict[str, int] = {}
-        hot_set = self._hot if p.hot_window_s > 0 else None
+        hot_set = self._hot if self._hot_on else None
         now = self.clock() if hot_set is not None else 0.0
         # hot counts are read only where they matter: every pod when misses are
         # charged their evictions, else only the tied pods of a room tie-break
-        charge = hot_set is not None and p.charge_hot_evictions
+        charge = self._charge
         decode_s = learned.decode.mean_s if self._kv else 0.0
         unit = -1.0  # blocks of one queued request, computed when first needed
+        prompt_blocks = -(-prompt // bs)
         best = None
         for pod, q, uncached in rows:
             name = pod.pod
-            own = q if q >= uncached else uncached  # max(q, live_uncached)
+            own: float = q if q >= uncached else uncached  # max(q, live_uncached)
             b = backlog if backlog <= own else own  # min(backlog, own)
             if share_backlog >= b:  # max(share_backlog, b)
                 b = share_backlog
             w = weights[name] = miss_weight + backlog_weight * b / size
             hits = pod.hits
-            if hits:
-                c, transfer = tier_hits(hits, prompt, bs, tiers, rates)
-            else:
+            if not hits:
                 c, transfer = 0, 0.0
+            elif len(hits) == 1 and gpu in hits:  # (tier_hits' result, without the loop)
+                c = hits[gpu] * bs
+                if c > prompt:
+                    c = prompt
+                transfer = 0.0
+            else:
+                c, transfer = tier_hits(hits, prompt, bs, tiers, rates)
             held = 0  # leading blocks live requests routed here hold (not free)
-            if inflight is not None:
-                held = inflight.hits(name, keys)
-                c = max(c, min(held * bs, prompt))
+            if live_on is not None and name in live_on:
+                held = inflight.hits(name, keys)  # type: ignore[union-attr]
+                if held:  # c = max(c, min(held * bs, prompt))
+                    hb = held * bs
+                    if hb > prompt:
+                        hb = prompt
+                    if hb > c:
+                        c = hb
             cap_b = pod.capacity_blocks
             if not c or not cap_b:
                 pass
@@ -382,19 +409,22 @@ class CostPolicy(Policy):
                 keep = surviving(queues[name], keys, cb, cap_b)
                 if keep < cb:
                     c = keep * bs
-            running = pod.running
-            if running is None:
-                running = pod.inflight
             miss = prompt - c
             if charge:
-                h = hot[name] = hot_set.count(name, now)  # type: ignore[union-attr]
+                h = hot_set.count(name, now)  # type: ignore[union-attr]
                 # hot blocks this request's freshly computed blocks push out: each is
                 # a miss a later request pays (0 while the hot set fits the cache)
                 e = evicted_hot(h, len(keys) - c // bs, pod.capacity_blocks)
                 if e:
                     evicted[name] = e
                     miss += e * bs
-            t = (q + w * miss) / rate * (1.0 + slowdown_per * running) + transfer
+            if slowdown_per:
+                running = pod.running
+                if running is None:
+                    running = pod.inflight
+                t = (q + w * miss) / rate * (1.0 + slowdown_per * running) + transfer
+            else:  # (the same float: x * 1.0 is x)
+                t = (q + w * miss) / rate + transfer
             if decode_s and cap_b:
                 usage = pod.kv_usage
                 if usage is not None:
@@ -402,7 +432,7 @@ class CostPolicy(Policy):
                     # every block of the prompt no running request holds: its cached
                     # prefix too, which leaves the free pool when it is hit (vLLM counts
                     # evictable computed blocks as blocks to allocate)
-                    need: float = -(-prompt // bs) - held
+                    need: float = prompt_blocks - held
                     waiting = pod.waiting
                     if waiting:
                         if unit < 0:
@@ -414,10 +444,12 @@ class CostPolicy(Policy):
             if best is None or t < best:  # min() over the predictions
                 best = t
             cached[name] = c
-        limit = best + p.tie_epsilon_s  # type: ignore[operator]
-        tied = [name for name, t in predicted.items() if t <= limit]
-        if len(tied) > 1 and p.tie_break_by_room:
-            tied = most_room([v for v in pods if predicted[v.pod] <= limit], hot_set, now)
+        limit = best + eps  # type: ignore[operator]
+        if self._room_ties:
+            near = [v for v in pods if predicted[v.pod] <= limit]
+            tied = most_room(near, hot_set, now) if len(near) > 1 else [near[0].pod]
+        else:
+            tied = [name for name, t in predicted.items() if t <= limit]
         chosen = tied[0]
         if len(tied) > 1:  # rendezvous: the highest hash (the first of equal ones) wins
             rid = request.request_id.encode() + b"\x00"
@@ -436,7 +468,7 @@ class CostPolicy(Policy):
                 if v.pod == chosen:
                     cap = v.capacity_blocks
                     break
-        scored[(request.request_id, id(request))] = (prompt, cached, chosen, cap)
+        scored[(request.request_id, id(request))] = (prompt, cached, chosen, cap, learned)
         if len(scored) > _MAX_SCORED:  # picks never routed must not pile up
             scored.popitem(last=False)
         return Decision(
@@ -457,8 +489,9 @@ class CostPolicy(Policy):
         if scored is None:
             prompt = request.prompt_tokens
             miss = prompt
+            rates = self._rates_of(request.model)
         else:
-            prompt, cached, chosen, cap = scored
+            prompt, cached, chosen, cap, rates = scored
             c = cached.get(pod)
             miss = prompt if c is None else prompt - c
             if cap is not None and pod == chosen:
@@ -467,7 +500,7 @@ class CostPolicy(Policy):
         if old is not None:  # routed again (retry): forget the first attempt
             self._unledger(old[0], old[1], old[2], request.block_keys)
         now = self.clock()
-        self._live[key] = [pod, prompt, miss, now, -1.0]
+        self._live[key] = [pod, prompt, miss, now, -1.0, rates]
         keys = request.block_keys
         if keys and self._count_inflight:
             self._inflight.add(pod, keys)
@@ -488,9 +521,9 @@ class CostPolicy(Policy):
         live = self._live.get((request.request_id, id(request)))
         if live is not None and live[0] == pod and live[4] < 0.0:
             now = live[4] = self.clock()
-            m = self._rates_of(request.model)
-            if m.prefill is not None:
-                m.prefill.first_token(pod, live[3], now, live[2])
+            prefill = live[5].prefill
+            if prefill is not None:
+                prefill.first_token(pod, live[3], now, live[2])
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
         key = (request.request_id, id(request))
@@ -499,8 +532,7 @@ class CostPolicy(Policy):
         old = self._live.pop(key, None)
         if old is not None:
             if old[4] >= 0.0 and self._kv:
-                m = self._rates_of(request.model)
-                m.decode.add(self.clock() - old[4])
+                old[5].decode.add(self.clock() - old[4])
             self._unledger(old[0], old[1], old[2], request.block_keys)
 
     def on_pod_removed(self, pod: str) -> None:

@@ -52,15 +52,16 @@ class InflightPrefixes:
     """Per pod, the block-key chains of its live requests, grouped by first key (each
     group: ``id(chain) -> [chain, how many live requests carry that object]``)."""
 
-    __slots__ = ("_pods",)
+    __slots__ = ("pods",)
 
     def __init__(self) -> None:
-        self._pods: dict[str, dict[int, dict[int, list[Any]]]] = {}
+        #: pod -> first key -> group (read-only outside: a pod absent carries nothing)
+        self.pods: dict[str, dict[int, dict[int, list[Any]]]] = {}
 
     def add(self, pod: str, keys: Sequence[int]) -> None:
         """A request carrying ``keys`` was routed to ``pod``."""
         if keys:
-            group = self._pods.setdefault(pod, {}).setdefault(keys[0], {})
+            group = self.pods.setdefault(pod, {}).setdefault(keys[0], {})
             entry = group.get(id(keys))
             if entry is None:
                 group[id(keys)] = [keys, 1]
@@ -70,7 +71,7 @@ class InflightPrefixes:
     def remove(self, pod: str, keys: Sequence[int]) -> None:
         """A request :meth:`add` recorded on ``pod`` completed (the same ``keys`` object,
         else an equal chain; nothing when it is not there)."""
-        groups = self._pods.get(pod)
+        groups = self.pods.get(pod)
         if not keys or groups is None:
             return
         group = groups.get(keys[0])
@@ -89,11 +90,11 @@ class InflightPrefixes:
             if not group:
                 del groups[keys[0]]
                 if not groups:
-                    del self._pods[pod]
+                    del self.pods[pod]
 
     def hits(self, pod: str, keys: Sequence[int]) -> int:
         """Leading blocks of ``keys`` that the live requests routed to ``pod`` carry."""
-        groups = self._pods.get(pod)
+        groups = self.pods.get(pod)
         if not keys or groups is None:
             return 0
         group = groups.get(keys[0])
@@ -111,7 +112,7 @@ class InflightPrefixes:
 
     def has(self, pod: str) -> bool:
         """Whether any live request routed to ``pod`` carries a block."""
-        return pod in self._pods
+        return pod in self.pods
 
     def forget(self, pod: str) -> None:
-        self._pods.pop(pod, None)
+        self.pods.pop(pod, None)

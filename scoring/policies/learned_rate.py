@@ -94,17 +94,17 @@ class PrefillRate:
             if last is None or now > last:
                 self._last[pod] = now
             service = now - start if now > start else 0.0  # answered out of order: 0
-            g = self._decay
-            self._tok = self._tok * g + tokens
-            self._sec = self._sec * g + service
-            self._n = self._n * g + 1.0
-            self._pw *= g
-            self._tt = self._tt * g + tokens * tokens
-            self._ts = self._ts * g + tokens * service
-            mean_tokens = self._tok / self._n
-            var_n = self._tt - mean_tokens * self._tok  # var(tokens) * n
-            cov_n = self._ts - mean_tokens * self._sec  # cov(tokens, service) * n
-            w = self._pw * (var_n / self._n + 1.0)
+            g = self._decay  # (in locals: this runs on every first token)
+            self._tok = tok = self._tok * g + tokens
+            self._sec = sec = self._sec * g + service
+            self._n = n = self._n * g + 1.0
+            self._pw = pw = self._pw * g
+            self._tt = tt = self._tt * g + tokens * tokens
+            self._ts = ts = self._ts * g + tokens * service
+            mean_tokens = tok / n
+            var_n = tt - mean_tokens * tok  # var(tokens) * n
+            cov_n = ts - mean_tokens * sec  # cov(tokens, service) * n
+            w = pw * (var_n / n + 1.0)
             den = var_n + w
             if den > 0.0:  # else no slope to tell (and the prior forgotten): keep the rate
                 slope = (cov_n + w / self._prior) / den

@@ -249,7 +249,13 @@ def test_cost_pick_scores_every_pod_with_the_documented_predict_ttft(seed: int, 
         for j in range(rng.randrange(1, 6)):
             gpu = rng.randrange(0, len(keys) + 1)
             cpu = rng.randrange(gpu, len(keys) + 1)
-            hits = {} if rng.random() < 0.3 else {"GPU": gpu, "CPU": cpu, "DISK": cpu}
+            shape = rng.random()  # nothing cached, the GPU tier alone, or every tier
+            if shape < 0.3:
+                hits = {}
+            elif shape < 0.55:
+                hits = {"GPU": gpu}
+            else:
+                hits = {"GPU": gpu, "CPU": cpu, "DISK": cpu}
             views.append(
                 PodView(
                     f"p{j}",
