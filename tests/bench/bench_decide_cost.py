@@ -1,7 +1,7 @@
 """The decision's CPU cost per request, in whichever source tree runs it, to set two trees
 side by side (issue #9's bound: within 10% of its tree's).
 
-    python tests/bench/bench_decide_cost.py [--requests 10000] [--repeat 3]
+    python tests/bench/bench_decide_cost.py [--requests 10000] [--repeat 3] [--instructions]
     cd DIR && PYTHONPATH=DIR python /path/to/bench_decide_cost.py   # an older tree
 
 ``bench_hot_path.py``'s ``decide`` loop without the rest of that bench: 4 simulated pods
@@ -15,6 +15,13 @@ turn; the median CPU microseconds per request of each:
 * ``decide+4`` — with ``on_first_token`` and ``on_finished`` too (a tree whose policy
   lacks them runs without them: then it equals ``decide+2``).
 
+``--instructions``: instead of CPU time, the CPU instructions per request of each loop,
+which do not move with the machine's load: the bench re-runs itself under ``valgrind
+--tool=callgrind`` (Debian: ``valgrind``) once per loop with ``--requests`` and once with
+three times as many, and divides the difference by the extra requests (start-up, warm-up
+and the pods' start cancel out).  About a minute per loop.  CPU time and instructions
+need not move together (a change can lose or gain cache locality): quote both.
+
 It imports the app from ``router.proxy.app`` or, in a tree from before the layout move
 (issue #9's ``eb283af``), from ``router.app``.  Run the trees in turn, several times: the
 machine is shared.  Only 127.0.0.1.
@@ -25,7 +32,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,7 +58,12 @@ from router.config import Settings
 HEADERS = {"host": "127.0.0.1", "content-type": "application/json"}
 
 
-async def loops(urls: list[str], n: int, repeat: int) -> dict[str, list[float]]:
+LOOPS = ("decide", "decide+2", "decide+4")
+
+
+async def loops(
+    urls: list[str], n: int, repeat: int, only: str | None = None
+) -> dict[str, list[float]]:
     static = [{"name": f"sim-{i}", "url": u, "models": ["sim-model"]} for i, u in enumerate(urls)]
     settings = Settings.load(["--discovery.static", json.dumps(static), "--log-level", "warning"])
     app = create_app(settings)
@@ -66,7 +82,7 @@ async def loops(urls: list[str], n: int, repeat: int) -> dict[str, list[float]]:
         body = overhead.BODY
         for _ in range(1000):  # warm up
             await router.decide("completion", parse_body(body), HEADERS)
-        out: dict[str, list[float]] = {"decide": [], "decide+2": [], "decide+4": []}
+        out: dict[str, list[float]] = {name: [] for name in LOOPS if only in (None, name)}
         for _ in range(repeat):
             for name in out:
                 t0 = time.process_time()
@@ -90,19 +106,54 @@ async def loops(urls: list[str], n: int, repeat: int) -> dict[str, list[float]]:
         await lifespan
 
 
+def instructions(requests: int) -> dict[str, float]:
+    """Instructions per request of each loop (``--instructions``, module docstring)."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit(
+            "bench_decide_cost: --instructions needs valgrind (apt-get install valgrind)"
+        )
+    out: dict[str, float] = {}
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    for loop in LOOPS:
+        counts = []
+        for n in (requests, 3 * requests):
+            cmd = [valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null"]
+            cmd += [sys.executable, __file__, "--requests", str(n), "--repeat", "1"]
+            run = subprocess.run(
+                [*cmd, "--only", loop],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            found = re.search(r"Collected : (\d+)", run.stderr)
+            if run.returncode != 0 or found is None:
+                raise SystemExit(f"bench_decide_cost: valgrind run failed: {run.stderr[-500:]}")
+            counts.append(int(found.group(1)))
+        out[loop] = round((counts[1] - counts[0]) / (2 * requests))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--only", choices=LOOPS, help="run this loop alone")
+    ap.add_argument(
+        "--instructions", action="store_true", help="instructions per request (valgrind)"
+    )
     a = ap.parse_args()
     if a.requests < 1 or a.repeat < 1:
         print("bench_decide_cost: --requests and --repeat must be >= 1", file=sys.stderr)
         return 2
+    if a.instructions:
+        print(json.dumps(instructions(a.requests)))
+        return 0
     sims = [overhead.start_sim(i) for i in range(4)]
     try:
         for _, url in sims:
             overhead.wait_completion(int(url.rsplit(":", 1)[1]))
-        out = uvloop.run(loops([u for _, u in sims], a.requests, a.repeat))
+        out = uvloop.run(loops([u for _, u in sims], a.requests, a.repeat, a.only))
     finally:
         for proc, _ in sims:
             proc.stop()
