@@ -139,19 +139,16 @@ scoring/policies/README.md) the measured unit gives a lower TTFT p90 geomean;
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
 
 import xxhash
 
-from scoring.policies.base import Decision, PodView, Policy, PolicyParams, RouteRequest
+from scoring.policies.base import Decision, PodView, PolicyParams, RouteRequest
+from scoring.policies.cost_ledger import CostLedger
 from scoring.policies.cost_params import CostParams
-from scoring.policies.hot_set import HotBlocks, evicted_hot, most_room
-from scoring.policies.inflight import InflightPrefixes
+from scoring.policies.hot_set import evicted_hot, most_room
 from scoring.policies.kv_admission import admission_wait
-from scoring.policies.learned_rate import ModelRates, PrefillRate
-from scoring.policies.queued import QueuedPrompts, surviving
+from scoring.policies.queued import surviving
 from scoring.policies.select import require_candidates
 from scoring.policies.tiers import tier_hits
 
@@ -185,46 +182,12 @@ def predict_ttft(
     return work / p.prefill_rate_tokens_per_s * slowdown + transfer, cached
 
 
-class CostPolicy(Policy):
+class CostPolicy(CostLedger):
     name = "cost"
     Params = CostParams
 
     def __init__(self, params: PolicyParams | None = None) -> None:
         super().__init__(params)
-        assert isinstance(self.params, CostParams)
-        self._p: CostParams = self.params
-        # Requests are keyed by (request_id, id(request)): a client may reuse an id, and
-        # the router hands the same RouteRequest object to pick / on_routed / on_complete.
-        # key -> (prompt tokens, {pod: predicted cached tokens}, chosen pod, its
-        # capacity in blocks, the model's rates), until routed
-        self._scored: OrderedDict[
-            tuple[str, int], tuple[int, dict[str, int], str, int | None, ModelRates]
-        ] = OrderedDict()
-        # key -> [pod, prompt tokens, predicted uncached tokens, routed at, first token
-        # at (-1: not yet), the model's rates], until complete
-        self._live: dict[tuple[str, int], list[Any]] = {}
-        # pod -> the block-key chains of the live requests routed there
-        self._inflight = InflightPrefixes()
-        # pod -> the chains of those not yet past prefill, in the order routed (kept
-        # only for the queue rule: the LRU distance, with a hot set, replaces it)
-        self._queued = QueuedPrompts()
-        self._lru = self._p.lru_evictions and self._p.hot_window_s > 0
-        self._queue_rule = self._p.queue_evictions and not self._lru
-        # pod -> [sum of prompt tokens, sum of predicted uncached tokens] of live requests
-        self._ledger: dict[str, list[int]] = {}
-        # [sum of predicted uncached tokens, count] of every live request
-        self._live_total = [0, 0]
-        # pod -> block keys routed there within hot_window_s (see scoring.policies.hot_set)
-        self._hot = HotBlocks(self._p.hot_window_s)
-        # pod -> the capacity (blocks) its last view carried: bounds its hot set
-        self._capacity: dict[str, int] = {}
-        self._kv = self._p.kv_admission
-        # model -> what its pods showed: the prefill rate, learned from first tokens
-        # (None: the setting, fixed), and the time from first token to end (each live
-        # request's first token: in _live)
-        self._models: dict[str, ModelRates] = {}
-        self._count_inflight = self._p.count_inflight_prefixes
-        self._hot_on = self._p.hot_window_s > 0
         p = self._p
         by_prompt = p.backlog_unit == "prompt"
         default_weight = 12.0 if by_prompt else 1.0
@@ -243,72 +206,6 @@ class CostPolicy(Policy):
             p.tiers[0] if p.tiers else None,  # the fastest tier (alone: no transfer)
             p.tie_epsilon_s,
         )
-
-    def learned(self) -> dict[tuple[str, str], float]:
-        """Per model routed so far: the prefill rate the scores use (learned, else the
-        setting) and, with ``kv_admission``, the mean decode time (0 until the first)."""
-        out: dict[tuple[str, str], float] = {}
-        for model, m in self._models.items():
-            rate = self._p.prefill_rate_tokens_per_s if m.prefill is None else m.prefill.rate
-            out["prefill_rate_tokens_per_s", model] = rate
-            if self._kv:
-                out["decode_seconds", model] = m.decode.mean_s
-        return out
-
-    def rejected_observations(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for m in self._models.values():
-            if m.prefill is not None:
-                for reason, n in m.prefill.rejected.items():
-                    out[reason] = out.get(reason, 0) + n
-            if m.decode.rejected:
-                out["decode time"] = out.get("decode time", 0) + m.decode.rejected
-        return out
-
-    def _rates_of(self, model: str) -> ModelRates:
-        m = self._models.get(model)
-        if m is None:
-            p = self._p
-            m = self._models[model] = ModelRates(
-                PrefillRate(p.prefill_rate_tokens_per_s) if p.learn_prefill_rate else None
-            )
-        return m
-
-    def hot_blocks(self, pod: str) -> int:
-        """Distinct blocks routed to ``pod`` within ``hot_window_s`` (0 when off)."""
-        return self._hot.count(pod, self.clock()) if self._p.hot_window_s > 0 else 0
-
-    def routed_prefixes(self, keys: Sequence[int], pods: Sequence[str]) -> dict[str, int]:
-        """The hot set's routed prefixes (none when ``hot_window_s`` is 0)."""
-        if self._p.hot_window_s <= 0 or not keys:
-            return {}
-        now, hot = self.clock(), self._hot
-        found = {pod: hot.prefix(pod, keys, now) for pod in pods}
-        return {pod: n for pod, n in found.items() if n}
-
-    def inflight_hits(self, pod: str, keys: Sequence[int]) -> int:
-        """Leading blocks of ``keys`` carried by live requests routed to ``pod``."""
-        if not self._p.count_inflight_prefixes:
-            return 0
-        return self._inflight.hits(pod, keys)
-
-    def live_uncached(self, pod: str) -> int:
-        """Predicted uncached tokens of the live requests this policy routed to ``pod``."""
-        entry = self._ledger.get(pod)
-        return entry[1] if entry is not None else 0
-
-    def backlog_unit_tokens(self, prompt_tokens: int) -> float:
-        """Tokens of backlog that count as one queued request: the mean predicted miss
-        of the live requests this policy routed, else ``prompt_tokens`` (at least 1)."""
-        live_miss, live_count = self._live_total
-        return max(1.0, live_miss / live_count if live_count > 0 else prompt_tokens)
-
-    def queued_tokens(self, pod: PodView) -> float:
-        """Outstanding prefill tokens, scaled by the predicted miss share (see module)."""
-        entry = self._ledger.get(pod.pod)
-        if not self._p.discount_queued_hits or entry is None or entry[0] <= 0:
-            return float(pod.outstanding_prefill_tokens)
-        return pod.outstanding_prefill_tokens * entry[1] / entry[0]
 
     def pick(self, request: RouteRequest, pods: Sequence[PodView]) -> Decision:
         # predict_ttft inlined over the candidates (same arithmetic, same order of
@@ -482,79 +379,3 @@ class CostPolicy(Policy):
                 "evicted_hot_blocks": evicted,
             },
         )
-
-    def on_routed(self, request: RouteRequest, pod: str) -> None:
-        key = (request.request_id, id(request))
-        scored = self._scored.pop(key, None)
-        if scored is None:
-            prompt = request.prompt_tokens
-            miss = prompt
-            rates = self._rates_of(request.model)
-        else:
-            prompt, cached, chosen, cap, rates = scored
-            c = cached.get(pod)
-            miss = prompt if c is None else prompt - c
-            if cap is not None and pod == chosen:
-                self._capacity[pod] = cap
-        old = self._live.pop(key, None)
-        if old is not None:  # routed again (retry): forget the first attempt
-            self._unledger(old[0], old[1], old[2], request.block_keys)
-        now = self.clock()
-        self._live[key] = [pod, prompt, miss, now, -1.0, rates]
-        keys = request.block_keys
-        if keys and self._count_inflight:
-            self._inflight.add(pod, keys)
-        if self._queue_rule:
-            self._queued.add(pod, key, keys)
-        entry = self._ledger.setdefault(pod, [0, 0])
-        entry[0] += prompt
-        entry[1] += miss
-        total = self._live_total
-        total[0] += miss
-        total[1] += 1
-        if keys and self._hot_on:  # (no block: nothing to hold)
-            self._hot.routed(pod, keys, now, self._capacity.get(pod))
-
-    def on_first_token(self, request: RouteRequest, pod: str, ttft_s: float) -> None:
-        if self._queue_rule:
-            self._queued.remove((request.request_id, id(request)))
-        live = self._live.get((request.request_id, id(request)))
-        if live is not None and live[0] == pod and live[4] < 0.0:
-            now = live[4] = self.clock()
-            prefill = live[5].prefill
-            if prefill is not None:
-                prefill.first_token(pod, live[3], now, live[2])
-
-    def on_complete(self, request: RouteRequest, pod: str) -> None:
-        key = (request.request_id, id(request))
-        if self._queue_rule:
-            self._queued.remove(key)
-        old = self._live.pop(key, None)
-        if old is not None:
-            if old[4] >= 0.0 and self._kv:
-                old[5].decode.add(self.clock() - old[4])
-            self._unledger(old[0], old[1], old[2], request.block_keys)
-
-    def on_pod_removed(self, pod: str) -> None:
-        self._ledger.pop(pod, None)
-        self._inflight.forget(pod)
-        self._queued.forget(pod)
-        self._hot.forget(pod)
-        self._capacity.pop(pod, None)
-        for m in self._models.values():
-            if m.prefill is not None:
-                m.prefill.forget(pod)
-        for rid in [rid for rid, v in self._live.items() if v[0] == pod]:
-            self._live_total[0] -= self._live.pop(rid)[2]
-            self._live_total[1] -= 1
-
-    def _unledger(self, pod: str, prompt: int, miss: int, keys: Sequence[int]) -> None:
-        if keys and self._count_inflight:
-            self._inflight.remove(pod, keys)
-        entry = self._ledger.get(pod)
-        if entry is not None:
-            entry[0] -= prompt
-            entry[1] -= miss
-        total = self._live_total
-        total[0] -= miss
-        total[1] -= 1
