@@ -135,6 +135,17 @@ about ``P / u`` there: the same count of followers, with a fitted scale instead 
 measured one).  On held-out traffic (seeds and fleet shapes never looked at:
 scoring/policies/README.md) the measured unit gives a lower TTFT p90 geomean;
 ``backlog_weight = 0`` gives the pure TTFT prediction in either unit.
+
+With ``count_arrivals`` (opt-in) ``w`` also counts the requests that arrive while the
+miss's own prefill runs and are bound to the pod by its cache (the others go elsewhere
+while it is busy)::
+
+    w(pod) += backlog_weight * lambda_bound(pod) * miss(pod) / prefill_rate_tokens_per_s
+
+``lambda_bound`` is the pod's routings a second times the mean share of their prompt it
+held (scoring/policies/cost_ledger.py, ``bound_arrival_rate``).  It fixes mixed long and
+short prompts on small unequal fleets and loses RAG fleets of 8 pods
+(scoring/policies/README.md has the matrix), so it is off by default.
 """
 
 from __future__ import annotations
@@ -256,7 +267,8 @@ class CostPolicy(CostLedger):
         weights: dict[str, float] = {}
         evicted: dict[str, int] = {}
         hot_set = self._hot if self._hot_on else None
-        now = self.clock() if hot_set is not None else 0.0
+        arrivals = self._arrivals
+        now = self.clock() if hot_set is not None or arrivals is not None else 0.0
         # hot counts are read only where they matter: every pod when misses are
         # charged their evictions, else only the tied pods of a room tie-break
         charge = self._charge
@@ -315,6 +327,10 @@ class CostPolicy(CostLedger):
                 if e:
                     evicted[name] = e
                     miss += e * bs
+            if arrivals is not None:  # + the arrivals its cache binds to it, meanwhile
+                lam = self.bound_arrival_rate(name, now)
+                if lam > 0.0:
+                    w = weights[name] = w + backlog_weight * lam * miss / rate
             if slowdown_per:
                 running = pod.running
                 if running is None:

@@ -17,6 +17,10 @@ from scoring.policies.inflight import InflightPrefixes
 from scoring.policies.learned_rate import ModelRates, PrefillRate
 from scoring.policies.queued import QueuedPrompts
 
+#: routings a pod's arrival rate remembers (``measured``'s default memory, not tuned)
+ARRIVAL_MEMORY = 64.0
+_KEEP = 1.0 - 1.0 / ARRIVAL_MEMORY
+
 
 class CostLedger(Policy):
     """``cost``'s state and hooks; :class:`scoring.policies.cost.CostPolicy` adds ``pick``."""
@@ -56,6 +60,9 @@ class CostLedger(Policy):
         # request's first token: in _live)
         self._models: dict[str, ModelRates] = {}
         self._count_inflight = self._p.count_inflight_prefixes
+        # pod -> [last routing, mean gap between routings, routings, mean share of the
+        # prompt the pod held] (count_arrivals; forgotten over ARRIVAL_MEMORY routings)
+        self._arrivals: dict[str, list[float]] | None = {} if self._p.count_arrivals else None
         self._hot_on = self._p.hot_window_s > 0
 
     def learned(self) -> dict[tuple[str, str], float]:
@@ -155,6 +162,31 @@ class CostLedger(Policy):
         total[1] += 1
         if keys and self._hot_on:  # (no block: nothing to hold)
             self._hot.routed(pod, keys, now, self._capacity.get(pod))
+        if self._arrivals is not None:
+            self._arrived(pod, now, (prompt - miss) / prompt if prompt > 0 else 0.0)
+
+    def _arrived(self, pod: str, now: float, share: float) -> None:
+        a = self._arrivals.get(pod)  # type: ignore[union-attr]
+        if a is None:
+            self._arrivals[pod] = [now, 0.0, 1.0, share]  # type: ignore[index]
+        elif now >= a[0]:  # (a clock that went back: not a gap)
+            gap = now - a[0]
+            first = a[2] < 2.0
+            a[1] = gap if first else a[1] * _KEEP + gap * (1.0 - _KEEP)
+            a[3] = a[3] * _KEEP + share * (1.0 - _KEEP)
+            a[0] = now
+            a[2] += 1.0
+
+    def bound_arrival_rate(self, pod: str, now: float) -> float:
+        """Requests a second routed to ``pod``, each counted by the share of its prompt
+        the pod held (0 before two routings, or with ``count_arrivals`` off): the rate
+        of arrivals its cache binds to it.  1 / the mean gap, the gap open now bounding
+        the mean from below (a pod that stops receiving traffic cools without a timer)."""
+        a = self._arrivals.get(pod) if self._arrivals is not None else None
+        if a is None or a[2] < 2.0:
+            return 0.0
+        gap = a[1] if a[1] >= now - a[0] else now - a[0]
+        return a[3] / gap if gap > 0.0 else 0.0
 
     def on_first_token(self, request: RouteRequest, pod: str, ttft_s: float) -> None:
         if self._queue_rule:
@@ -178,6 +210,8 @@ class CostLedger(Policy):
 
     def on_pod_removed(self, pod: str) -> None:
         self._ledger.pop(pod, None)
+        if self._arrivals is not None:
+            self._arrivals.pop(pod, None)
         self._inflight.forget(pod)
         self._queued.forget(pod)
         self._hot.forget(pod)

@@ -79,6 +79,11 @@ class CostParams(PolicyParams):
         description="add the wait for KV room on a pod whose free blocks cannot hold the "
         "request and the queue ahead (scoring/policies/kv_admission.py)",
     )
+    count_arrivals: bool = Field(
+        default=False,
+        description="count as followers of a miss the requests bound to the pod by its cache "
+        "that arrive while the miss's prefill runs (opt-in; scoring/policies/README.md)",
+    )
     learn_prefill_rate: bool = Field(
         default=True,
         description="learn each model's prefill rate from first tokens "
