@@ -109,7 +109,8 @@ once more for every request that will queue behind it (a follower)::
 
     B          = mean over candidate pods of queued_tokens          # the fleet's backlog
     own(pod)   = max(queued_tokens, live_uncached)                  # the pod's own work
-    b(pod)     = max(fleet_backlog_share * B, min(B, own(pod)))     # tokens
+    share      = fleet_backlog_share, by default 1 / the candidate pods
+    b(pod)     = max(share * B, min(B, own(pod)))                   # tokens
     u          = mean predicted uncached tokens of the live requests this policy routed
                  (any pod); with none live, this request's prompt tokens
     w(pod)     = miss_weight + backlog_weight * b(pod) / u          # 1 + followers
@@ -122,15 +123,18 @@ the score is the predicted TTFT; with one, a loaded fleet keeps requests on the 
 holding their prefixes, and every quantity is measured: ``u`` from the requests in
 flight, no fitted scale (``backlog_weight`` defaults to 1: one delay per follower).  A
 miss mostly costs the time of the pod that pays it, so a pod with little work of its
-own charges only ``fleet_backlog_share`` of the fleet's backlog.  Pricing every miss by
-the whole fleet mean (``fleet_backlog_share = 1``) lets one hot pod's queue make misses
-expensive everywhere; pricing by the pod's own work alone (``0``) gives up hits on
-bursty traces (docs/replay.md).  ``fleet_backlog_share = 0.125`` is the one constant
-chosen on traces (both Mooncake traces and a small chat fleet, session 5), and it is
-labelled so.
+own charges only its share of the fleet's backlog, ``1 / pods`` (the backlog split evenly
+over the candidates).  Pricing every miss by the whole fleet mean
+(``fleet_backlog_share = 1``) lets one hot pod's queue make misses expensive everywhere;
+pricing by the pod's own work alone (``0``) gives up hits on bursty traces
+(docs/replay.md).  Until session 17 the share was ``0.125``, chosen on traces (both
+Mooncake traces and a small chat fleet, session 5): the same on 8 pods, and on 4 and 16
+pods ``1 / pods`` did as well or better on held-out seeds (scoring/policies/README.md).
+No constant of the default is fitted now.
 
-``backlog_unit = "prompt"`` is the formula before: ``w = miss_weight + backlog_weight *
-b / P`` with ``backlog_weight`` defaulting to 12, fitted on the same traces (12 was
+``backlog_unit = "prompt"`` with ``fleet_backlog_share = 0.125`` is the formula before:
+``w = miss_weight + backlog_weight * b / P`` with ``backlog_weight`` defaulting to 12,
+fitted on the same traces (12 was
 about ``P / u`` there: the same count of followers, with a fitted scale instead of a
 measured one).  On held-out traffic (seeds and fleet shapes never looked at:
 scoring/policies/README.md) the measured unit gives a lower TTFT p90 geomean;
@@ -253,7 +257,7 @@ class CostPolicy(CostLedger):
             live_miss, live_count = self._live_total  # (backlog_unit_tokens, inlined)
             size = max(1.0, live_miss / live_count if live_count > 0 else prompt)
         backlog_weight = self._backlog_weight
-        share_backlog = share * backlog
+        share_backlog = (1.0 / len(pods) if share is None else share) * backlog
         learned = self._models.get(request.model) or self._rates_of(request.model)
         rate = p.prefill_rate_tokens_per_s if learned.prefill is None else learned.prefill.rate
         inflight = self._inflight if self._count_inflight and keys else None

@@ -40,11 +40,12 @@ class CostParams(PolicyParams):
         description="the backlog a miss delays, in requests (the mean live request's "
         "predicted miss), or in prompts of this size times backlog_weight (the old default)",
     )
-    fleet_backlog_share: float = Field(
-        default=0.125,
+    fleet_backlog_share: float | None = Field(
+        default=None,
         ge=0.0,
         le=1.0,
-        description="share of the fleet's mean backlog every pod charges for a miss",
+        description="share of the fleet's mean backlog every pod charges for a miss; "
+        "default: 1 / the candidate pods (each pod's share of it)",
     )
     count_inflight_prefixes: bool = Field(
         default=True, description="treat prefixes of in-flight requests as cached"

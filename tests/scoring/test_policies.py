@@ -232,7 +232,7 @@ def test_cost_pick_scores_every_pod_with_the_documented_predict_ttft(seed: int, 
         "cost",
         {
             "tier_load_rates_tokens_per_s": {"CPU": 20_000.0, "DISK": 2_000.0},
-            "fleet_backlog_share": rng.choice([0.0, 0.5]),
+            "fleet_backlog_share": rng.choice([0.0, 0.5, None]),
             "decode_slowdown_per_running": rng.choice([0.0, 0.05]),
             "backlog_unit": unit,
         },
@@ -281,7 +281,8 @@ def test_cost_pick_scores_every_pod_with_the_documented_predict_ttft(seed: int, 
             queued, inflight = expected[v.pod]
             # the backlog-adjusted miss weight, as the module docstring states it
             own = max(queued, float(policy.live_uncached(v.pod)))
-            b = max(p.fleet_backlog_share * backlog, min(backlog, own))
+            share = 1 / len(views) if p.fleet_backlog_share is None else p.fleet_backlog_share
+            b = max(share * backlog, min(backlog, own))
             if unit == "request":  # 1 + the followers: b in units of the mean live miss
                 w = p.miss_weight + b / policy.backlog_unit_tokens(r.prompt_tokens)
             else:  # the formula before, with its fitted default weight 12
@@ -403,7 +404,7 @@ def test_cost_keeps_a_loaded_fleet_on_the_cached_pod_by_charging_misses_for_the_
     policy = build_policy("cost", {"prefill_rate_tokens_per_s": 1000.0})
     decision = policy.pick(req(keys=list(range(32))), views)
     assert decision.pod == "b"
-    # b(a) = max(0.125 * mean backlog 4500, min(4500, a's own 4000)); with no live request
+    # b(a) = max(1/2 (2 pods) * mean backlog 4500, min(4500, a's own 4000)); with no live request
     # to measure a mean miss from, one request of backlog is this one's 512 tokens
     assert decision.detail["miss_weight"]["a"] == pytest.approx(1.0 + 4000 / 512)
 
@@ -425,8 +426,17 @@ def test_cost_counts_the_backlog_in_requests_of_the_mean_live_miss() -> None:
     # a's queue: 320 tokens discounted to its predicted misses, 192 = 2 requests of 96,
     # capped at the fleet's mean backlog (96 tokens = 1 request)
     assert d.detail["miss_weight"]["a"] == pytest.approx(1.0 + 96 / 96)
-    # b is idle: it charges 1/8 of the fleet's mean backlog
-    assert d.detail["miss_weight"]["b"] == pytest.approx(1.0 + 0.125 * 96 / 96)
+    # b is idle: it charges its share of the fleet's mean backlog, 1/2 with 2 pods
+    assert d.detail["miss_weight"]["b"] == pytest.approx(1.0 + 0.5 * 96 / 96)
+    # a share set explicitly replaces 1 / pods
+    fixed = build_policy(
+        "cost", {"prefill_rate_tokens_per_s": 1000.0, "fleet_backlog_share": 0.125}
+    )
+    for r in live:
+        fixed.pick(r, [PodView("a")])
+        fixed.on_routed(r, "a")
+    d = fixed.pick(req(keys=list(range(32))), views)
+    assert d.detail["miss_weight"]["b"] == pytest.approx(1.0 + 0.125 * 160 / 160)
     policy.on_complete(live[0], "a")
     assert policy.backlog_unit_tokens(512) == pytest.approx(64.0)  # type: ignore[attr-defined]
     policy.on_complete(live[1], "a")  # none live: this request's size
@@ -458,8 +468,8 @@ def test_cost_does_not_let_one_hot_pods_queue_price_misses_on_idle_pods() -> Non
     r = req(keys=list(range(32)))
     per_pod = build_policy("cost", {"prefill_rate_tokens_per_s": 1000.0}).pick(r, views)
     assert per_pod.pod != "hot"  # an idle pod computes 320 more tokens instead of a 3 s wait
-    # an idle pod charges 1/8 of the fleet's mean backlog (750 tokens)
-    assert per_pod.detail["miss_weight"]["p0"] == pytest.approx(1.0 + 93.75 / 512)
+    # an idle pod charges its 1/4 share (4 pods) of the fleet's mean backlog (750 tokens)
+    assert per_pod.detail["miss_weight"]["p0"] == pytest.approx(1.0 + 187.5 / 512)
     fleet = build_policy(
         "cost",
         {"prefill_rate_tokens_per_s": 1000.0, "fleet_backlog_share": 1.0, "backlog_unit": "prompt"},

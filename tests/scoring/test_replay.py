@@ -409,9 +409,10 @@ def test_cost_spreads_chats_sharing_a_system_prompt_over_a_small_fleet(tmp_path:
         assert theirs["hit_rate"] < default["hit_rate"]
         assert theirs["ttft_p90_s"] > default["ttft_p90_s"]
     assert default["hit_rate"] >= 0.7 * pooled
-    # the miss weight counted in prompts (the fitted unit, backlog_weight 12) keeps more
-    # hits on this small fleet, the one it was chosen on (scoring/policies/README.md) ...
-    prompt = run(backlog_unit="prompt")
+    # the miss weight counted in prompts with its fitted pair (backlog_weight 12, share
+    # 0.125) keeps more hits on this small fleet, the one both were chosen on
+    # (scoring/policies/README.md) ...
+    prompt = run(backlog_unit="prompt", fleet_backlog_share=0.125)
     assert prompt["hit_rate"] >= 0.9 * pooled and prompt["imbalance"] <= 1.5
     # ... and pricing every miss there by the fleet's mean backlog lets the hot pod's
     # queue hold traffic, when every hit the index shows counts ...
