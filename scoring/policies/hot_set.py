@@ -316,7 +316,7 @@ def most_room(tied: Sequence[PodView], hot: HotBlocks | None = None, now: float 
     decision whose candidates tie, the usual case for a prefix no pod holds."""
     most = -_INF
     names: list[str] = []
-    trees = hot._pods if hot is not None else None  # (HotBlocks.count, inlined)
+    count = hot.count if hot is not None else None
     for v in tied:
         cap = v.capacity_blocks
         if cap is None:
@@ -328,15 +328,8 @@ def most_room(tied: Sequence[PodView], hot: HotBlocks | None = None, now: float 
             free = float(cap - v.resident_blocks)
         else:
             break
-        if trees is not None:
-            tree = trees.get(v.pod)
-            if tree is None:
-                left = cap
-            else:
-                if now >= tree.next_expiry:
-                    hot._expire(tree, now)  # type: ignore[union-attr]
-                n = tree.keys
-                left = cap - (n if n <= tree.limit else tree.limit)
+        if count is not None:
+            left = cap - count(v.pod, now)
             if left < free:
                 free = float(left)
         if free > most:
