@@ -25,7 +25,12 @@ The tokens are the ones the policy predicted uncached, so the rate is the one th
 the policy's own predictions into seconds: hits it over-counted (blocks evicted before
 the request ran) lower it, as do the decode steps sharing the GPU.  Pooled over the pods
 of a model (``cost`` keeps one per model: they usually run on one kind of GPU; a rate
-per pod would let noise break the ties that spread new prefixes).
+per pod would let noise break the ties that spread new prefixes).  Measured on fleets
+whose pods differ in speed (the matrix's ``mixed`` fleets, session 18): a per-pod fit
+with the pooled rate as its prior did worse than the pooled rate, on those cells and on
+equal ones (TTFT p90 / best geomean 1.099 against 1.064, vLLM seed 31, 28 cells), and so
+did using it for the queued work only (1.091).  A slow pod's queue drains slowly, and the
+queued tokens already show it.
 
 The sums forget: each observation multiplies them by ``1 - 1 / memory``, the prior's
 weight too.  Bad input (a NaN or negative token count, a first token before its routing,

@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache per pod, tokens (required with --pod-model simple; vllm: the preset's)",
     )
     ap.add_argument(
+        "--pod-speed",
+        default=None,
+        metavar="S1,S2,...",
+        help="each pod's speed, a multiple of the rates (0.5 = half as fast), repeated over "
+        "the pods: '1,0.5' on 4 pods = 1, 0.5, 1, 0.5 (default: all 1)",
+    )
+    ap.add_argument(
         "--pod-model",
         choices=["simple", "vllm"],
         default="simple",
@@ -253,8 +260,22 @@ def parse_engine_params(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def parse_pod_speed(spec: str | None, pods: int) -> tuple[float, ...] | None:
+    """``"1,0.5"`` on 4 pods -> ``(1.0, 0.5, 1.0, 0.5)``: the list repeated over the pods."""
+    if spec is None:
+        return None
+    try:
+        speeds = [float(x) for x in spec.split(",")]
+    except ValueError:
+        raise ReplayConfigError(
+            f"pod-speed must be comma-separated numbers, e.g. 1,0.5; got {spec!r}"
+        ) from None
+    return tuple(speeds[i % len(speeds)] for i in range(max(0, pods)))
+
+
 def fleet_config(args: argparse.Namespace, block_size: int) -> FleetConfig | VllmFleetConfig:
     """The validated fleet settings the arguments describe."""
+    speed = parse_pod_speed(getattr(args, "pod_speed", None), args.pods)
     given = [k for k in SIMPLE_DEFAULTS if getattr(args, k, None) is not None]
     if args.pod_model == "vllm":
         if given:
@@ -280,6 +301,7 @@ def fleet_config(args: argparse.Namespace, block_size: int) -> FleetConfig | Vll
             capacity_tokens=capacity if capacity is not None else spec.kv_capacity_tokens,
             block_size=block_size,
             engine=spec,
+            pod_speed=speed,
         ).validate()
     if args.preset is not None or args.preset_file is not None or args.engine_param:
         raise ReplayConfigError(
@@ -291,7 +313,11 @@ def fleet_config(args: argparse.Namespace, block_size: int) -> FleetConfig | Vll
         k: d if (v := getattr(args, k)) is None else v for k, d in SIMPLE_DEFAULTS.items()
     }
     return FleetConfig(
-        pods=args.pods, capacity_tokens=args.capacity_tokens, block_size=block_size, **settings
+        pods=args.pods,
+        capacity_tokens=args.capacity_tokens,
+        block_size=block_size,
+        pod_speed=speed,
+        **settings,
     ).validate()
 
 
@@ -328,6 +354,8 @@ def replay(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[flo
     if args.prefill_pods or args.decode_pods:
         if args.scrape_interval_s:
             raise ReplayConfigError("--scrape-interval-s does not apply to P/D mode")
+        if cfg.pod_speed is not None:
+            raise ReplayConfigError("--pod-speed does not apply to P/D mode")
         return _replay_pd(args, trace, cfg), {}
     names = args.policy or available_policies()
     overrides = parse_params(args.param, names)

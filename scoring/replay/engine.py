@@ -132,7 +132,7 @@ def _replay_simple(
     scrapes: Scrapes,
 ) -> PolicyRun:
     reqs = trace.requests
-    pods = [SimPod(f"pod-{i}", cfg, cfg.pod_capacity(i)) for i in range(cfg.pods)]
+    pods = [SimPod(f"pod-{i}", cfg, cfg.pod_capacity(i), cfg.speed(i)) for i in range(cfg.pods)]
     index_of = {p.name: i for i, p in enumerate(pods)}
     run = _new_run(policy, [p.name for p in pods], reqs)
 
@@ -215,7 +215,7 @@ def _replay_vllm(
 ) -> PolicyRun:
     reqs = trace.requests
     n = len(reqs)
-    pods = [VllmPod(f"pod-{i}", cfg, cfg.pod_capacity(i)) for i in range(cfg.pods)]
+    pods = [VllmPod(f"pod-{i}", cfg, cfg.pod_capacity(i), cfg.speed(i)) for i in range(cfg.pods)]
     index_of = {p.name: i for i, p in enumerate(pods)}
     run = _new_run(policy, [p.name for p in pods], reqs)
     overhead = cfg.engine.request_overhead_s  # outside engine steps, added to each TTFT

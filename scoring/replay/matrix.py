@@ -6,8 +6,11 @@ cell is replayed once per seed, every policy on the same scaled trace.  Dimensio
 * **workload** — the synthetic families (:mod:`scoring.replay.families`: ``agentic``,
   ``rag``, ``rag_bursty`` = RAG with on-off bursts, ``chat``, ``mixed``) for the seed,
   and the two Mooncake traces in ``../shared/traces/`` (the same for every seed).
-* **fleet** — 4, 8 or 16 pods whose caches are ``equal`` or ``unequal``: half the pods
-  hold twice the cache of the other half (80 GB next to 40 GB GPUs), same total.
+* **fleet** — 4, 8 or 16 pods, ``equal``, ``unequal`` or ``mixed``.  ``unequal``: half
+  the pods hold twice the cache of the other half (80 GB next to 40 GB GPUs), same
+  total.  ``mixed``: the same caches, and the pods with the larger cache are also twice
+  as fast (a newer GPU next to an older one); speeds 4/3 and 2/3, so the fleet's compute
+  is that of the equal fleet.
 * **cache** — the fleet's total cache as a share of the trace's working set (its distinct
   full blocks, what an infinite cache would hold): ``small`` 10%, ``medium`` 30%,
   ``large`` 100%.  No pod holds less than the longest prompt (vLLM will not serve a
@@ -52,12 +55,12 @@ MOONCAKE = {
 }
 SYNTHETIC = ("agentic", "rag", "rag_bursty", "chat", "mixed")
 WORKLOADS = (*SYNTHETIC, *MOONCAKE)
-FLEETS: tuple[tuple[int, str], ...] = tuple(
-    (n, c) for n in (4, 8, 16) for c in ("equal", "unequal")
-)
+FLEET_KINDS = ("equal", "unequal", "mixed")
+FLEETS: tuple[tuple[int, str], ...] = tuple((n, c) for n in (4, 8, 16) for c in FLEET_KINDS)
 CACHE_FRACTIONS = {"small": 0.1, "medium": 0.3, "large": 1.0}
 LOADS = (0.5, 0.8, 1.1)
-#: the unequal fleet's per-pod weights, repeated over the pods (mean 1)
+#: the unequal and mixed fleets' per-pod cache weights, repeated over the pods (mean 1);
+#: the mixed fleet's speeds too
 UNEQUAL_WEIGHTS = (4 / 3, 2 / 3)
 #: the replay's pod models: its own simple one and the vLLM-scheduler one (the preset below)
 POD_MODELS = ("simpod", "vllm")
@@ -70,7 +73,7 @@ WITHIN = 1.05
 class Cell:
     workload: str
     pods: int
-    caches: str  # "equal" | "unequal"
+    caches: str  # the fleet kind: "equal" | "unequal" | "mixed" (caches and speeds)
     cache: str  # "small" | "medium" | "large"
     load: float  # offered load, a share of the fleet's prefill capacity
 
@@ -146,11 +149,13 @@ def fleet_for(cell: Cell, trace: Trace, *, prefill_rate: float = 8000.0) -> Flee
     bs = trace.block_size
     total = CACHE_FRACTIONS[cell.cache] * working_set_tokens(trace)
     floor = -(-max(r.prompt_tokens for r in trace.requests) // bs) * bs
+    if cell.caches not in FLEET_KINDS:
+        raise ReplayConfigError(
+            f"caches must be one of {', '.join(FLEET_KINDS)}, got {cell.caches!r}"
+        )
     weights = [1.0] * cell.pods
-    if cell.caches == "unequal":
+    if cell.caches != "equal":
         weights = [UNEQUAL_WEIGHTS[i % len(UNEQUAL_WEIGHTS)] for i in range(cell.pods)]
-    elif cell.caches != "equal":
-        raise ReplayConfigError(f"caches must be 'equal' or 'unequal', got {cell.caches!r}")
     caps = tuple(max(floor, int(total * w / cell.pods) // bs * bs) for w in weights)
     return FleetConfig(
         pods=cell.pods,
@@ -158,7 +163,8 @@ def fleet_for(cell: Cell, trace: Trace, *, prefill_rate: float = 8000.0) -> Flee
         block_size=bs,
         prefill_rate=prefill_rate,
         decode_rate=40.0,
-        pod_capacity_tokens=caps if cell.caches == "unequal" else None,
+        pod_capacity_tokens=caps if cell.caches != "equal" else None,
+        pod_speed=tuple(weights) if cell.caches == "mixed" else None,
     ).validate()
 
 
@@ -177,6 +183,7 @@ def pod_fleet(cfg: FleetConfig, pod_model: str) -> FleetConfig | VllmFleetConfig
             block_size=cfg.block_size,
             engine=resolve_preset(VLLM_PRESET, {}),
             pod_capacity_tokens=cfg.pod_capacity_tokens,
+            pod_speed=cfg.pod_speed,
         ).validate()
     raise ReplayConfigError(
         f"pod-model {pod_model!r} is not available; available: {', '.join(POD_MODELS)}"
@@ -246,6 +253,7 @@ def run_cell(
         "fleet": {
             "pods": cfg.pods,
             "pod_capacity_tokens": [cfg.pod_capacity(i) for i in range(cfg.pods)],
+            "pod_speed": [cfg.speed(i) for i in range(cfg.pods)],
             "prefill_rate": load_rates(cfg).prefill_rate,
             "pod_model": pod_model,
         },
@@ -254,7 +262,8 @@ def run_cell(
         "ceilings": {"infinite": infinite_ceiling(scaled), "pooled": pooled},
         "policies": {},
     }
-    capacity_s = cfg.pods * max(span_s(scaled), 1e-9)
+    capacity_s = cfg.total_speed * max(span_s(scaled), 1e-9)
+    speeds = [cfg.speed(i) for i in range(cfg.pods)]
     runs: list[tuple[str, str, dict[str, Any]]] = [
         (name, name, {}) for name in (policies or available_policies())
     ]
@@ -271,7 +280,9 @@ def run_cell(
             "imbalance": m["imbalance"],
             # prefill busy time / capacity over the arrival span: the load this policy
             # actually put on the fleet, comparable to offered_load
-            "busy_vs_capacity": sum(run.busy_s) / capacity_s,
+            # (busy seconds at each pod's speed: work in seconds of a speed-1 pod)
+            "busy_vs_capacity": sum(b * v for b, v in zip(run.busy_s, speeds, strict=True))
+            / capacity_s,
             "mean_utilisation": m["mean_utilisation"],
             "replay_wall_s": m["replay_wall_s"],
         }

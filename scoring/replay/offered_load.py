@@ -49,6 +49,9 @@ contexts: a trace of agentic sessions scaled to "80%" by it (attention left out)
 for about 10x the fleet's compute, the KV reads of its decode steps alone, so every
 vLLM-model cell ran deep in overload.
 
+A fleet whose pods differ in speed (``pod_speed``) has the compute of ``sum(speeds)``
+pods at speed 1: that sum replaces ``pods`` above.
+
 The ceilings ignore timing, so rescaling every arrival time by ``s`` (about the first)
 divides ``work_s / span_s`` and ``x`` by ``s``; :func:`scale_to_load` solves
 ``offered(s) = target`` (bisection: the load falls as ``s`` grows) and keeps the request
@@ -83,7 +86,8 @@ def span_s(trace: Trace) -> float:
 class LoadRates:
     """The rates the offered-load formula takes from a pod model."""
 
-    pods: int
+    #: the fleet's compute in pods at speed 1 (the pod count unless pods differ in speed)
+    pods: float
     total_capacity_tokens: int
     prefill_rate: float
     decode_rate: float
@@ -105,7 +109,7 @@ def load_rates(cfg: FleetConfig | VllmFleetConfig, decode_context: float = 0.0) 
         per_pod = cfg.total_capacity_tokens / cfg.pods
         batch = max(1, min(cfg.engine.max_num_seqs, int(per_pod // max(1.0, decode_context))))
         return LoadRates(
-            cfg.pods,
+            cfg.total_speed,
             cfg.total_capacity_tokens,
             cfg.engine.prefill_rate_tokens_per_s(),
             batch / (c.base_s + batch * k),
@@ -114,7 +118,7 @@ def load_rates(cfg: FleetConfig | VllmFleetConfig, decode_context: float = 0.0) 
             compute_sum=True,
         )
     return LoadRates(
-        cfg.pods,
+        cfg.total_speed,
         cfg.total_capacity_tokens,
         cfg.prefill_rate,
         cfg.decode_rate,

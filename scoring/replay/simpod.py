@@ -6,7 +6,8 @@ Pod model (one per pod, all times in seconds):
   blocks (LRU with prefix closure).  Optionally a CPU offload tier of
   ``cpu_capacity_tokens``: blocks evicted from GPU drop into a CPU LRU and are loaded
   back at ``cpu_load_rate`` tokens/s when a prompt needs them.  ``pod_capacity_tokens``
-  gives each pod its own cache size.
+  gives each pod its own cache size, ``pod_speed`` its own speed: every duration below is
+  divided by it (a pod at 0.5 prefills and decodes half as fast: an older GPU).
 * **Prefill** — one FCFS queue served one request at a time.  When a request starts
   prefill, its cached prefix is looked up (``g`` GPU tokens, ``c`` more CPU tokens) and
   its blocks are inserted (touched) in the cache::
@@ -62,6 +63,9 @@ class FleetConfig:
     #: KV cache of each pod when the pods differ (one entry per pod); None = every pod
     #: holds ``capacity_tokens``
     pod_capacity_tokens: tuple[int, ...] | None = None
+    #: each pod's speed, a multiple of the rates above (one entry per pod: 0.5 = half as
+    #: fast, every duration doubled); None = every pod at 1
+    pod_speed: tuple[float, ...] | None = None
 
     def validate(self) -> FleetConfig:
         checks = [
@@ -91,6 +95,9 @@ class FleetConfig:
                     f"must hold at least one block ({self.block_size} tokens) on every pod",
                 )
             )
+        speed_error = check_pod_speed(self.pod_speed, self.pods)
+        if speed_error:
+            raise ReplayConfigError(speed_error)
         for name, ok, why in checks:
             if not ok or (
                 isinstance(getattr(self, name), float) and not math.isfinite(getattr(self, name))
@@ -114,6 +121,31 @@ class FleetConfig:
         """The fleet's KV cache, tokens (what the pooled ceiling pools)."""
         return sum(self.pod_capacity(i) for i in range(self.pods))
 
+    def speed(self, i: int) -> float:
+        """Pod ``i``'s speed (1 unless ``pod_speed`` sets it)."""
+        return self.pod_speed[i] if self.pod_speed is not None else 1.0
+
+    @property
+    def total_speed(self) -> float:
+        """The fleet's compute in pods at speed 1 (what the offered load divides by)."""
+        return float(sum(self.pod_speed)) if self.pod_speed is not None else float(self.pods)
+
+
+def check_pod_speed(speeds: tuple[float, ...] | None, pods: int) -> str | None:
+    """Why ``speeds`` is not a valid per-pod speed list for ``pods`` pods (None: valid)."""
+    if speeds is None:
+        return None
+    if len(speeds) != pods:
+        return f"pod-speed must list {pods} pods, got {len(speeds)}: {speeds!r}"
+    for v in speeds:
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float))
+            or not (math.isfinite(v) and v > 0)
+        ):
+            return f"pod-speed must be finite numbers > 0, got {v!r} in {speeds!r}"
+    return None
+
 
 class SimPod:
     """One simulated pod: cache, prefill queue, decode batch, and the router's view of it."""
@@ -131,11 +163,19 @@ class SimPod:
         "outstanding",
         "prefilling",
         "queue",
+        "slowness",
     )
 
-    def __init__(self, name: str, cfg: FleetConfig, capacity_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        cfg: FleetConfig,
+        capacity_tokens: int | None = None,
+        speed: float = 1.0,
+    ) -> None:
         self.name = name
         self.cfg = cfg
+        self.slowness = 1.0 / speed  # every duration's multiple
         tokens = cfg.capacity_tokens if capacity_tokens is None else capacity_tokens
         self.capacity_blocks = tokens // cfg.block_size
         self.cache = PrefixCache(self.capacity_blocks)
@@ -195,7 +235,7 @@ class SimPod:
         duration = (
             uncached / cfg.prefill_rate * (1.0 + cfg.decode_interference * self.decoding)
             + cpu_tok / cfg.cpu_load_rate
-        )
+        ) * self.slowness
         self._insert(keys)
         self.prefilling = True
         self.busy_s += duration
@@ -214,4 +254,4 @@ class SimPod:
     def decode_step_s(self) -> float:
         """Step time for a request joining the batch now (batch includes it)."""
         cfg = self.cfg
-        return (1.0 / cfg.decode_rate) * (1.0 + cfg.decode_batch_slope * self.decoding)
+        return (self.slowness / cfg.decode_rate) * (1.0 + cfg.decode_batch_slope * self.decoding)

@@ -92,6 +92,10 @@ class StepCost:
             raise StepCostError("a step must take time: base_s, prefill_token_s or decode_seq_s")
         return self
 
+    def scaled(self, factor: float) -> StepCost:
+        """Every step ``factor`` times as long (a pod ``1 / factor`` times as fast)."""
+        return StepCost(*(getattr(self, name) * factor for name in PARAMS))
+
     def seconds(self, work: StepWork) -> float:
         return (
             self.base_s

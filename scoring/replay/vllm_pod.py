@@ -10,9 +10,11 @@ recompute) whose steps take the time of a
 The KV cache holds ``capacity_tokens // block_size`` blocks of the trace's block size
 (512 tokens for Mooncake traces, whose hash ids name 512-token blocks; vLLM allocates
 16-token blocks on GPUs, so a request here may hold up to one block's worth of slots
-more than it would there).  ``max_model_len`` is the preset's, at most the KV capacity
-(vLLM refuses to start otherwise): a prompt of ``max_model_len`` tokens or more is
-rejected, as vLLM rejects it; a longer output than fits is cut at ``max_model_len``.
+more than it would there).  ``pod_speed`` gives each pod its own speed: its steps take
+the preset's time divided by it (an older GPU next to newer ones).  ``max_model_len``
+is the preset's, at most the KV capacity (vLLM refuses to start otherwise): a prompt
+of ``max_model_len`` tokens or more is rejected, as vLLM rejects it; a longer output
+than fits is cut at ``max_model_len``.
 
 What the router sees (:meth:`VllmPod.view`), as a vLLM pod exposes it: the prefix
 hits a precise KV-event index reports (blocks stored and not yet removed, whether
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 from scoring.policies.base import PodView
 from scoring.replay.presets import EngineSpec, PresetError
-from scoring.replay.simpod import ReplayConfigError
+from scoring.replay.simpod import ReplayConfigError, check_pod_speed
 from scoring.replay.trace import TraceRequest
 from scoring.replay.vllm_sched import Scheduler, Seq, StepPlan, StepResult
 
@@ -47,6 +49,9 @@ class VllmFleetConfig:
     #: KV cache of each pod when the pods differ (one entry per pod); None = every pod
     #: holds ``capacity_tokens``
     pod_capacity_tokens: tuple[int, ...] | None = None
+    #: each pod's speed, a multiple of the preset's (one entry per pod: 0.5 = every
+    #: step takes twice as long); None = every pod at 1
+    pod_speed: tuple[float, ...] | None = None
 
     def validate(self) -> VllmFleetConfig:
         if self.pods < 1:
@@ -64,6 +69,9 @@ class VllmFleetConfig:
                 f"pod-capacity-tokens must list {self.pods} pods of at least one block "
                 f"({self.block_size} tokens), got {caps!r}"
             )
+        speed_error = check_pod_speed(self.pod_speed, self.pods)
+        if speed_error:
+            raise ReplayConfigError(speed_error)
         try:
             self.engine.validate()
         except PresetError as exc:
@@ -88,19 +96,34 @@ class VllmFleetConfig:
         """The fleet's KV cache, tokens (what the pooled ceiling pools)."""
         return sum(self.pod_capacity(i) for i in range(self.pods))
 
+    def speed(self, i: int) -> float:
+        """Pod ``i``'s speed (1 unless ``pod_speed`` sets it)."""
+        return self.pod_speed[i] if self.pod_speed is not None else 1.0
+
+    @property
+    def total_speed(self) -> float:
+        """The fleet's compute in pods at speed 1 (what the offered load divides by)."""
+        return float(sum(self.pod_speed)) if self.pod_speed is not None else float(self.pods)
+
 
 class VllmPod:
     """One simulated vLLM engine and the router-tracked load on it."""
 
     __slots__ = ("busy_s", "cfg", "inflight", "max_model_len", "name", "outstanding", "sched")
 
-    def __init__(self, name: str, cfg: VllmFleetConfig, capacity_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        cfg: VllmFleetConfig,
+        capacity_tokens: int | None = None,
+        speed: float = 1.0,
+    ) -> None:
         self.name = name
         self.cfg = cfg
         spec = cfg.engine
         tokens = cfg.capacity_tokens if capacity_tokens is None else capacity_tokens
         self.sched = Scheduler(
-            spec.cost,
+            spec.cost if speed == 1.0 else spec.cost.scaled(1.0 / speed),
             num_blocks=tokens // cfg.block_size,
             block_size=cfg.block_size,
             max_num_batched_tokens=spec.max_num_batched_tokens,
