@@ -66,16 +66,21 @@ def kvroute_version() -> str:
 
 
 def register_build_info(registry: CollectorRegistry, component: str, policy: str = "") -> None:
-    """``kvroute_build_info{version, python, component, policy} 1``: which kvroute a
-    process runs (a rollout shows as two versions side by side), as what (``serve``,
-    ``index``) and, for a router, with which policy."""
+    """``kvroute_build_info{version, python, build, component, policy} 1``: which
+    kvroute a process runs (a rollout shows as two versions side by side), whether its
+    decision's hot modules are compiled (``build``: compiled, python or partial;
+    scoring/compiled.py), as what (``serve``, ``index``) and, for a router, with which
+    policy."""
+    from scoring.compiled import build_kind
+
     Gauge(
         "kvroute_build_info",
-        "Always 1: the kvroute version, Python version, component (serve, index) and "
-        "routing policy of this process",
-        ["version", "python", "component", "policy"],
+        "Always 1: the kvroute version, Python version, build (compiled, python or "
+        "partial: the decision's hot modules), component (serve, index) and routing "
+        "policy of this process",
+        ["version", "python", "build", "component", "policy"],
         registry=registry,
-    ).labels(kvroute_version(), platform.python_version(), component, policy).set(1)
+    ).labels(kvroute_version(), platform.python_version(), build_kind(), component, policy).set(1)
 
 
 # -- hot-path metric families ------------------------------------------------------------------

@@ -233,16 +233,17 @@ class CostPolicy(CostLedger):
         # per pod: (view, queued tokens, live uncached tokens); their total queued
         rows: list[tuple[PodView, float, int]] = []
         total = 0.0
-        # (ints stay ints: every one below 2**53 meets a float exactly as float() of it)
+        # (float() of a count below 2**53 is exact: the sums are those of the ints; mypyc,
+        # which compiles this module in a compiled build, wants floats typed as floats)
         q: float
         for pod in pods:
             entry = ledger_get(pod.pod)
             if entry is None:
-                q = pod.outstanding_prefill_tokens
+                q = float(pod.outstanding_prefill_tokens)
                 rows.append((pod, q, 0))
             else:
                 if not discount or entry[0] <= 0:
-                    q = pod.outstanding_prefill_tokens
+                    q = float(pod.outstanding_prefill_tokens)
                 else:
                     q = pod.outstanding_prefill_tokens * entry[1] / entry[0]
                 rows.append((pod, q, entry[1]))
@@ -252,7 +253,7 @@ class CostPolicy(CostLedger):
         bs = request.block_size
         keys = request.block_keys
         if self._by_prompt:
-            size: float = max(1, prompt)
+            size: float = float(max(1, prompt))
         else:  # "request": the backlog in requests = the followers a miss delays
             live_miss, live_count = self._live_total  # (backlog_unit_tokens, inlined)
             size = max(1.0, live_miss / live_count if live_count > 0 else prompt)
@@ -349,7 +350,7 @@ class CostPolicy(CostLedger):
                     # every block of the prompt no running request holds: its cached
                     # prefix too, which leaves the free pool when it is hit (vLLM counts
                     # evictable computed blocks as blocks to allocate)
-                    need: float = prompt_blocks - held
+                    need: float = float(prompt_blocks - held)
                     waiting = pod.waiting
                     if waiting:
                         if unit < 0:

@@ -348,6 +348,7 @@ async def test_metrics_name_the_build_component_and_policy(rig: Rig) -> None:
     m = await rig.metrics()
     (line,) = [ln for ln in m.splitlines() if ln.startswith("kvroute_build_info{")]
     assert 'component="serve"' in line and 'policy="cost"' in line
+    assert 'build="python"' in line  # a checkout's hot modules run as Python
     assert f'python="{platform.python_version()}"' in line
     assert f'version="{kvroute_version()}"' in line and line.endswith(" 1.0")
     assert kvroute_version() == importlib.metadata.version("kvroute")
