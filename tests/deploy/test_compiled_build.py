@@ -3,7 +3,8 @@ decision's hot modules into C extensions, and they decide exactly as the sources
 
 The build test needs a C compiler, Python's headers and mypyc (in the test extras); it
 is skipped, saying which is missing, on a machine without them.  It takes about a
-minute on 2 cores (mypyc and the C compiler)."""
+minute on 2 cores (mypyc and the C compiler), and runs the app's tests
+(tests/router/test_app.py) on the build too."""
 
 from __future__ import annotations
 
@@ -46,12 +47,12 @@ def _setup(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_every_hot_module_exists_and_this_checkout_runs_them_as_python() -> None:
+def test_every_hot_module_exists_and_runs_wholly_compiled_or_wholly_as_python() -> None:
     for path in HOT_MODULES:
         assert (ROOT / path).is_file(), path
     assert module_names()[0] == "scoring.blocks"
     assert set(compiled_modules()) == set(module_names())
-    assert build_kind() == "python"  # a checkout never holds compiled modules
+    assert build_kind() in ("python", "compiled")  # never a mix
 
 
 @pytest.mark.parametrize(
@@ -101,7 +102,7 @@ def test_a_compiled_build_decides_exactly_as_the_sources(tmp_path: Path) -> None
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, build / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info")
-    for package in ("scoring", "router"):
+    for package in ("scoring", "router", "tests"):
         shutil.copytree(ROOT / package, build / package, ignore=ignore)
     built = subprocess.run(
         [sys.executable, "setup.py", "build_ext", "--inplace"],
@@ -124,3 +125,22 @@ def test_a_compiled_build_decides_exactly_as_the_sources(tmp_path: Path) -> None
     assert compiled["replays"] == source["replays"]
     assert compiled["speculative"] == source["speculative"]
     assert compiled["keys"] == source["keys"]
+    # the router around the compiled policy: the app's own tests, run on the build
+    app_tests = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/router/test_app.py",
+        ],
+        cwd=build,
+        env={**os.environ, "PYTHONPATH": str(build)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert app_tests.returncode == 0, app_tests.stdout[-3000:]
+    assert " passed" in app_tests.stdout.strip().splitlines()[-1]
