@@ -47,8 +47,43 @@ class ReplayConfigError(ValueError):
     """An invalid replay setting; the message names it."""
 
 
+class PerPod:
+    """Per-pod lookups of a fleet's settings, shared by both pod models' configs
+    (:class:`FleetConfig`, :class:`~scoring.replay.vllm_pod.VllmFleetConfig`)."""
+
+    __slots__ = ()
+    pods: int
+    capacity_tokens: int
+    block_size: int
+    pod_capacity_tokens: tuple[int, ...] | None
+    pod_speed: tuple[float, ...] | None
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.capacity_tokens // self.block_size
+
+    def pod_capacity(self, i: int) -> int:
+        """KV cache of pod ``i``, tokens."""
+        caps = self.pod_capacity_tokens
+        return caps[i] if caps is not None else self.capacity_tokens
+
+    @property
+    def total_capacity_tokens(self) -> int:
+        """The fleet's KV cache, tokens (what the pooled ceiling pools)."""
+        return sum(self.pod_capacity(i) for i in range(self.pods))
+
+    def speed(self, i: int) -> float:
+        """Pod ``i``'s speed (1 unless ``pod_speed`` sets it)."""
+        return self.pod_speed[i] if self.pod_speed is not None else 1.0
+
+    @property
+    def total_speed(self) -> float:
+        """The fleet's compute in pods at speed 1 (what the offered load divides by)."""
+        return float(sum(self.pod_speed)) if self.pod_speed is not None else float(self.pods)
+
+
 @dataclass(frozen=True, slots=True)
-class FleetConfig:
+class FleetConfig(PerPod):
     """Settings of the simulated fleet (validated by :meth:`validate`)."""
 
     pods: int
@@ -106,29 +141,6 @@ class FleetConfig:
                     f"{name.replace('_', '-')} {why}, got {getattr(self, name)!r}"
                 )
         return self
-
-    @property
-    def capacity_blocks(self) -> int:
-        return self.capacity_tokens // self.block_size
-
-    def pod_capacity(self, i: int) -> int:
-        """KV cache of pod ``i``, tokens."""
-        caps = self.pod_capacity_tokens
-        return caps[i] if caps is not None else self.capacity_tokens
-
-    @property
-    def total_capacity_tokens(self) -> int:
-        """The fleet's KV cache, tokens (what the pooled ceiling pools)."""
-        return sum(self.pod_capacity(i) for i in range(self.pods))
-
-    def speed(self, i: int) -> float:
-        """Pod ``i``'s speed (1 unless ``pod_speed`` sets it)."""
-        return self.pod_speed[i] if self.pod_speed is not None else 1.0
-
-    @property
-    def total_speed(self) -> float:
-        """The fleet's compute in pods at speed 1 (what the offered load divides by)."""
-        return float(sum(self.pod_speed)) if self.pod_speed is not None else float(self.pods)
 
 
 def check_pod_speed(speeds: tuple[float, ...] | None, pods: int) -> str | None:

@@ -31,13 +31,13 @@ from dataclasses import dataclass
 
 from scoring.policies.base import PodView
 from scoring.replay.presets import EngineSpec, PresetError
-from scoring.replay.simpod import ReplayConfigError, check_pod_speed
+from scoring.replay.simpod import PerPod, ReplayConfigError, check_pod_speed
 from scoring.replay.trace import TraceRequest
 from scoring.replay.vllm_sched import Scheduler, Seq, StepPlan, StepResult
 
 
 @dataclass(frozen=True, slots=True)
-class VllmFleetConfig:
+class VllmFleetConfig(PerPod):
     """Settings of a fleet of vLLM-like pods (validated by :meth:`validate`)."""
 
     pods: int
@@ -79,31 +79,8 @@ class VllmFleetConfig:
         return self
 
     @property
-    def capacity_blocks(self) -> int:
-        return self.capacity_tokens // self.block_size
-
-    @property
     def max_model_len(self) -> int:
         return min(self.engine.max_model_len, self.capacity_blocks * self.block_size)
-
-    def pod_capacity(self, i: int) -> int:
-        """KV cache of pod ``i``, tokens."""
-        caps = self.pod_capacity_tokens
-        return caps[i] if caps is not None else self.capacity_tokens
-
-    @property
-    def total_capacity_tokens(self) -> int:
-        """The fleet's KV cache, tokens (what the pooled ceiling pools)."""
-        return sum(self.pod_capacity(i) for i in range(self.pods))
-
-    def speed(self, i: int) -> float:
-        """Pod ``i``'s speed (1 unless ``pod_speed`` sets it)."""
-        return self.pod_speed[i] if self.pod_speed is not None else 1.0
-
-    @property
-    def total_speed(self) -> float:
-        """The fleet's compute in pods at speed 1 (what the offered load divides by)."""
-        return float(sum(self.pod_speed)) if self.pod_speed is not None else float(self.pods)
 
 
 class VllmPod:

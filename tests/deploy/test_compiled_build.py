@@ -77,15 +77,20 @@ def test_without_the_flag_the_install_is_pure_python() -> None:
     assert done.stdout.strip().splitlines()[-1] == "kvroute"
 
 
-def _probe(pythonpath: Path, cwd: Path) -> dict[str, object]:
-    done = subprocess.run(
-        [sys.executable, str(PROBE)],
+def _python(pythonpath: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` in ``cwd`` with only ``pythonpath`` on PYTHONPATH."""
+    return subprocess.run(
+        [sys.executable, *args],
         cwd=cwd,
         env={**os.environ, "PYTHONPATH": str(pythonpath)},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
+
+
+def _probe(pythonpath: Path, cwd: Path) -> dict[str, object]:
+    done = _python(pythonpath, cwd, str(PROBE))
     assert done.returncode == 0, done.stderr[-2000:]
     result: dict[str, object] = json.loads(done.stdout)
     return result
@@ -126,21 +131,8 @@ def test_a_compiled_build_decides_exactly_as_the_sources(tmp_path: Path) -> None
     assert compiled["speculative"] == source["speculative"]
     assert compiled["keys"] == source["keys"]
     # the router around the compiled policy: the app's own tests, run on the build
-    app_tests = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/router/test_app.py",
-        ],
-        cwd=build,
-        env={**os.environ, "PYTHONPATH": str(build)},
-        capture_output=True,
-        text=True,
-        timeout=600,
+    app_tests = _python(
+        build, build, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/router/test_app.py"
     )
     assert app_tests.returncode == 0, app_tests.stdout[-3000:]
     assert " passed" in app_tests.stdout.strip().splitlines()[-1]
