@@ -327,7 +327,7 @@ def test_memory_index_matches_a_reference_model_under_random_operations() -> Non
         assert idx.lookup_sync(chain, cand) == reference_lookup(counts, idx.tiers, chain, cand), (
             step
         )
-        entries = {}
+        entries: dict[str, int] = {}
         for (p, _k, _t), c in counts.items():
             if c > 0:
                 entries[p] = entries.get(p, 0) + 1

@@ -8,7 +8,7 @@ import pytest
 
 from scoring.policies import PodView, RouteRequest, available_policies, build_policy
 from scoring.policies.base import NoCandidatesError
-from scoring.policies.cost import CostParams, predict_ttft
+from scoring.policies.cost import CostParams, CostPolicy, predict_ttft
 from scoring.policies.registry import PolicyConfigError
 
 BS = 16
@@ -237,6 +237,7 @@ def test_cost_pick_scores_every_pod_with_the_documented_predict_ttft(seed: int, 
             "backlog_unit": unit,
         },
     )
+    assert isinstance(policy, CostPolicy)
     p = policy.params
     assert isinstance(p, CostParams)
     chains = [[rng.getrandbits(40) for _ in range(rng.randrange(1, 12))] for _ in range(5)]

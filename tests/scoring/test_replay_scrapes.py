@@ -27,7 +27,7 @@ class Recorder(RoundRobinPolicy):
         self.seen: list[tuple[float, dict[str, tuple[object, ...]]]] = []
 
     def pick(self, request: RouteRequest, pods: Sequence[PodView]) -> Decision:
-        shown = {
+        shown: dict[str, tuple[object, ...]] = {
             v.pod: (v.waiting, v.running, v.kv_usage, v.inflight, v.outstanding_prefill_tokens)
             for v in pods
         }
