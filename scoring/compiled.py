@@ -44,7 +44,7 @@ def compiled_modules() -> dict[str, bool]:
     out: dict[str, bool] = {}
     for name in module_names():
         module = importlib.import_module(name)
-        out[name] = str(getattr(module, "__file__", "") or "").endswith(suffixes)
+        out[name] = (getattr(module, "__file__", None) or "").endswith(suffixes)
     return out
 
 

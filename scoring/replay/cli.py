@@ -275,7 +275,7 @@ def parse_pod_speed(spec: str | None, pods: int) -> tuple[float, ...] | None:
 
 def fleet_config(args: argparse.Namespace, block_size: int) -> FleetConfig | VllmFleetConfig:
     """The validated fleet settings the arguments describe."""
-    speed = parse_pod_speed(getattr(args, "pod_speed", None), args.pods)
+    speed = parse_pod_speed(args.pod_speed, args.pods)
     given = [k for k in SIMPLE_DEFAULTS if getattr(args, k, None) is not None]
     if args.pod_model == "vllm":
         if given:

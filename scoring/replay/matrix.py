@@ -243,6 +243,7 @@ def run_cell(
     cfg = pod_fleet(fleet_for(cell, trace), pod_model)
     scaled, factor = scale_to_load(trace, cfg, cell.load)
     pooled = pooled_ceiling(scaled, cfg.total_capacity_tokens)
+    speeds = [cfg.speed(i) for i in range(cfg.pods)]
     out: dict[str, Any] = {
         "cell": cell.id,
         "dims": asdict(cell),
@@ -253,7 +254,7 @@ def run_cell(
         "fleet": {
             "pods": cfg.pods,
             "pod_capacity_tokens": [cfg.pod_capacity(i) for i in range(cfg.pods)],
-            "pod_speed": [cfg.speed(i) for i in range(cfg.pods)],
+            "pod_speed": speeds,
             "prefill_rate": load_rates(cfg).prefill_rate,
             "pod_model": pod_model,
         },
@@ -263,7 +264,6 @@ def run_cell(
         "policies": {},
     }
     capacity_s = cfg.total_speed * max(span_s(scaled), 1e-9)
-    speeds = [cfg.speed(i) for i in range(cfg.pods)]
     runs: list[tuple[str, str, dict[str, Any]]] = [
         (name, name, {}) for name in (policies or available_policies())
     ]

@@ -58,6 +58,25 @@ class PerPod:
     pod_capacity_tokens: tuple[int, ...] | None
     pod_speed: tuple[float, ...] | None
 
+    def check_pod_speed(self) -> None:
+        """Raise :class:`ReplayConfigError` naming what is wrong with ``pod_speed``."""
+        speeds = self.pod_speed
+        if speeds is None:
+            return
+        if len(speeds) != self.pods:
+            raise ReplayConfigError(
+                f"pod-speed must list {self.pods} pods, got {len(speeds)}: {speeds!r}"
+            )
+        for v in speeds:
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not (math.isfinite(v) and v > 0)
+            ):
+                raise ReplayConfigError(
+                    f"pod-speed must be finite numbers > 0, got {v!r} in {speeds!r}"
+                )
+
     @property
     def capacity_blocks(self) -> int:
         return self.capacity_tokens // self.block_size
@@ -130,9 +149,7 @@ class FleetConfig(PerPod):
                     f"must hold at least one block ({self.block_size} tokens) on every pod",
                 )
             )
-        speed_error = check_pod_speed(self.pod_speed, self.pods)
-        if speed_error:
-            raise ReplayConfigError(speed_error)
+        self.check_pod_speed()
         for name, ok, why in checks:
             if not ok or (
                 isinstance(getattr(self, name), float) and not math.isfinite(getattr(self, name))
@@ -141,22 +158,6 @@ class FleetConfig(PerPod):
                     f"{name.replace('_', '-')} {why}, got {getattr(self, name)!r}"
                 )
         return self
-
-
-def check_pod_speed(speeds: tuple[float, ...] | None, pods: int) -> str | None:
-    """Why ``speeds`` is not a valid per-pod speed list for ``pods`` pods (None: valid)."""
-    if speeds is None:
-        return None
-    if len(speeds) != pods:
-        return f"pod-speed must list {pods} pods, got {len(speeds)}: {speeds!r}"
-    for v in speeds:
-        if (
-            isinstance(v, bool)
-            or not isinstance(v, (int, float))
-            or not (math.isfinite(v) and v > 0)
-        ):
-            return f"pod-speed must be finite numbers > 0, got {v!r} in {speeds!r}"
-    return None
 
 
 class SimPod:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from scoring.policies.base import PodView
 from scoring.replay.presets import EngineSpec, PresetError
-from scoring.replay.simpod import PerPod, ReplayConfigError, check_pod_speed
+from scoring.replay.simpod import PerPod, ReplayConfigError
 from scoring.replay.trace import TraceRequest
 from scoring.replay.vllm_sched import Scheduler, Seq, StepPlan, StepResult
 
@@ -69,9 +69,7 @@ class VllmFleetConfig(PerPod):
                 f"pod-capacity-tokens must list {self.pods} pods of at least one block "
                 f"({self.block_size} tokens), got {caps!r}"
             )
-        speed_error = check_pod_speed(self.pod_speed, self.pods)
-        if speed_error:
-            raise ReplayConfigError(speed_error)
+        self.check_pod_speed()
         try:
             self.engine.validate()
         except PresetError as exc:
