@@ -4,9 +4,9 @@ this process runs them compiled.
 ``KVROUTE_COMPILE=1 pip install --no-build-isolation .`` (with ``mypy`` installed: it
 ships mypyc) compiles :data:`HOT_MODULES` with mypyc (setup.py); a plain install runs
 them as Python.  Both run the same source: the compiled build changes speed, not
-decisions (tests/test_compiled_build.py replays a trace both ways and compares every
+decisions (tests/deploy/test_compiled_build.py replays traces both ways and compares every
 request).  Only what the benchmarks showed paying is listed: ``cost``'s pick and hooks
-and the structures they walk (``python tests/bench/bench_decide_cost.py``: 26 -> 14 us a
+and the structures they walk (``python tests/bench/bench_decide_cost.py``: 28.9 -> 16.1 us a
 request with its four hooks), the speculative index and the block hasher.
 
 This module imports nothing at load: setup.py reads :data:`HOT_MODULES` from it before
