@@ -10,8 +10,12 @@ the router holds.
   pod's load and ``on_complete`` undone, ``on_routed`` and ``begin`` on the served
   one; counted in ``kvroute_epp_served_elsewhere_total``); prompt tokens and predicted
   cached tokens are counted for the pod that served.
-* **First byte** (the first response body chunk): TTFT (``kvroute_ttft_seconds``, from
-  the request headers' arrival at the EPP) and the prefill part of the load done.
+* **First byte** (the first response body chunk of a streamed answer: the request asked
+  for a stream, or the answer is ``text/event-stream``): TTFT (``kvroute_ttft_seconds``,
+  from the request headers' arrival at the EPP), ``policy.on_first_token`` and the
+  prefill part of the load done.  A JSON answer's first byte comes with its last token
+  (vLLM sends it whole), so it is no first token: none of these happen, as in the proxy
+  front, and a learning policy's prefill rate is not fed the decode time too.
 * **Done** (the response's end of stream, or the stream's end without it: the client
   or the proxy gave up, counted as 499): in-flight load ended, ``policy.on_complete``,
   ``kvroute_requests_total`` by status; usage tokens counted when the answer had them.
@@ -94,10 +98,13 @@ class Accounting:
             await load.end()
         self._core.policy.on_complete(self.routed.route, self.pod)
 
-    async def served(self, pod: str | None, status: int) -> None:
+    async def served(self, pod: str | None, status: int, event_stream: bool = False) -> None:
         """Response headers arrived with ``status``, served by ``pod`` (None: the proxy
-        did not say; the picked pod is assumed)."""
+        did not say; the picked pod is assumed); ``event_stream``: the answer is
+        ``text/event-stream``."""
         self.status = status
+        if not (event_stream or self.routed.stream):
+            self._first = False  # a JSON answer's first byte is its end (module docstring)
         if pod is not None and pod != self.pod and self._load is not None:
             # the proxy retried on another endpoint of the list: account it there
             await self._end()

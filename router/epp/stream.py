@@ -247,7 +247,7 @@ class ExtProcStream:
         # with tenants an error names no pod (a pod's name is its address under DNS)
         named = not (picker.tenants.enabled and status >= 400)
         if accounting is not None:
-            await accounting.served(pod, status)
+            await accounting.served(pod, status, event_stream)
             pod = accounting.pod
             if event_stream and 200 <= status < 300 and self._asked_usage:
                 self._hidden = HiddenUsage()

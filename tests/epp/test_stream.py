@@ -155,16 +155,16 @@ async def test_health_services_answer_serving_when_pods_are_ready() -> None:
 async def test_the_served_endpoint_carries_the_load_ttft_and_status() -> None:
     async with sim_pods(2) as pods, running_epp(settings_for(pods), endpoints=2) as (server, ch):
         names = {endpoint(p): p.name for p in pods}
-        stream = await pick(ch, chat_body("hello"))
+        stream = await pick(ch, chat_body("hello", stream=True))
         answer, _ = await stream.read_request_pick()
         first, second = C.destination_metadata(answer).split(",")
         load = server.picker.load
         assert load.snapshot_now([names[first]])[names[first]][0] == 1  # type: ignore[attr-defined]
         # the proxy's retry went down the list: the second endpoint answered
-        await stream.send(C.response_headers(served=second))
+        await stream.send(C.response_headers(served=second, content_type="text/event-stream"))
         (headers_answer,) = await stream.read(1)
         inflight = load.snapshot_now(list(names.values()))  # type: ignore[attr-defined]
-        await stream.send(C.response_body(b'{"choices": []}', True))
+        await stream.send(C.response_body(b"data: [DONE]\n\n", True))
         (body_answer,) = await stream.read(1)
         await stream.close()
         await wait_until(
@@ -180,6 +180,46 @@ async def test_the_served_endpoint_carries_the_load_ttft_and_status() -> None:
     assert C.set_headers(headers_answer, "response_headers")["x-kvroute-pod"] == names[second]
     assert body_answer.response_body.response.body_mutation.streamed_response.end_of_stream
     assert all(n == 0 for n, _ in final.values())
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["stream", "json"])
+async def test_only_a_streamed_answer_s_first_byte_is_a_first_token(streamed: bool) -> None:
+    """vLLM sends a JSON answer whole, after its last token: its first byte says nothing
+    of the prefill, so it neither ends the request's prefill load nor times a TTFT, and
+    the policy's learned prefill rate is not fed the decode time (the proxy front does
+    the same)."""
+    async with sim_pods(1) as pods, running_epp(settings_for(pods)) as (server, ch):
+        pod = pods[0].name
+        policy = server.picker.policy
+        heard: list[float] = []
+        hook = policy.on_first_token
+
+        def recorded(request: object, at: str, ttft_s: float) -> None:
+            heard.append(ttft_s)
+            hook(request, at, ttft_s)  # type: ignore[arg-type]
+
+        policy.on_first_token = recorded  # type: ignore[method-assign]
+        stream = await pick(ch, chat_body("a prompt of a few words " * 20, stream=streamed))
+        await stream.read_request_pick()
+        prefill_before = server.picker.load.snapshot_now([pod])[pod][1]  # type: ignore[attr-defined]
+        kind = "text/event-stream" if streamed else "application/json"
+        await stream.send(C.response_headers(content_type=kind))
+        await stream.read(1)
+        first = b'data: {"choices": []}\n\n' if streamed else b'{"choices": [], '
+        await stream.send(C.response_body(first, False))
+        if streamed:
+            await stream.read(1)
+        prefill_after = server.picker.load.snapshot_now([pod])[pod][1]  # type: ignore[attr-defined]
+        ttft_count = metric(server, "kvroute_ttft_seconds_count", pod=pod)
+        rest = b"data: [DONE]\n\n" if streamed else b'"usage": null}'
+        await stream.send(C.response_body(rest, True))
+        await stream.read(1)
+        await stream.close()
+    assert prefill_before > 0
+    if streamed:
+        assert (prefill_after, ttft_count, len(heard)) == (0, 1.0, 1)
+    else:
+        assert (prefill_after, ttft_count, heard) == (prefill_before, 0.0, [])
 
 
 async def test_a_streamed_answer_is_sent_back_chunk_by_chunk_as_it_arrives() -> None:
