@@ -146,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
         "0 (default): exact at every decision",
     )
     ap.add_argument(
+        "--json-share",
+        type=float,
+        default=0.0,
+        help="the share of requests whose clients ask for a JSON answer, replayed as a "
+        "router that forwards them as they came sees them: no first token, the prompt's "
+        "prefill load held until the answer ends (kvroute serve assembles them from a "
+        "stream instead, proxy.stream_json_answers: that is 0, the default)",
+    )
+    ap.add_argument(
         "--prefill-pods",
         type=int,
         default=0,
@@ -350,10 +359,14 @@ def replay(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[flo
         raise TraceFormatError(f"{args.trace}: no valid requests ({trace.malformed} malformed)")
     if not args.scrape_interval_s >= 0:
         raise ReplayConfigError(f"scrape-interval-s must be >= 0, got {args.scrape_interval_s}")
+    if not 0.0 <= args.json_share <= 1.0:
+        raise ReplayConfigError(f"json-share must be within [0, 1], got {args.json_share}")
     cfg = fleet_config(args, trace.block_size)
     if args.prefill_pods or args.decode_pods:
         if args.scrape_interval_s:
             raise ReplayConfigError("--scrape-interval-s does not apply to P/D mode")
+        if args.json_share:
+            raise ReplayConfigError("--json-share does not apply to P/D mode")
         if cfg.pod_speed is not None:
             raise ReplayConfigError("--pod-speed does not apply to P/D mode")
         return _replay_pd(args, trace, cfg), {}
@@ -378,6 +391,7 @@ def replay(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[flo
         },
         "fleet": dataclasses.asdict(cfg),
         "scrape_interval_s": args.scrape_interval_s,
+        "json_share": args.json_share,
         "params": {n: p.params.model_dump(mode="json") for n, p in policies.items()},
     }
     result["ceilings"] = {
@@ -389,7 +403,12 @@ def replay(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[flo
         bar = _progress(len(trace.requests), name, show)
         tick = (lambda _i, b=bar: b.update(1)) if bar is not None else None
         outcome = replay_policy(
-            trace, policy, cfg, on_progress=tick, scrape_interval_s=args.scrape_interval_s
+            trace,
+            policy,
+            cfg,
+            on_progress=tick,
+            scrape_interval_s=args.scrape_interval_s,
+            json_share=args.json_share,
         )
         if bar is not None:
             bar.close()

@@ -82,24 +82,42 @@ def replay_policy(
     *,
     on_progress: Callable[[int], None] | None = None,
     scrape_interval_s: float = 0.0,
+    json_share: float = 0.0,
 ) -> PolicyRun:
     """Replay ``trace`` through ``policy`` on a fresh fleet described by ``cfg``;
     ``scrape_interval_s`` > 0 shows the policy each pod's scraped fields as a scrape that
-    often would (:mod:`scoring.replay.scrapes`), 0 exactly."""
+    often would (:mod:`scoring.replay.scrapes`), 0 exactly; ``json_share``: the share of
+    requests whose clients ask for a JSON answer, not a stream (:func:`json_answers`)."""
     wall0 = time.perf_counter()
     cfg.validate()
+    json_of = json_answers(len(trace.requests), json_share)
     start = trace.requests[0].arrival_s if trace.requests else 0.0
     scrapes = Scrapes(scrape_interval_s, start)
     clock = policy.clock
     try:
         if isinstance(cfg, VllmFleetConfig):
-            run = _replay_vllm(trace, policy, cfg, on_progress, scrapes)
+            run = _replay_vllm(trace, policy, cfg, on_progress, scrapes, json_of)
         else:
-            run = _replay_simple(trace, policy, cfg, on_progress, scrapes)
+            run = _replay_simple(trace, policy, cfg, on_progress, scrapes, json_of)
     finally:
         policy.clock = clock
     run.wall_s = time.perf_counter() - wall0
     return run
+
+
+def json_answers(requests: int, share: float) -> list[bool]:
+    """Which of ``requests`` (trace order) ask for a JSON answer: ``share`` of them, spread
+    evenly (request ``i`` does when ``floor((i + 1) * share) > floor(i * share)``).
+
+    Live, such a request's first token is never seen: vLLM sends a JSON answer whole, so
+    the router's load holds its prompt as outstanding prefill until the answer ends, and
+    the policy hears ``on_finished`` / ``on_complete`` but no ``on_first_token``
+    (router/proxy/forward.py, router/epp/accounting.py).  The replay plays it so.  Its
+    TTFT in the results is still the engine's first token: the policies are compared on
+    the same measure whatever the clients ask."""
+    if not (0.0 <= share <= 1.0):
+        raise ValueError(f"json_share must be within [0, 1], got {share!r}")
+    return [math.floor((i + 1) * share) > math.floor(i * share) for i in range(requests)]
 
 
 def _new_run(policy: Policy, pods: Sequence[str], reqs: Sequence[TraceRequest]) -> PolicyRun:
@@ -130,6 +148,7 @@ def _replay_simple(
     cfg: FleetConfig,
     on_progress: Callable[[int], None] | None,
     scrapes: Scrapes,
+    json_of: Sequence[bool],
 ) -> PolicyRun:
     reqs = trace.requests
     pods = [SimPod(f"pod-{i}", cfg, cfg.pod_capacity(i), cfg.speed(i)) for i in range(cfg.pods)]
@@ -165,9 +184,10 @@ def _replay_simple(
         r = reqs[ri]
         if kind == _PREFILL_DONE:
             run.ttft_s[ri] = now - r.arrival_s
-            policy.on_first_token(r.route, pod.name, now - r.arrival_s)
             pod.prefilling = False
-            pod.outstanding -= r.prompt_tokens
+            if not json_of[ri]:
+                policy.on_first_token(r.route, pod.name, now - r.arrival_s)
+                pod.outstanding -= r.prompt_tokens
             step = pod.decode_step_s()
             pod.decoding += 1
             seq += 1
@@ -180,6 +200,8 @@ def _replay_simple(
             if r.answer_keys:
                 pod.cache_answer(r.cached_keys())
             last_finish = max(last_finish, now)
+            if json_of[ri]:  # the answer ends: the router's load sees its prefill done
+                pod.outstanding -= r.prompt_tokens
             policy.on_finished(r.route, pod.name, r.output_tokens)
             policy.on_complete(r.route, pod.name)
 
@@ -212,6 +234,7 @@ def _replay_vllm(
     cfg: VllmFleetConfig,
     on_progress: Callable[[int], None] | None,
     scrapes: Scrapes,
+    json_of: Sequence[bool],
 ) -> PolicyRun:
     reqs = trace.requests
     n = len(reqs)
@@ -242,13 +265,16 @@ def _replay_vllm(
             r = reqs[s.rid]
             ttft = now - r.arrival_s + overhead
             run.ttft_s[s.rid] = ttft
-            pod.outstanding -= r.prompt_tokens
-            policy.on_first_token(r.route, pod.name, ttft)
+            if not json_of[s.rid]:
+                pod.outstanding -= r.prompt_tokens
+                policy.on_first_token(r.route, pod.name, ttft)
         for s in result.finished:
             r = reqs[s.rid]
             run.hit_tokens[s.rid] = run.gpu_hit_tokens[s.rid] = s.hit_tokens
             pod.inflight -= 1
             last_finish = max(last_finish, now)
+            if json_of[s.rid]:  # the answer ends: the router's load sees its prefill done
+                pod.outstanding -= r.prompt_tokens
             policy.on_finished(r.route, pod.name, s.num_output)
             policy.on_complete(r.route, pod.name)
         start_step(pod_i, now, horizon)

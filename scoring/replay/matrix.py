@@ -195,9 +195,10 @@ def _replay(
     name: str,
     cfg: FleetConfig | VllmFleetConfig,
     params: Mapping[str, Any] | None = None,
+    json_share: float = 0.0,
 ) -> PolicyRun:
     policy = build_policy(name, {**fleet_defaults(name, cfg), **(params or {})})
-    return replay_policy(trace, policy, cfg)
+    return replay_policy(trace, policy, cfg, json_share=json_share)
 
 
 def parse_variant(spec: str) -> tuple[str, str, dict[str, Any]]:
@@ -231,9 +232,12 @@ def run_cell(
     traces_dir: str | Path = TRACES_DIR,
     pod_model: str = "simpod",
     variants: Sequence[str] = (),
+    json_share: float = 0.0,
 ) -> dict[str, Any]:
     """Replay every policy (default: every registered one) and every variant
-    (:func:`parse_variant`) on ``cell`` for ``seed``."""
+    (:func:`parse_variant`) on ``cell`` for ``seed``; ``json_share`` of the requests
+    ask for JSON answers forwarded as they came
+    (:func:`scoring.replay.engine.json_answers`)."""
     import time
 
     wall0 = time.perf_counter()
@@ -259,6 +263,7 @@ def run_cell(
             "pod_model": pod_model,
         },
         "offered_load": cell.load,
+        "json_share": json_share,
         "time_scale": factor,
         "ceilings": {"infinite": infinite_ceiling(scaled), "pooled": pooled},
         "policies": {},
@@ -269,7 +274,7 @@ def run_cell(
     ]
     runs += [parse_variant(v) for v in variants]
     for name, policy, params in runs:
-        run = _replay(scaled, policy, cfg, params)
+        run = _replay(scaled, policy, cfg, params, json_share)
         m = summarize_run(run)
         out["policies"][name] = {
             "hit_rate": m["hit_rate"],

@@ -98,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="no replay: join earlier runs' OUT.json (repeatable; --seed orders the seeds)",
     )
     ap.add_argument(
+        "--json-share",
+        type=float,
+        default=0.0,
+        help="share of requests asking for JSON answers forwarded as they came: no first "
+        "token seen, prefill load held to the end (kvroute replay --json-share)",
+    )
+    ap.add_argument(
         "--from-json",
         type=Path,
         metavar="FILE",
@@ -122,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         return merge_main(a, argv)
     if a.jobs < 1 or (a.limit is not None and a.limit < 2) or a.block_size < 1:
         print("bench_quality_matrix: --jobs >= 1, --limit >= 2, --block-size >= 1", file=sys.stderr)
+        return 2
+    if not 0.0 <= a.json_share <= 1.0:
+        print(
+            f"bench_quality_matrix: --json-share must be within [0, 1], got {a.json_share}",
+            file=sys.stderr,
+        )
         return 2
     cells = select(quick_matrix() if a.quick else full_matrix(), a.cells)
     if a.list:
@@ -174,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         traces_dir=a.traces,
         pod_model=a.pod_model,
         variants=a.variant,
+        json_share=a.json_share,
     )
     wall_s = time.perf_counter() - wall0
     doc = report(
@@ -184,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         block_size=a.block_size,
         limit=a.limit,
         pod_model=a.pod_model,
+        json_share=a.json_share,
         jobs=a.jobs,
         wall_s=wall_s,
     )

@@ -1,0 +1,151 @@
+"""Clients that ask for a JSON answer, not a stream, in the replay (``json_share``).
+
+Live, vLLM sends a JSON answer whole after its last token, so the router never sees its
+first token: its prompt stays outstanding prefill in the router's load until the answer
+ends, and the policy hears ``on_finished`` and ``on_complete`` but no
+``on_first_token``.  The replay plays such requests the same way, for both pod models."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from scoring.policies import build_policy
+from scoring.policies.base import Decision, PodView, RouteRequest
+from scoring.policies.round_robin import RoundRobinPolicy
+from scoring.replay.cli import main
+from scoring.replay.engine import json_answers, replay_policy
+from scoring.replay.presets import PRESETS
+from scoring.replay.trace import Trace, load_trace
+from scoring.replay.vllm_pod import VllmFleetConfig
+from tests.scoring.test_replay import fleet as simple_fleet
+from tests.scoring.test_replay import mooncake_row, write_jsonl
+from tests.scoring.test_vllm_pod import busy_rows, write_mooncake
+
+
+class Heard(RoundRobinPolicy):
+    """Round robin that writes down the hooks it hears and the load each pick saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_tokens: list[str] = []
+        self.finished: list[str] = []
+        self.completed: list[str] = []
+        self.outstanding_seen: list[dict[str, int]] = []
+
+    def pick(self, request: RouteRequest, pods: Sequence[PodView]) -> Decision:
+        self.outstanding_seen.append({v.pod: v.outstanding_prefill_tokens for v in pods})
+        return super().pick(request, pods)
+
+    def on_first_token(self, request: RouteRequest, pod: str, ttft_s: float) -> None:
+        self.first_tokens.append(request.request_id)
+
+    def on_finished(self, request: RouteRequest, pod: str, output_tokens: int | None) -> None:
+        self.finished.append(request.request_id)
+
+    def on_complete(self, request: RouteRequest, pod: str) -> None:
+        self.completed.append(request.request_id)
+
+
+def one_pod_fleets() -> list[object]:
+    return [
+        simple_fleet(pods=1, prefill_rate=1024.0, decode_interference=0.0),
+        VllmFleetConfig(
+            pods=1, capacity_tokens=512 * 40, block_size=512, engine=PRESETS["llama3-8b-h100"]
+        ),
+    ]
+
+
+def two_requests(tmp_path: Path) -> Trace:
+    """A long answer, then a second request that arrives after the first one's first
+    token and before its end (1024 tokens at 1024 tokens/s, then 400 decode steps)."""
+    rows = [mooncake_row(0, [1, 2], out=400), mooncake_row(1500, [3], out=10)]
+    return load_trace(write_jsonl(tmp_path / "t.jsonl", rows))
+
+
+def test_the_share_of_json_answers_is_spread_evenly_over_the_trace() -> None:
+    assert json_answers(4, 0.0) == [False] * 4
+    assert json_answers(4, 1.0) == [True] * 4
+    assert json_answers(6, 0.5) == [False, True] * 3
+    assert sum(json_answers(1000, 0.3)) == 300
+    assert sum(json_answers(10, 0.3)[:5]) in (1, 2)  # no run of them at one end
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, math.nan])
+def test_a_share_outside_zero_to_one_is_refused_by_name(share: float) -> None:
+    with pytest.raises(ValueError, match="json_share"):
+        json_answers(3, share)
+
+
+@pytest.mark.parametrize("cfg", one_pod_fleets(), ids=["simple", "vllm"])
+def test_a_json_answer_tells_the_policy_its_end_but_no_first_token(
+    tmp_path: Path, cfg: object
+) -> None:
+    trace = load_trace(write_mooncake(tmp_path, busy_rows(n_conv=3, turns=2)))
+    ids = [r.route.request_id for r in trace.requests]
+    for share, expect_first in ((1.0, []), (0.0, sorted(ids))):
+        heard = Heard()
+        run = replay_policy(trace, heard, cfg, json_share=share)  # type: ignore[arg-type]
+        assert sorted(heard.first_tokens) == expect_first
+        assert sorted(heard.finished) == sorted(heard.completed) == sorted(ids)
+        assert all(t > 0 for t in run.ttft_s)  # the engine's first token is still timed
+
+
+@pytest.mark.parametrize("cfg", one_pod_fleets(), ids=["simple", "vllm"])
+def test_a_json_answer_s_prompt_stays_outstanding_prefill_until_it_ends(
+    tmp_path: Path, cfg: object
+) -> None:
+    trace = two_requests(tmp_path)
+    first_prompt = trace.requests[0].prompt_tokens
+    seen = {}
+    for share in (0.0, 1.0):
+        heard = Heard()
+        run = replay_policy(trace, heard, cfg, json_share=share)  # type: ignore[arg-type]
+        assert run.ttft_s[0] < 1.5 < run.last_finish_s  # the second arrives mid-answer
+        seen[share] = heard.outstanding_seen[1]["pod-0"]
+    assert seen == {0.0: 0, 1.0: first_prompt}
+
+
+def test_cost_learns_no_prefill_rate_from_json_answers(tmp_path: Path) -> None:
+    trace = load_trace(write_mooncake(tmp_path, busy_rows()))
+    cfg = VllmFleetConfig(
+        pods=2, capacity_tokens=512 * 40, block_size=512, engine=PRESETS["llama3-8b-h100"]
+    )
+    prior = 3000.0
+    rates = {}
+    for share in (0.0, 1.0):
+        policy = build_policy("cost", {"prefill_rate_tokens_per_s": prior})
+        replay_policy(trace, policy, cfg, json_share=share)
+        rates[share] = policy.learned()[("prefill_rate_tokens_per_s", "mooncake")]
+    assert rates[1.0] == prior
+    assert rates[0.0] != prior
+
+
+def test_the_cli_replays_a_share_of_json_answers_and_reports_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_mooncake(tmp_path, busy_rows(n_conv=4, turns=2))
+    args = [str(path), "--pods", "2", "--capacity-tokens", str(512 * 20), "--json"]
+    assert main([*args, "--policy", "cost", "--json-share", "0.5"]) == 0
+    assert json.loads(capsys.readouterr().out)["json_share"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--json-share", "1.5"], "json-share must be within [0, 1]"),
+        (["--json-share", "nan"], "json-share must be within [0, 1]"),
+        (["--json-share", "0.5", "--prefill-pods", "1", "--decode-pods", "1"], "P/D mode"),
+    ],
+)
+def test_the_cli_rejects_a_bad_json_share_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], named: str
+) -> None:
+    path = write_mooncake(tmp_path, [(0, [1], 512, 3)])
+    assert main([str(path), "--capacity-tokens", "4096", *extra]) == 2
+    err = capsys.readouterr().err
+    assert named in err and err.count("\n") == 1
