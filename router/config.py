@@ -112,10 +112,19 @@ class ProxySettings(_Section):
     first_byte_timeout_s: float | None = Field(
         default=60.0,
         gt=0,
-        description="a streaming request whose pod sends no first body byte (the first SSE "
+        description="a streaming request (or a JSON answer assembled from a stream: "
+        "proxy.stream_json_answers) whose pod sends no first body byte (the first SSE "
         "event: after queueing and prefill) within this is cancelled there and failed over "
-        "to the next pod once; null: no deadline. Non-streaming requests have none (their "
-        "head is the whole answer); they fail over when their pod is ejected",
+        "to the next pod once; null: no deadline. JSON answers sent as they came have none "
+        "(their head is the whole answer); they fail over when their pod is ejected",
+    )
+    stream_json_answers: bool = Field(
+        default=True,
+        description="a chat or text completion that asks for a JSON answer (one choice, no "
+        "logprobs or echo) is asked of its pod as a stream and assembled into the JSON "
+        "answer at the router, so its first token is seen as a stream's: TTFT, the prefill "
+        "part of its load, the policy's learned rates and the first-byte deadline "
+        "(router/proxy/assemble.py); false: sent as it came",
     )
     ejected_stream_idle_s: float = Field(
         default=10.0,

@@ -318,8 +318,9 @@ class RouterMetrics:
         self.ttft_seconds = self._hot(
             "histogram",
             "kvroute_ttft_seconds",
-            "Time to first byte of a streaming response body, measured at the router, by "
-            "model and the pod that answered",
+            "Time to first byte of a streaming response body (a stream, or a JSON answer the "
+            "router assembles from one), measured at the router, by model and the pod that "
+            "answered",
             ("model", "pod"),
             buckets=_TTFT_BUCKETS,
         )

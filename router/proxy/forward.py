@@ -19,9 +19,14 @@ Semantics:
     the first SSE event, which vLLM sends after queueing and prefill (its head comes at
     once, before the engine saw the request).  The head is held until that first body
     byte, so nothing reaches the client before it and the request may still move;
-  - non-streaming: the response head, which vLLM sends with the whole answer.  No
-    first-byte deadline applies (a long generation is legitimate; ``read_timeout_s``
-    bounds the wait); only ejection or removal moves it.
+  - a JSON answer the router assembles (``proxy.stream_json_answers``: a chat or text
+    completion asked of its pod as a stream, :mod:`.assemble`): its stream's first body
+    byte, as a stream's; the answer goes to the client whole once the stream ended (a
+    stream that gives no whole answer is a 502: ``stream_error``, ``stream_unreadable``,
+    or the transport's);
+  - any other non-streaming answer: the response head, which vLLM sends with the whole
+    answer.  No first-byte deadline applies (a long generation is legitimate;
+    ``read_timeout_s`` bounds the wait); only ejection or removal moves it.
 
   A request fails over at most once (a request that stalls on two pods is more likely
   the request's doing than two pods'): the second stall answers 504
@@ -45,8 +50,8 @@ Semantics:
   aborts the request).  A streaming response stops, and closes upstream, as
   soon as the server reports the disconnect.
 * **Load** — the chosen pod's router-tracked load is held from just before the attempt
-  to the end of the response: prefill tokens until the first body chunk (or the whole
-  non-streaming body), in-flight until the last.  The policy's ``on_routed`` is called
+  to the end of the response: prefill tokens until the first body chunk (or, for a JSON
+  answer sent as it came, the whole body), in-flight until the last.  The policy's ``on_routed`` is called
   as the attempt starts and ``on_complete`` when it ends (a failed attempt ends at once,
   before the retry's ``on_routed``).
 * **Errors** — connect failures after the last retry -> 502, read timeout -> 504,
@@ -83,6 +88,7 @@ from router.fleet.transport import PodTarget, PodTransport, Upstream
 from router.logs import RateLimitedLog
 from router.metrics import RouterMetrics
 from router.proxy import answers
+from router.proxy.assemble import StreamFailed, StreamUnreadable, assemblable, streamed_body
 from router.proxy.attempts import CLIENT_DISCONNECTED, AttemptWatch, Disconnected
 from router.proxy.failures import RETRYABLE_STATUS, Stalled
 from router.proxy.head import DROP_REQUEST_B, head_tail
@@ -148,6 +154,7 @@ class Proxy(StreamRelay):
         self._connect_timeout = settings.connect_timeout_s
         self._read_timeout = settings.read_timeout_s
         self._first_byte_timeout = settings.first_byte_timeout_s
+        self._stream_json = settings.stream_json_answers
         #: the upstream bodies relaying per pod (an ejection limits their silence)
         self._relaying: dict[str, set[Any]] = {}
         registry.subscribe_health(self._on_health)
@@ -206,6 +213,10 @@ class Proxy(StreamRelay):
         relay the answer.  ``leg``: the decode half of a split request
         (router/proxy/disagg.py) chooses each attempt's body, what is retryable, extra
         response headers and the answer's edit."""
+        # a JSON answer asked of the pod as a stream, assembled here (router/proxy/assemble.py)
+        whole = leg is None and self._stream_json and assemblable(routed)
+        if whole:
+            raw_body = streamed_body(raw_body, routed.body)
         tail = self._head_tail(headers, len(raw_body))
         retryable = RETRYABLE_STATUS if leg is None else leg.retry_status
         extra = {} if leg is None else leg.header_map
@@ -216,7 +227,7 @@ class Proxy(StreamRelay):
         route = routed.route
         tokens = route.prompt_tokens
         n_attempts = len(attempts)
-        first_byte_s = self._first_byte_timeout if routed.stream else None
+        first_byte_s = self._first_byte_timeout if routed.stream or whole else None
         for i, pod in enumerate(attempts):
             state = self.registry.get(pod)
             if state is None or (i > 0 and not state.healthy):
@@ -264,6 +275,13 @@ class Proxy(StreamRelay):
                     content: bytes | None = None
                     if resp.status in retryable and not last:
                         pass  # closed below; the next pod is tried
+                    elif whole and resp.is_event_stream and 200 <= resp.status < 300:
+                        await resp.stream.wait_body()  # its first token: committed there
+                        self._watch.commit(attempt)
+                        try:
+                            content = await self._gather(resp, routed, pod, load, started)
+                        finally:
+                            await resp.stream.aclose()
                     elif routed.stream or resp.is_event_stream:
                         await resp.stream.wait_body()
                     else:  # the head of a non-streaming answer comes with the answer
@@ -303,6 +321,12 @@ class Proxy(StreamRelay):
                 self._served(routed, pod, pm)
                 pm.requests(last_error.status).inc()
                 return self.public(last_error).response({self.pod_header: pod, **extra})
+            except (StreamUnreadable, StreamFailed) as exc:
+                await self._finish(load, gauge, routed, pod)
+                err = self._stream_error(pod, exc)
+                self._served(routed, pod, pm)
+                pm.requests(err.status).inc()
+                return self.public(err).response({self.pod_header: pod})
             except httpx.HTTPError as exc:
                 if resp is not None:
                     await resp.stream.aclose()
@@ -355,7 +379,10 @@ class Proxy(StreamRelay):
                 else:
                     await self._complete(load, gauge, routed, pod, answer)
                 pm.requests(resp.status).inc()
-                out = self._response_headers(resp, pod, leg)
+                if whole and resp.is_event_stream:
+                    out = self._whole_headers(resp, pod)
+                else:
+                    out = self._response_headers(resp, pod, leg)
                 return RawResponse(resp.status, out, content)
             return self._relay_stream(resp, routed, pod, load, gauge, started, leg)
 

@@ -22,6 +22,7 @@ from router.fleet.load import RequestLoad
 from router.fleet.pods import PodRegistry
 from router.fleet.transport import PodTarget, PodTransport, Upstream
 from router.proxy import answers
+from router.proxy.assemble import Assembler
 from router.proxy.bookkeeping import Bookkeeping
 from router.proxy.failures import Failures
 from router.proxy.head import head_tail
@@ -117,15 +118,7 @@ class StreamRelay(Bookkeeping, Failures):
                         sniff = None
                 if first and chunk:
                     first = False
-                    ttft = time.perf_counter() - started
-                    m.child(m.ttft_seconds, routed.model, pod).observe(ttft)
-                    if self.on_ttft is not None:
-                        self.on_ttft(routed.tenant, ttft)
-                    self.policy.on_first_token(routed.route, pod, ttft)
-                    if load.local is not None:
-                        load.first_token_now()
-                    else:
-                        await load.first_token()
+                    await self._first_token(routed, pod, load, started)
                 answer.feed(chunk)
                 yield chunk
             if 200 <= status < 300:
@@ -146,6 +139,50 @@ class StreamRelay(Bookkeeping, Failures):
                 self._relaying.pop(pod, None)
             await resp.stream.aclose()
             self._count(routed, pod, status)
+
+    async def _first_token(
+        self, routed: Routed, pod: str, load: RequestLoad, started: float
+    ) -> None:
+        """The answer's first body byte came from ``pod``: its TTFT is timed (and told
+        to the tenants' row and the policy), and its prefill load is done."""
+        ttft = time.perf_counter() - started
+        m = self.metrics
+        m.child(m.ttft_seconds, routed.model, pod).observe(ttft)
+        if self.on_ttft is not None:
+            self.on_ttft(routed.tenant, ttft)
+        self.policy.on_first_token(routed.route, pod, ttft)
+        if load.local is not None:
+            load.first_token_now()
+        else:
+            await load.first_token()
+
+    async def _gather(
+        self, resp: Upstream, routed: Routed, pod: str, load: RequestLoad, started: float
+    ) -> bytes:
+        """Read the stream asked for a JSON answer (:mod:`router.proxy.assemble`) to its
+        end, its first byte counted as a stream's first token, and return the JSON
+        answer.  Its pod's ejection limits its silence, as a relayed stream's."""
+        whole = Assembler(routed.kind)
+        relaying = self._relaying.setdefault(pod, set())
+        relaying.add(resp.stream)
+        first = True
+        try:
+            async for chunk in resp.stream:
+                if first and chunk:
+                    first = False
+                    await self._first_token(routed, pod, load, started)
+                whole.feed(chunk)
+        finally:
+            relaying.discard(resp.stream)
+            if not relaying:
+                self._relaying.pop(pod, None)
+        return whole.answer()
+
+    def _whole_headers(self, resp: Upstream, pod: str) -> list[tuple[bytes, bytes]]:
+        """The headers of an assembled JSON answer: the pod's, with JSON's type."""
+        out = [(k, v) for k, v in resp.relay_headers if k != b"content-type"]
+        out += [(b"content-type", b"application/json"), (self._pod_header_b, pod.encode("latin-1"))]
+        return out
 
     async def remember(self, response_id: str, pod: str, tenant: str | None = None) -> None:
         """Record ``pod`` (and ``tenant``) as the owner of ``response_id`` (a failing store

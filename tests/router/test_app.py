@@ -44,14 +44,19 @@ class Rig:
 
 @contextlib.asynccontextmanager
 async def running(
-    sims: list[SimSettings], events: bool = False, **overrides: Any
+    sims: list[SimSettings],
+    events: bool = False,
+    other_pods: tuple[dict[str, Any], ...] = (),
+    **overrides: Any,
 ) -> AsyncIterator[Rig]:
-    """Sim pods and a router in front of them (static discovery), stopped on exit."""
+    """Sim pods (and ``other_pods``, static entries of pods the test runs) and a router
+    in front of them (static discovery), stopped on exit."""
     pods = await start_pods(sims)
     try:
+        static = [*(p.model_dump() for p in static_pods(pods)), *other_pods]
         settings = Settings.model_validate(
             {
-                "discovery": {"static": [p.model_dump() for p in static_pods(pods)]},
+                "discovery": {"static": static},
                 "events": {"enabled": events},
                 "fleet": {"enabled": False},
                 **overrides,

@@ -8,6 +8,7 @@ HTTP upstreams whose behaviour each test chooses.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,12 +156,23 @@ async def make_rig() -> AsyncIterator[Callable[..., Any]]:
 
 
 async def test_non_streaming_answer_is_relayed_with_the_pod_header(make_rig: Any) -> None:
-    rig = await make_rig({"a": ok})
+    rig = await make_rig({"a": ok}, proxy={"stream_json_answers": False})
     r = await rig.client.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200
     assert r.json()["served_by"] == "a"
     assert r.headers["x-kvroute-pod"] == "a"
     assert rig.ups["a"].bodies == [r.request.content]  # body forwarded byte for byte
+
+
+async def test_a_json_answer_is_asked_of_its_pod_as_a_stream_with_its_usage(
+    make_rig: Any,
+) -> None:
+    rig = await make_rig({"a": ok})
+    r = await rig.client.post("/v1/chat/completions", json=CHAT)
+    sent = json.loads(rig.ups["a"].bodies[0])
+    assert sent == {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    # a pod that answers JSON anyway (not vLLM): its answer is relayed as it came
+    assert (r.status_code, r.json()["served_by"]) == (200, "a")
 
 
 async def test_pod_header_name_is_configurable(make_rig: Any) -> None:

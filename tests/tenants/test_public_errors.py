@@ -6,8 +6,8 @@ debugs with them).
 
 The pods here are real sockets on 127.0.0.1 that fail in one way each: a closed port
 (connect refused), a server that answers 500 with its own address in the body, one
-that accepts and never answers (first-byte deadline for a stream, read timeout
-otherwise), one that closes the connection without a response, and a pod ejected by
+that accepts and never answers (first-byte deadline for a stream and for a JSON answer
+the router assembles from one, read timeout for a JSON answer sent as it came), one that closes the connection without a response, and a pod ejected by
 health checks (no healthy pod).  The pods are named by their address, as DNS discovery
 names them, so that a pod name in a message would be an address too.
 """
@@ -112,8 +112,12 @@ def settings(url: str, tenants: bool, **overrides: Any) -> Settings:
     )
 
 
-def completion(stream: bool) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": [7] * 40, "max_tokens": 4, "stream": stream}
+def completion(stream: bool | None) -> dict[str, Any]:
+    """A stream (True), a JSON answer (False: asked of the pod as a stream and assembled,
+    router/proxy/assemble.py), or a JSON answer sent as it came (None: it asks for
+    logprobs, which are not assembled)."""
+    body = {"model": MODEL, "prompt": [7] * 40, "max_tokens": 4, "stream": bool(stream)}
+    return body if stream is not None else {**body, "logprobs": 1}
 
 
 def leaks(text: str, url: str) -> list[str]:
@@ -121,14 +125,15 @@ def leaks(text: str, url: str) -> list[str]:
     return [s for s in ("127.0.0.1:", url, host_port, host_port.rsplit(":", 1)[1]) if s in text]
 
 
-#: failure kind -> (the pod, whether the request streams, the status, the error code)
-FAILURES: dict[str, tuple[Callable[[str], Handler] | None, bool, int, str]] = {
+#: failure kind -> (the pod, the request's kind (``completion``), the status, the error code)
+FAILURES: dict[str, tuple[Callable[[str], Handler] | None, bool | None, int, str]] = {
     "connect refused": (None, False, 502, "connect"),
     "connect refused, stream": (None, True, 502, "connect"),
     "5xx before the first byte": (answers_500, False, 500, "status_500"),
     "5xx before the first byte, stream": (answers_500, True, 500, "status_500"),
     "first-byte timeout": (never_answers, True, 504, "first_byte_timeout"),
-    "read timeout": (never_answers, False, 504, "upstream_timeout"),
+    "first-byte timeout, JSON answer": (never_answers, False, 504, "first_byte_timeout"),
+    "read timeout": (never_answers, None, 504, "upstream_timeout"),
     "connection closed without an answer": (hangs_up, False, 502, "transport"),
 }
 

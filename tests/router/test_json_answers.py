@@ -1,0 +1,231 @@
+"""A client that asks for a JSON answer (``"stream": false``) through `kvroute serve`: the
+router asks the pod for a stream and assembles the JSON answer itself
+(``proxy.stream_json_answers``, router/proxy/assemble.py), so it sees the answer's first
+token as it sees a stream's.  Real simulated pods and real HTTP on loopback; pods that
+misbehave are raw sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.router.test_app import MODEL, Rig, chat, running, sim
+from tests.support.aio import wait_until
+from tests.support.one_pod import one_pod_router
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def completion(prompt: str = "hello", **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, **kw}
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sample ``name{labels}`` of a /metrics text (0 when absent)."""
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return 0.0
+
+
+class Heard:
+    """The first tokens and output tokens the router's (real) policy is told of."""
+
+    def __init__(self, rig: Rig) -> None:
+        policy = rig.gateway.policy
+        self.first_tokens: list[float] = []
+        self.output_tokens: list[int | None] = []
+        first, finished = policy.on_first_token, policy.on_finished
+
+        def on_first_token(request: Any, pod: str, ttft_s: float) -> None:
+            self.first_tokens.append(ttft_s)
+            first(request, pod, ttft_s)
+
+        def on_finished(request: Any, pod: str, output_tokens: int | None) -> None:
+            self.output_tokens.append(output_tokens)
+            finished(request, pod, output_tokens)
+
+        policy.on_first_token = on_first_token  # type: ignore[method-assign]
+        policy.on_finished = on_finished  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "text_of"),
+    [
+        ("/v1/chat/completions", chat("tell me", max_tokens=6), lambda c: c["message"]["content"]),
+        ("/v1/completions", completion("tell me", max_tokens=6), lambda c: c["text"]),
+    ],
+    ids=["chat", "completion"],
+)
+async def test_the_assembled_answer_is_the_pod_s_own_json_answer(
+    path: str, body: dict[str, Any], text_of: Callable[[dict[str, Any]], str]
+) -> None:
+    async with running([sim(0)]) as rig:
+        through = await rig.client.post(path, json=body)
+        async with httpx.AsyncClient() as direct:
+            own = (await direct.post(rig.pods[0].url + path, json=body)).json()
+    assert through.status_code == 200, through.text
+    assert through.headers["content-type"] == "application/json"
+    assert through.headers["x-kvroute-pod"] == "sim-0"
+    answer = through.json()
+    assert answer["object"] == own["object"]
+    assert (answer["model"], answer["system_fingerprint"]) == (
+        own["model"],
+        own["system_fingerprint"],
+    )
+    (choice,), (own_choice,) = answer["choices"], own["choices"]
+    assert text_of(choice) == text_of(own_choice)
+    assert choice["finish_reason"] == own_choice["finish_reason"]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert answer["usage"][key] == own["usage"][key]
+
+
+@pytest.mark.parametrize("assemble", [True, False], ids=["assembled", "as it came"])
+async def test_the_router_sees_a_json_answer_s_first_token_only_when_it_assembles_it(
+    assemble: bool,
+) -> None:
+    async with running([sim(0)], proxy={"stream_json_answers": assemble}) as rig:
+        heard = Heard(rig)
+        r = await rig.client.post("/v1/chat/completions", json=chat("hi", max_tokens=5))
+        assert r.status_code == 200, r.text
+        text = await rig.metrics()
+    ttft_count = metric(text, "kvroute_ttft_seconds_count", pod="sim-0")
+    assert (ttft_count, len(heard.first_tokens)) == ((1.0, 1) if assemble else (0.0, 0))
+    assert heard.output_tokens == [5]  # the usage is read either way
+
+
+async def test_a_json_answer_s_prefill_load_ends_at_its_first_token_not_at_its_end() -> None:
+    # 40 output tokens at 20 tokens/s: two seconds of decode after the first token
+    async with running([sim(0, time_scale=1.0, decode_rate=20.0)]) as rig:
+        load = rig.gateway.proxy.load
+        request = asyncio.create_task(
+            rig.client.post("/v1/chat/completions", json=chat("a few words", max_tokens=40))
+        )
+        seen: list[tuple[int, int]] = []
+
+        def decoding() -> bool:
+            seen.append(load.snapshot_now(["sim-0"])["sim-0"])  # type: ignore[attr-defined]
+            return seen[-1] == (1, 0)  # in flight, no prefill left
+
+        await wait_until(decoding, "the request decoding with its prefill load done")
+        r = await request
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
+
+
+@contextlib.asynccontextmanager
+async def raw_pod(handler: Handler) -> AsyncIterator[str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server.wait_closed(), 2)
+
+
+async def _read_request(reader: asyncio.StreamReader) -> None:
+    head = await reader.readuntil(b"\r\n\r\n")
+    lengths = [
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    ]
+    await reader.readexactly(sum(lengths))
+
+
+def sse_pod(events: list[bytes], then: str) -> Handler:
+    """A pod that answers 200 text/event-stream with ``events`` (chunked), then either
+    ends the answer (``end``) or closes the connection mid-answer (``close``)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        for e in events:
+            writer.write(b"%x\r\n%s\r\n" % (len(e), e))
+        if then == "end":
+            writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    return handle
+
+
+def hangs(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Awaitable[None]:
+    """A pod that takes the request and never answers (a hung engine)."""
+
+    async def handle() -> None:
+        await _read_request(reader)
+        await asyncio.sleep(30)
+        writer.close()
+
+    return handle()
+
+
+def first_chunk() -> bytes:
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": MODEL}
+    delta = {"index": 0, "delta": {"role": "assistant", "content": "x"}, "finish_reason": None}
+    return b"data: " + json.dumps({**chunk, "choices": [delta]}).encode() + b"\n\n"
+
+
+ERROR_EVENT = b'data: {"error": {"message": "engine died"}}\n\n'
+
+
+@pytest.mark.parametrize(
+    ("events", "then", "code"),
+    [
+        ([first_chunk()], "close", "transport"),
+        (
+            [first_chunk(), b'data: {"error": {"message": "engine died"}}\n\n'],
+            "end",
+            "stream_error",
+        ),
+        ([b"data: not json\n\n"], "end", "stream_unreadable"),
+    ],
+    ids=["broken mid-answer", "error event", "not a completion"],
+)
+async def test_a_stream_that_gives_no_whole_answer_is_a_502_error_never_half_an_answer(
+    events: list[bytes], then: str, code: str
+) -> None:
+    async with (
+        raw_pod(sse_pod(events, then)) as url,
+        one_pod_router("bad", url, MODEL, proxy={"retries": 0}) as (_, client),
+    ):
+        r = await client.post("/v1/chat/completions", json=chat("hi"))
+        text = (await client.get("/metrics")).text
+    assert r.status_code == 502, r.text
+    error = r.json()["error"]
+    assert error["code"] == code
+    assert metric(text, "kvroute_upstream_errors_total", pod="bad", reason=code) == 1
+    assert metric(text, "kvroute_requests_total", pod="bad", status="502") == 1
+
+
+async def test_a_pod_hung_before_a_json_answer_s_first_token_is_failed_over() -> None:
+    """The first-byte deadline, once a stream's only, now covers JSON answers too."""
+    async with (
+        raw_pod(hangs) as hung,
+        running(
+            [sim(0)],
+            proxy={"first_byte_timeout_s": 0.3, "retries": 1},
+            health={"enabled": False},
+            other_pods=({"name": "hung", "url": hung, "models": [MODEL]},),
+            policy="round_robin",
+        ) as rig,
+    ):
+        answers = [
+            await rig.client.post("/v1/chat/completions", json=chat(f"q{i}")) for i in range(2)
+        ]
+        text = await rig.metrics()
+    assert [(a.status_code, a.headers["x-kvroute-pod"]) for a in answers] == [(200, "sim-0")] * 2
+    assert metric(text, "kvroute_retries_total", reason="first_byte_timeout") == 1

@@ -1,0 +1,65 @@
+"""Live: a JSON answer the router assembles from a real vLLM engine's stream
+(``proxy.stream_json_answers``, router/proxy/assemble.py) is the answer the engine itself
+sends such a client, and the router times its first token.
+
+Opt-in (``pytest -m vllm tests/vllm -k json_answers``).  Greedy decoding (temperature 0),
+so the engine's own JSON answer and the assembled one carry the same text: each field
+the assembled answer has is one the engine's has, the text, finish reason and token
+counts are equal, and only what vLLM fills per request differs (``id``, ``created``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.vllm.conftest import EngineFactory
+from tests.vllm.test_vllm_routing import MODEL, _pods, running_router
+from tools.capture_vllm_events import EngineProcess
+
+pytestmark = pytest.mark.vllm
+
+BODIES = {
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": "Name three colours, please."}],
+    },
+    "/v1/completions": {"prompt": "The three primary colours are"},
+}
+
+
+@pytest.fixture(scope="module")
+def engines(engine: EngineFactory) -> list[EngineProcess]:
+    return engine.many(["json-0"], hash_algo="sha256")
+
+
+def _text(choice: dict[str, Any]) -> str:
+    return str(choice["message"]["content"] if "message" in choice else choice["text"])
+
+
+@pytest.mark.parametrize("path", sorted(BODIES))
+async def test_the_assembled_answer_is_the_engines_own_json_answer(
+    engines: list[EngineProcess], path: str
+) -> None:
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0, **BODIES[path]}
+    async with running_router(_pods(engines)) as router:
+        through = await router.post(path, json=body)
+        metrics = (await router.get("/metrics")).text
+    async with httpx.AsyncClient(timeout=120) as direct:
+        own = (await direct.post(engines[0].base_url + path, json=body)).json()
+    assert through.status_code == 200, through.text
+    answer = through.json()
+    assert set(answer) <= set(own)
+    assert answer["object"] == own["object"]
+    assert answer["model"] == own["model"]
+    (choice,), (own_choice,) = answer["choices"], own["choices"]
+    assert set(choice) <= set(own_choice)
+    if "message" in choice:
+        assert set(choice["message"]) <= set(own_choice["message"])
+    assert _text(choice) == _text(own_choice)
+    assert choice["finish_reason"] == own_choice["finish_reason"]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert answer["usage"][key] == own["usage"][key]
+    # the router saw the engine's first token (a JSON answer sent as it came shows none)
+    assert 'kvroute_ttft_seconds_count{model="tiny-llama",pod="vllm-0"} 1.0' in metrics
