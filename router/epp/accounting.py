@@ -15,7 +15,8 @@ the router holds.
   from the request headers' arrival at the EPP), ``policy.on_first_token`` and the
   prefill part of the load done.  A JSON answer's first byte comes with its last token
   (vLLM sends it whole), so it is no first token: none of these happen, as in the proxy
-  front, and a learning policy's prefill rate is not fed the decode time too.
+  front, and a learning policy's prefill rate is not fed the decode time too.  Unless
+  the answer is of at most one token (``max_tokens`` <= 1): its last token is its first.
 * **Done** (the response's end of stream, or the stream's end without it: the client
   or the proxy gave up, counted as 499): in-flight load ended, ``policy.on_complete``,
   ``kvroute_requests_total`` by status; usage tokens counted when the answer had them.
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from router.decision.request import Routed
 from router.fleet.load import RequestLoad
 from router.metrics import PodMetrics
+from router.proxy.assemble import one_token
 
 if TYPE_CHECKING:
     from router.epp.picker import EndpointPicker
@@ -103,7 +105,7 @@ class Accounting:
         did not say; the picked pod is assumed); ``event_stream``: the answer is
         ``text/event-stream``."""
         self.status = status
-        if not (event_stream or self.routed.stream):
+        if not (event_stream or self.routed.stream or one_token(self.routed)):
             self._first = False  # a JSON answer's first byte is its end (module docstring)
         if pod is not None and pod != self.pod and self._load is not None:
             # the proxy retried on another endpoint of the list: account it there

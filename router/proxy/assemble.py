@@ -11,7 +11,10 @@ kvroute does the same for the requests it can assemble exactly:
 * :func:`assemblable` — a chat or text completion that asked for no stream, one choice
   (``n`` absent or 1) and nothing whose streamed form differs from the JSON one
   (``logprobs``, ``top_logprobs``, ``prompt_logprobs``, ``echo``, ``best_of``,
-  ``return_token_ids``, ``return_tokens_as_token_ids``, ``kv_transfer_params``);
+  ``return_token_ids``, ``return_tokens_as_token_ids``, ``kv_transfer_params``), and
+  more than one token (:func:`one_token`: an answer of at most one token comes right
+  after its first token, so its head is its first token: it goes as it came, and the
+  router counts its head as its first token, deadline included);
 * :func:`streamed_body` — the bytes sent on: the client's body with ``"stream": true``
   and ``"stream_options": {"include_usage": true}`` (the JSON answer carries usage);
 * :class:`Assembler` — fed the SSE bytes as they come, then :meth:`Assembler.answer`
@@ -63,10 +66,26 @@ class StreamFailed(Exception):
     """The pod's stream ended with an ``error`` event (its message)."""
 
 
+def one_token(routed: Routed) -> bool:
+    """Whether ``routed`` is a chat or text completion asking for a JSON answer of at
+    most one token (``max_tokens`` / ``max_completion_tokens`` <= 1): vLLM sends it
+    right after that token, so its head is its first token."""
+    if routed.kind not in _OBJECT or routed.stream:
+        return False
+    body = routed.body
+    limit = body.get("max_completion_tokens") if routed.kind == "chat" else None
+    if limit is None:
+        limit = body.get("max_tokens")
+    return isinstance(limit, int) and not isinstance(limit, bool) and limit <= 1
+
+
 def assemblable(routed: Routed) -> bool:
-    """Whether ``routed``'s JSON answer can be assembled exactly from a stream."""
+    """Whether ``routed``'s JSON answer can be assembled exactly from a stream, and is
+    worth it (not :func:`one_token`: its head already tells its first token)."""
     body = routed.body
     if routed.kind not in _OBJECT or routed.stream or routed.pd is not None:
+        return False
+    if one_token(routed):
         return False
     n = body.get("n")
     if n is not None and n != 1:

@@ -24,6 +24,8 @@ Semantics:
     byte, as a stream's; the answer goes to the client whole once the stream ended (a
     stream that gives no whole answer is a 502: ``stream_error``, ``stream_unreadable``,
     or the transport's);
+  - a JSON answer of at most one token (``max_tokens`` <= 1): its head, which vLLM
+    sends right after that token; it counts as the first token, as a stream's does;
   - any other non-streaming answer: the response head, which vLLM sends with the whole
     answer.  No first-byte deadline applies (a long generation is legitimate;
     ``read_timeout_s`` bounds the wait); only ejection or removal moves it.
@@ -51,9 +53,10 @@ Semantics:
   soon as the server reports the disconnect.
 * **Load** — the chosen pod's router-tracked load is held from just before the attempt
   to the end of the response: prefill tokens until the first body chunk (or, for a JSON
-  answer sent as it came, the whole body), in-flight until the last.  The policy's ``on_routed`` is called
-  as the attempt starts and ``on_complete`` when it ends (a failed attempt ends at once,
-  before the retry's ``on_routed``).
+  answer sent as it came, the whole body; the head of one of at most one token),
+  in-flight until the last.  The policy's ``on_routed`` is called as the attempt starts
+  and ``on_complete`` when it ends (a failed attempt ends at once, before the retry's
+  ``on_routed``).
 * **Errors** — connect failures after the last retry -> 502, read timeout -> 504,
   other transport errors -> 502, a stall of the last attempt -> 504 / 502 (above); all
   as OpenAI error JSON.  Per-request warnings go through :class:`router.logs.RateLimitedLog`.
@@ -88,7 +91,13 @@ from router.fleet.transport import PodTarget, PodTransport, Upstream
 from router.logs import RateLimitedLog
 from router.metrics import RouterMetrics
 from router.proxy import answers
-from router.proxy.assemble import StreamFailed, StreamUnreadable, assemblable, streamed_body
+from router.proxy.assemble import (
+    StreamFailed,
+    StreamUnreadable,
+    assemblable,
+    one_token,
+    streamed_body,
+)
 from router.proxy.attempts import CLIENT_DISCONNECTED, AttemptWatch, Disconnected
 from router.proxy.failures import RETRYABLE_STATUS, Stalled
 from router.proxy.head import DROP_REQUEST_B, head_tail
@@ -217,6 +226,7 @@ class Proxy(StreamRelay):
         whole = leg is None and self._stream_json and assemblable(routed)
         if whole:
             raw_body = streamed_body(raw_body, routed.body)
+        head_first = leg is None and one_token(routed)  # its head is its first token
         tail = self._head_tail(headers, len(raw_body))
         retryable = RETRYABLE_STATUS if leg is None else leg.retry_status
         extra = {} if leg is None else leg.header_map
@@ -227,7 +237,7 @@ class Proxy(StreamRelay):
         route = routed.route
         tokens = route.prompt_tokens
         n_attempts = len(attempts)
-        first_byte_s = self._first_byte_timeout if routed.stream or whole else None
+        first_byte_s = self._first_byte_timeout if routed.stream or whole or head_first else None
         for i, pod in enumerate(attempts):
             state = self.registry.get(pod)
             if state is None or (i > 0 and not state.healthy):
@@ -286,6 +296,8 @@ class Proxy(StreamRelay):
                         await resp.stream.wait_body()
                     else:  # the head of a non-streaming answer comes with the answer
                         self._watch.commit(attempt)
+                        if head_first and 200 <= resp.status < 300:
+                            await self._first_token(routed, pod, load, started)
                         try:
                             content = await resp.stream.read_all()
                         finally:

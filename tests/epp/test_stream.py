@@ -182,12 +182,18 @@ async def test_the_served_endpoint_carries_the_load_ttft_and_status() -> None:
     assert all(n == 0 for n, _ in final.values())
 
 
-@pytest.mark.parametrize("streamed", [True, False], ids=["stream", "json"])
-async def test_only_a_streamed_answer_s_first_byte_is_a_first_token(streamed: bool) -> None:
+@pytest.mark.parametrize(
+    ("streamed", "max_tokens", "first"),
+    [(True, 8, True), (False, 8, False), (False, 1, True)],
+    ids=["stream", "json", "json of one token"],
+)
+async def test_only_a_streamed_answer_s_first_byte_is_a_first_token(
+    streamed: bool, max_tokens: int, first: bool
+) -> None:
     """vLLM sends a JSON answer whole, after its last token: its first byte says nothing
     of the prefill, so it neither ends the request's prefill load nor times a TTFT, and
     the policy's learned prefill rate is not fed the decode time (the proxy front does
-    the same)."""
+    the same).  Unless it is of one token: then its last token is its first."""
     async with sim_pods(1) as pods, running_epp(settings_for(pods)) as (server, ch):
         pod = pods[0].name
         policy = server.picker.policy
@@ -199,16 +205,19 @@ async def test_only_a_streamed_answer_s_first_byte_is_a_first_token(streamed: bo
             hook(request, at, ttft_s)  # type: ignore[arg-type]
 
         policy.on_first_token = recorded  # type: ignore[method-assign]
-        stream = await pick(ch, chat_body("a prompt of a few words " * 20, stream=streamed))
+        body = chat_body("a prompt of a few words " * 20, stream=streamed, max_tokens=max_tokens)
+        stream = await pick(ch, body)
         await stream.read_request_pick()
         prefill_before = server.picker.load.snapshot_now([pod])[pod][1]  # type: ignore[attr-defined]
         kind = "text/event-stream" if streamed else "application/json"
         await stream.send(C.response_headers(content_type=kind))
         await stream.read(1)
-        first = b'data: {"choices": []}\n\n' if streamed else b'{"choices": [], '
-        await stream.send(C.response_body(first, False))
+        chunk = b'data: {"choices": []}\n\n' if streamed else b'{"choices": [], '
+        await stream.send(C.response_body(chunk, False))
         if streamed:
             await stream.read(1)
+        elif first:  # a held JSON answer: nothing comes back before its end
+            await wait_until(lambda: heard, "the first token heard")
         prefill_after = server.picker.load.snapshot_now([pod])[pod][1]  # type: ignore[attr-defined]
         ttft_count = metric(server, "kvroute_ttft_seconds_count", pod=pod)
         rest = b"data: [DONE]\n\n" if streamed else b'"usage": null}'
@@ -216,7 +225,7 @@ async def test_only_a_streamed_answer_s_first_byte_is_a_first_token(streamed: bo
         await stream.read(1)
         await stream.close()
     assert prefill_before > 0
-    if streamed:
+    if first:
         assert (prefill_after, ttft_count, len(heard)) == (0, 1.0, 1)
     else:
         assert (prefill_after, ttft_count, heard) == (prefill_before, 0.0, [])

@@ -15,6 +15,7 @@ from router.proxy.assemble import (
     StreamFailed,
     StreamUnreadable,
     assemblable,
+    one_token,
     streamed_body,
 )
 from scoring.policies.base import Decision, RouteRequest
@@ -223,6 +224,7 @@ def test_a_stream_that_is_not_a_completion_is_unreadable(body: bytes) -> None:
         ("completion", {"prompt": "x", "best_of": 2}, False),
         ("completion", {"prompt": "x", "return_token_ids": True}, False),
         ("embedding", {"input": "x"}, False),
+        ("completion", {"prompt": "x", "max_tokens": 1}, False),  # its head is its token
     ],
 )
 def test_only_what_a_stream_carries_whole_is_assembled(
@@ -247,3 +249,24 @@ def test_the_body_sent_on_asks_for_a_stream_with_its_usage_and_keeps_the_rest() 
     raw = b'{"model": "m", "prompt": "x", "stream": false, "stream_options": null}'
     sent = json.loads(streamed_body(raw, parse_body(raw)))
     assert (sent["stream"], sent["stream_options"]) == (True, {"include_usage": True})
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "expected"),
+    [
+        ("completion", {"prompt": "x", "max_tokens": 1}, True),
+        ("completion", {"prompt": "x", "max_tokens": 0}, True),
+        ("chat", {"messages": [], "max_completion_tokens": 1}, True),
+        ("chat", {"messages": [], "max_completion_tokens": 1, "max_tokens": 9}, True),
+        ("chat", {"messages": [], "max_tokens": 1}, True),
+        ("completion", {"prompt": "x", "max_tokens": 2}, False),
+        ("completion", {"prompt": "x"}, False),  # the engine's default: many
+        ("completion", {"prompt": "x", "max_tokens": True}, False),  # not a number
+        ("completion", {"prompt": "x", "max_tokens": 1, "stream": True}, False),
+        ("embedding", {"input": "x", "max_tokens": 1}, False),
+    ],
+)
+def test_an_answer_of_at_most_one_token_has_its_first_token_in_its_head(
+    kind: str, body: dict[str, Any], expected: bool
+) -> None:
+    assert one_token(routed_of(kind, {"model": "m", **body})) is expected

@@ -88,18 +88,22 @@ async def test_the_assembled_answer_is_the_pod_s_own_json_answer(
         assert answer["usage"][key] == own["usage"][key]
 
 
-@pytest.mark.parametrize("assemble", [True, False], ids=["assembled", "as it came"])
-async def test_the_router_sees_a_json_answer_s_first_token_only_when_it_assembles_it(
-    assemble: bool,
+@pytest.mark.parametrize(
+    ("assemble", "max_tokens", "sees"),
+    [(True, 5, True), (False, 5, False), (True, 1, True), (False, 1, True)],
+    ids=["assembled", "as it came", "one token", "one token, switch off"],
+)
+async def test_the_router_sees_a_json_answer_s_first_token_when_it_assembles_it_or_it_is_one(
+    assemble: bool, max_tokens: int, sees: bool
 ) -> None:
     async with running([sim(0)], proxy={"stream_json_answers": assemble}) as rig:
         heard = Heard(rig)
-        r = await rig.client.post("/v1/chat/completions", json=chat("hi", max_tokens=5))
+        r = await rig.client.post("/v1/chat/completions", json=chat("hi", max_tokens=max_tokens))
         assert r.status_code == 200, r.text
         text = await rig.metrics()
     ttft_count = metric(text, "kvroute_ttft_seconds_count", pod="sim-0")
-    assert (ttft_count, len(heard.first_tokens)) == ((1.0, 1) if assemble else (0.0, 0))
-    assert heard.output_tokens == [5]  # the usage is read either way
+    assert (ttft_count, len(heard.first_tokens)) == ((1.0, 1) if sees else (0.0, 0))
+    assert heard.output_tokens == [max_tokens]  # the usage is read either way
 
 
 async def test_a_json_answer_s_prefill_load_ends_at_its_first_token_not_at_its_end() -> None:
@@ -211,8 +215,13 @@ async def test_a_stream_that_gives_no_whole_answer_is_a_502_error_never_half_an_
     assert metric(text, "kvroute_requests_total", pod="bad", status="502") == 1
 
 
-async def test_a_pod_hung_before_a_json_answer_s_first_token_is_failed_over() -> None:
-    """The first-byte deadline, once a stream's only, now covers JSON answers too."""
+@pytest.mark.parametrize("max_tokens", [None, 1], ids=["assembled", "one token"])
+async def test_a_pod_hung_before_a_json_answer_s_first_token_is_failed_over(
+    max_tokens: int | None,
+) -> None:
+    """The first-byte deadline, once a stream's only, now covers JSON answers too: those
+    assembled from a stream, and those of one token (their head is their token)."""
+    limit = {} if max_tokens is None else {"max_tokens": max_tokens}
     async with (
         raw_pod(hangs) as hung,
         running(
@@ -224,7 +233,8 @@ async def test_a_pod_hung_before_a_json_answer_s_first_token_is_failed_over() ->
         ) as rig,
     ):
         answers = [
-            await rig.client.post("/v1/chat/completions", json=chat(f"q{i}")) for i in range(2)
+            await rig.client.post("/v1/chat/completions", json=chat(f"q{i}", **limit))
+            for i in range(2)
         ]
         text = await rig.metrics()
     assert [(a.status_code, a.headers["x-kvroute-pod"]) for a in answers] == [(200, "sim-0")] * 2

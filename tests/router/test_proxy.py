@@ -164,6 +164,13 @@ async def test_non_streaming_answer_is_relayed_with_the_pod_header(make_rig: Any
     assert rig.ups["a"].bodies == [r.request.content]  # body forwarded byte for byte
 
 
+async def test_a_json_answer_of_one_token_goes_as_it_came(make_rig: Any) -> None:
+    rig = await make_rig({"a": ok})
+    r = await rig.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
+    assert r.status_code == 200
+    assert rig.ups["a"].bodies == [r.request.content]  # its head is its first token
+
+
 async def test_a_json_answer_is_asked_of_its_pod_as_a_stream_with_its_usage(
     make_rig: Any,
 ) -> None:
