@@ -20,67 +20,27 @@ from router.proxy.assemble import (
 )
 from scoring.policies.base import Decision, RouteRequest
 
+HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m"}
+
+
+def sse(*events: object) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+
+
+def chat_chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    """One chat chunk of one choice, as vLLM 0.32 frames it."""
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, **extra}
+    return {**HEAD, "choices": [choice]}
+
+
+USAGE = {"prompt_tokens": 11, "total_tokens": 14, "completion_tokens": 3}
 CHAT_SSE = (
-    b"".join(
-        b"data: " + json.dumps(e).encode() + b"\n\n"
-        for e in [
-            {
-                "id": "chatcmpl-1",
-                "object": "chat.completion.chunk",
-                "created": 7,
-                "model": "m",
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-                "prompt_token_ids": None,
-            },
-            *(
-                {
-                    "id": "chatcmpl-1",
-                    "object": "chat.completion.chunk",
-                    "created": 7,
-                    "model": "m",
-                    "choices": [
-                        {
-                            "index": 0,
-                            "delta": {"content": w},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-                for w in (" about", " about")
-            ),
-            {
-                "id": "chatcmpl-1",
-                "object": "chat.completion.chunk",
-                "created": 7,
-                "model": "m",
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": {"content": " met"},
-                        "logprobs": None,
-                        "finish_reason": "length",
-                        "stop_reason": None,
-                    }
-                ],
-            },
-            {
-                "id": "chatcmpl-1",
-                "object": "chat.completion.chunk",
-                "created": 7,
-                "model": "m",
-                "choices": [],
-                "usage": {"prompt_tokens": 11, "total_tokens": 14, "completion_tokens": 3},
-                "system_fingerprint": "vllm-0.32.0",
-            },
-        ]
+    sse(
+        {**chat_chunk({"role": "assistant", "content": ""}), "prompt_token_ids": None},
+        chat_chunk({"content": " about"}),
+        chat_chunk({"content": " about"}),
+        chat_chunk({"content": " met"}, "length", stop_reason=None),
+        {**HEAD, "choices": [], "usage": USAGE, "system_fingerprint": "vllm-0.32.0"},
     )
     + b"data: [DONE]\n\n"
 )
@@ -101,10 +61,6 @@ def assembled(kind: str, sse: bytes, step: int | None = None) -> dict[str, Any]:
     return out
 
 
-def sse(*events: object) -> bytes:
-    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
-
-
 @pytest.mark.parametrize("step", [None, 1, 7, 64])
 def test_a_chat_stream_becomes_the_chat_completion_whatever_its_chunk_boundaries(
     step: int | None,
@@ -116,7 +72,7 @@ def test_a_chat_stream_becomes_the_chat_completion_whatever_its_chunk_boundaries
         "model": "m",
         "prompt_token_ids": None,
         "system_fingerprint": "vllm-0.32.0",
-        "usage": {"prompt_tokens": 11, "total_tokens": 14, "completion_tokens": 3},
+        "usage": USAGE,
         "choices": [
             {
                 "index": 0,
