@@ -281,9 +281,21 @@ def main() -> int:
     ap.add_argument(
         "--callgrind", action="store_true", help="running under callgrind: zero / dump per stage"
     )
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=1,
+        help="the completion's max_tokens (default 1: its JSON head is its first token); "
+        "more: a JSON answer the router assembles from a stream (proxy.stream_json_answers; "
+        "--router-args=--no-proxy.stream-json-answers sends it as it came)",
+    )
     args = ap.parse_args()
-    global CALLGRIND
+    if args.max_tokens < 1:
+        print("bench_hot_path: --max-tokens must be >= 1", file=sys.stderr)
+        return 2
+    global CALLGRIND, BODY
     CALLGRIND = args.callgrind
+    BODY = json.dumps({**json.loads(overhead.BODY), "max_tokens": args.max_tokens}).encode()
     sims = [overhead.start_sim(i) for i in range(args.pods)]
     try:
         for _, url in sims:
