@@ -118,16 +118,16 @@ class Assembler:
         self._choices: dict[int, dict[str, Any]] = {}
 
     def feed(self, chunk: bytes) -> None:
-        buf = self._buf + chunk
+        buf = self._buf + chunk if self._buf else chunk
         if b"\r" in buf:  # (CRLF line ends; a lone trailing CR waits for its LF)
             buf = buf.replace(b"\r\n", b"\n")
-        while True:
-            end = buf.find(b"\n\n")
-            if end < 0:
-                break
-            self._event(buf[:end])
-            buf = buf[end + 2 :]
-        self._buf = buf
+        start = 0
+        end = buf.find(b"\n\n")
+        while end >= 0:
+            self._event(buf[start:end])
+            start = end + 2
+            end = buf.find(b"\n\n", start)
+        self._buf = buf[start:] if start else buf
 
     def answer(self) -> bytes:
         """The JSON answer (raises :class:`StreamUnreadable` / :class:`StreamFailed`)."""
@@ -143,9 +143,12 @@ class Assembler:
         return _encode.encode(out)
 
     def _event(self, event: bytes) -> None:
-        data = b"".join(
-            line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
-        )
+        if event[:6] == b"data: " and b"\n" not in event:
+            data = event[6:]  # (vLLM's events: one data line each)
+        else:
+            data = b"".join(
+                line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
+            )
         if not data or data == b"[DONE]":
             return
         try:
