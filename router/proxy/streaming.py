@@ -97,6 +97,7 @@ class StreamRelay(Bookkeeping, Failures):
     ) -> AsyncIterator[bytes]:
         first = True
         status = resp.status
+        ok = 200 <= status < 300
         m = self.metrics
         sniff = (
             CreatedSniffer()
@@ -116,7 +117,7 @@ class StreamRelay(Bookkeeping, Failures):
                         await self.remember(rid, pod, routed.tenant)
                     if sniff.done:
                         sniff = None
-                if first and chunk:
+                if first and chunk and ok:  # (an error's body is no first token)
                     first = False
                     await self._first_token(routed, pod, load, started)
                 answer.feed(chunk)

@@ -320,6 +320,27 @@ async def test_streaming_chunks_arrive_before_the_upstream_finished(make_rig: An
     assert 'kvroute_ttft_seconds_count{model="m",pod="a"} 1.0' in metrics
 
 
+async def test_an_error_answer_to_a_stream_times_no_first_token(make_rig: Any) -> None:
+    """A pod's 400 to a streaming request is relayed, but its body is no first token:
+    no TTFT, and the policy learns nothing from it (bad requests would teach it that
+    prefill is instant)."""
+    rig = await make_rig({"a": status(400)})
+    heard: list[float] = []
+    app: Any = rig.router.server.config.app
+    policy = app.state.gateway.policy
+    hook = policy.on_first_token
+
+    def recorded(request: Any, pod: str, ttft_s: float) -> None:
+        heard.append(ttft_s)
+        hook(request, pod, ttft_s)
+
+    policy.on_first_token = recorded
+    r = await rig.client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "a says 400"
+    metrics = (await rig.client.get("/metrics")).text
+    assert "kvroute_ttft_seconds_count" not in metrics and heard == []
+
+
 async def test_client_disconnect_mid_stream_cancels_the_upstream_request(make_rig: Any) -> None:
     rig = await make_rig({"a": _slow_stream})
     up = rig.ups["a"]
