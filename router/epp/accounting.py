@@ -17,6 +17,7 @@ the router holds.
   (vLLM sends it whole), so it is no first token: none of these happen, as in the proxy
   front, and a learning policy's prefill rate is not fed the decode time too.  Unless
   the answer is of at most one token (``max_tokens`` <= 1): its last token is its first.
+  An error answer's body (a status other than 2xx) is no first token either.
 * **Done** (the response's end of stream, or the stream's end without it: the client
   or the proxy gave up, counted as 499): in-flight load ended, ``policy.on_complete``,
   ``kvroute_requests_total`` by status; usage tokens counted when the answer had them.
@@ -107,6 +108,8 @@ class Accounting:
         self.status = status
         if not (event_stream or self.routed.stream or one_token(self.routed)):
             self._first = False  # a JSON answer's first byte is its end (module docstring)
+        elif not 200 <= status < 300:
+            self._first = False  # an error's body is no first token
         if pod is not None and pod != self.pod and self._load is not None:
             # the proxy retried on another endpoint of the list: account it there
             await self._end()

@@ -183,12 +183,17 @@ async def test_the_served_endpoint_carries_the_load_ttft_and_status() -> None:
 
 
 @pytest.mark.parametrize(
-    ("streamed", "max_tokens", "first"),
-    [(True, 8, True), (False, 8, False), (False, 1, True)],
-    ids=["stream", "json", "json of one token"],
+    ("streamed", "max_tokens", "status", "first"),
+    [
+        (True, 8, 200, True),
+        (False, 8, 200, False),
+        (False, 1, 200, True),
+        (True, 8, 400, False),
+    ],
+    ids=["stream", "json", "json of one token", "error to a stream"],
 )
 async def test_only_a_streamed_answer_s_first_byte_is_a_first_token(
-    streamed: bool, max_tokens: int, first: bool
+    streamed: bool, max_tokens: int, status: int, first: bool
 ) -> None:
     """vLLM sends a JSON answer whole, after its last token: its first byte says nothing
     of the prefill, so it neither ends the request's prefill load nor times a TTFT, and
@@ -209,9 +214,16 @@ async def test_only_a_streamed_answer_s_first_byte_is_a_first_token(
         stream = await pick(ch, body)
         await stream.read_request_pick()
         prefill_before = server.picker.load.snapshot_now([pod])[pod][1]  # type: ignore[attr-defined]
-        kind = "text/event-stream" if streamed else "application/json"
-        await stream.send(C.response_headers(content_type=kind))
+        kind = "text/event-stream" if streamed and status == 200 else "application/json"
+        await stream.send(C.response_headers(status, content_type=kind))
         await stream.read(1)
+        if status != 200:  # an error's body, whole: nothing of it is a first token
+            await stream.send(C.response_body(b'{"error": {"message": "bad"}}', True))
+            await stream.read(1)
+            await stream.close()
+            ttft_count = metric(server, "kvroute_ttft_seconds_count", pod=pod)
+            assert (ttft_count, heard) == (0.0, [])
+            return
         chunk = b'data: {"choices": []}\n\n' if streamed else b'{"choices": [], '
         await stream.send(C.response_body(chunk, False))
         if streamed:
