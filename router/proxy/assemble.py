@@ -53,6 +53,7 @@ _NOT_ASSEMBLED = (
     "kv_transfer_params",
 )
 _OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
+_LEAD = ("id", "object", "created", "model")
 _STREAM_SETS = {"stream": True, "stream_options": {"include_usage": True}}
 _decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder()
@@ -136,10 +137,12 @@ class Assembler:
             self._buf = b""
         if not self._chunks:
             raise StreamUnreadable("the stream carried no completion chunk")
-        out = dict(self._top)
+        top = self._top
+        out = {k: top[k] for k in _LEAD if k in top}  # (in OpenAI's order, for a reader)
         out["object"] = _OBJECT[self._kind]
         out["choices"] = [self._finish(c) for _, c in sorted(self._choices.items())]
-        out.setdefault("usage", None)
+        out["usage"] = top.get("usage")
+        out.update((k, v) for k, v in top.items() if k not in out)
         return _encode.encode(out)
 
     def _event(self, event: bytes) -> None:
