@@ -124,6 +124,44 @@ async def test_a_json_answer_s_prefill_load_ends_at_its_first_token_not_at_its_e
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
 
 
+async def test_a_client_that_leaves_mid_answer_cancels_the_assembly_and_the_pod_s_request() -> None:
+    # 100 output tokens at 10 tokens/s: ten seconds of decode, cut after the first token
+    async with running([sim(0, time_scale=1.0, decode_rate=10.0)]) as rig:
+        load = rig.gateway.proxy.load
+        leaving = httpx.AsyncClient(base_url=rig.router.url, timeout=30)
+        request = asyncio.create_task(
+            leaving.post("/v1/chat/completions", json=chat("a few words", max_tokens=100))
+        )
+        await wait_until(
+            lambda: load.snapshot_now(["sim-0"])["sim-0"] == (1, 0),  # type: ignore[attr-defined]
+            "the request decoding",
+        )
+        request.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+        await leaving.aclose()
+        await wait_until(
+            lambda: load.snapshot_now(["sim-0"])["sim-0"] == (0, 0),  # type: ignore[attr-defined]
+            "the request's load released long before its answer would end",
+            timeout=5.0,
+        )
+        text = await rig.metrics()
+
+        async def pod_running() -> float:
+            pod_text = (await rig.client.get(rig.pods[0].url + "/metrics")).text
+            assert "vllm:num_requests_running" in pod_text
+            return metric(pod_text, "vllm:num_requests_running")
+
+        running_then = [await pod_running()]
+        for _ in range(100):  # the pod aborts the request once its connection closed
+            if running_then[-1] == 0:
+                break
+            await asyncio.sleep(0.05)
+            running_then.append(await pod_running())
+    assert metric(text, "kvroute_requests_total", pod="sim-0", status="499") == 1
+    assert running_then[-1] == 0
+
+
 @contextlib.asynccontextmanager
 async def raw_pod(handler: Handler) -> AsyncIterator[str]:
     server = await asyncio.start_server(handler, "127.0.0.1", 0)
