@@ -39,6 +39,7 @@ from typing import Any
 import msgspec
 
 from router.decision.request import Routed
+from router.proxy.sse import SseEvents, data_of
 from router.rewrite import rewrite_body
 
 #: request fields whose streamed answer differs from the JSON one (not assembled)
@@ -107,11 +108,11 @@ def streamed_body(raw: bytes, body: dict[str, Any]) -> bytes:
 class Assembler:
     """The SSE of one completion, read as it comes; :meth:`answer` is the JSON."""
 
-    __slots__ = ("_buf", "_choices", "_chunks", "_kind", "_top")
+    __slots__ = ("_choices", "_chunks", "_events", "_kind", "_top")
 
     def __init__(self, kind: str) -> None:
         self._kind = kind
-        self._buf = b""
+        self._events = SseEvents()
         self._chunks = 0
         #: the top-level fields, the last non-null value of each (vLLM sends
         #: ``system_fingerprint`` with the usage, after the first chunk)
@@ -119,22 +120,14 @@ class Assembler:
         self._choices: dict[int, dict[str, Any]] = {}
 
     def feed(self, chunk: bytes) -> None:
-        buf = self._buf + chunk if self._buf else chunk
-        if b"\r" in buf:  # (CRLF line ends; a lone trailing CR waits for its LF)
-            buf = buf.replace(b"\r\n", b"\n")
-        start = 0
-        end = buf.find(b"\n\n")
-        while end >= 0:
-            self._event(buf[start:end])
-            start = end + 2
-            end = buf.find(b"\n\n", start)
-        self._buf = buf[start:] if start else buf
+        for event in self._events.feed(chunk):
+            self._event(event)
 
     def answer(self) -> bytes:
         """The JSON answer (raises :class:`StreamUnreadable` / :class:`StreamFailed`)."""
-        if self._buf.strip():
-            self._event(self._buf)
-            self._buf = b""
+        rest, self._events.rest = self._events.rest, b""
+        if rest.strip():
+            self._event(rest)
         if not self._chunks:
             raise StreamUnreadable("the stream carried no completion chunk")
         top = self._top
@@ -146,12 +139,7 @@ class Assembler:
         return _encode.encode(out)
 
     def _event(self, event: bytes) -> None:
-        if event[:6] == b"data: " and b"\n" not in event:
-            data = event[6:]  # (vLLM's events: one data line each)
-        else:
-            data = b"".join(
-                line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
-            )
+        data = data_of(event)
         if not data or data == b"[DONE]":
             return
         try:

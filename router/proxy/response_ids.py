@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+from router.proxy.sse import SseEvents, data_of
+
 
 def id_from_body(content: bytes) -> str | None:
     """``id`` of a non-streaming Responses answer (None when there is none)."""
@@ -25,10 +27,10 @@ class CreatedSniffer:
     #: give up when the first event is not complete within this many bytes
     LIMIT = 1 << 16
 
-    __slots__ = ("_buf", "done", "id")
+    __slots__ = ("_events", "done", "id")
 
     def __init__(self) -> None:
-        self._buf = b""
+        self._events = SseEvents()
         self.done = False
         self.id: str | None = None
 
@@ -36,22 +38,17 @@ class CreatedSniffer:
         """The id once found in the stream so far (returned once), else None."""
         if self.done:
             return None
-        self._buf += chunk
-        while True:
-            buf = self._buf.replace(b"\r\n", b"\n")
-            end = buf.find(b"\n\n")
-            if end < 0:
-                if len(self._buf) > self.LIMIT:
-                    self.done = True
-                    self._buf = b""
-                return None
-            event, self._buf = buf[:end], buf[end + 2 :]
+        for event in self._events.feed(chunk):
             rid = _created_id(event)
             if rid is not None or self._event_named_other(event):
                 self.done = True
-                self._buf = b""
+                self._events.rest = b""
                 self.id = rid
                 return rid
+        if len(self._events.rest) > self.LIMIT:
+            self.done = True
+            self._events.rest = b""
+        return None
 
     @staticmethod
     def _event_named_other(event: bytes) -> bool:
@@ -63,17 +60,13 @@ class CreatedSniffer:
 
 
 def _created_id(event: bytes) -> str | None:
-    name = None
-    data = []
-    for line in event.split(b"\n"):
-        if line.startswith(b"event:"):
-            name = line[6:].strip()
-        elif line.startswith(b"data:"):
-            data.append(line[5:].strip())
+    names = [line[6:].strip() for line in event.split(b"\n") if line.startswith(b"event:")]
+    name = names[-1] if names else None
+    data = data_of(event)
     if not data:
         return None
     try:
-        obj = json.loads(b"\n".join(data))
+        obj = json.loads(data)
     except ValueError:
         return None
     if not isinstance(obj, dict):

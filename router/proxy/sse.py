@@ -1,0 +1,40 @@
+"""Server-sent events read as a pod's stream comes, for the parts of the proxy that look
+inside one (:mod:`.assemble`, :mod:`.response_ids`): complete events, and the payload
+of an event's ``data:`` lines."""
+
+from __future__ import annotations
+
+
+class SseEvents:
+    """Complete events from chunks fed as they arrive: the text between blank lines,
+    separator dropped, CRLF line ends read as LF.  :attr:`rest` is what has not ended
+    yet (a lone trailing CR waits there for its LF)."""
+
+    __slots__ = ("rest",)
+
+    def __init__(self) -> None:
+        self.rest = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        n = len(chunk)
+        if n > 2 and not self.rest and chunk.find(b"\n\n") == n - 2 and b"\r" not in chunk:
+            return [chunk[:-2]]  # (one whole event per chunk: how vLLM's stream arrives)
+        buf = self.rest + chunk if self.rest else chunk
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        events = []
+        start = 0
+        end = buf.find(b"\n\n")
+        while end >= 0:
+            events.append(buf[start:end])
+            start = end + 2
+            end = buf.find(b"\n\n", start)
+        self.rest = buf[start:] if start else buf
+        return events
+
+
+def data_of(event: bytes) -> bytes:
+    """The payload of ``event``'s ``data:`` lines, joined by LF (b"" when it has none)."""
+    if event[:6] == b"data: " and b"\n" not in event:
+        return event[6:]  # (vLLM's events: one data line each)
+    return b"\n".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
