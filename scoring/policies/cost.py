@@ -51,8 +51,13 @@ most room for a new prefix::
 vLLM's free blocks (blocks no running request holds are free: cached ones are evicted
 LRU when room is needed, so a pod full of old cache is not a full pod), less the hot
 blocks this policy sent there (cached, but about to be reused).  Without ``kv_usage``
-``capacity_blocks - resident_blocks`` stands for vLLM's free blocks; without a
-capacity on every tied pod, the fewest resident blocks win.  A prefix no pod holds
+``capacity_blocks - resident_blocks`` stands for vLLM's free blocks.  Without a
+capacity on every tied pod (backends that publish no KV events and no vLLM metrics)
+nothing says where a copy of the prefix would have room, so none is made: the pods
+holding the most of the prompt (index, speculative or in-flight hits) win, then the
+fewest resident blocks.  Counting resident blocks alone sent every tie to a pod that
+did not hold the prompt, so a repeated short prompt, which ties everywhere, was copied
+over two to four pods depending on the first requests' timing.  A prefix no pod holds
 (the typical tie: same load, nothing cached) starts where it has the most room, so new
 prefix groups spread over the fleet instead of piling onto pods that already hold
 others and evicting them.  Among what remains the winner is chosen by rendezvous
@@ -365,7 +370,7 @@ class CostPolicy(CostLedger):
         limit = best + eps  # type: ignore[operator]
         if self._room_ties:
             near = [v for v in pods if predicted[v.pod] <= limit]
-            tied = most_room(near, hot_set, now) if len(near) > 1 else [near[0].pod]
+            tied = most_room(near, hot_set, now, cached) if len(near) > 1 else [near[0].pod]
         else:
             tied = [name for name, t in predicted.items() if t <= limit]
         chosen = tied[0]

@@ -32,7 +32,7 @@ how long a prefix stays worth keeping, not a number measured here.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from scoring.policies.base import PodView
 from scoring.policies.inflight import agree_until
@@ -306,11 +306,19 @@ def evicted_hot(hot: int, new: int, capacity: int | None) -> int:
     return 0 if over <= 0 else min(over, new)
 
 
-def most_room(tied: Sequence[PodView], hot: HotBlocks | None = None, now: float = 0.0) -> list[str]:
+def most_room(
+    tied: Sequence[PodView],
+    hot: HotBlocks | None = None,
+    now: float = 0.0,
+    cached: Mapping[str, int] | None = None,
+) -> list[str]:
     """The names of the tied pods with the most room for a new prefix (:func:`room`:
     vLLM's free blocks less the blocks ``hot`` says this router sent there within its
-    window, read at ``now``) when every tied pod has it, else the fewest resident
-    blocks (all of them when a tied pod's count is unknown).
+    window, read at ``now``) when every tied pod has it.  Else (a pod whose cache size
+    is unknown) nothing says where a copy of the prefix would have room, so a copy is
+    not made: the tie narrows to the pods ``cached`` says hold the most of the prompt
+    (when one holds some), then to the fewest resident blocks (all of them when a tied
+    pod's count is unknown).
 
     :func:`room` inlined (one pass, hot counts read only here): it runs on every
     decision whose candidates tie, the usual case for a prefix no pod holds."""
@@ -339,6 +347,12 @@ def most_room(tied: Sequence[PodView], hot: HotBlocks | None = None, now: float 
             names.append(v.pod)
     else:
         return names
+    if cached is not None:
+        top = max([cached.get(v.pod, 0) for v in tied])
+        if top > 0:
+            tied = [v for v in tied if cached.get(v.pod, 0) == top]
+            if len(tied) == 1:
+                return [tied[0].pod]
     least = None
     for v in tied:
         if v.resident_blocks is None:

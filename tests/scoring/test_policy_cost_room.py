@@ -126,11 +126,12 @@ def test_room_is_the_smaller_of_vllms_free_blocks_and_capacity_less_hot() -> Non
     assert room(PodView(pod="p", resident_blocks=80), hot=10) is None  # capacity unknown
 
 
-def test_the_tie_break_keeps_the_pods_with_the_most_room_else_the_fewest_resident() -> None:
+def test_the_tie_break_keeps_the_pods_with_the_most_room_else_the_most_cached() -> None:
     """``most_room`` (one pass, inlined for speed) against its definition: every tied
-    pod's :func:`room` known, the pods with the largest; else the fewest resident
-    blocks; else all of them.  Random views, with bogus usages (NaN, infinite, out of
-    [0, 1]) and pods with and without hot blocks."""
+    pod's :func:`room` known, the pods with the largest; else the pods holding the most
+    of the prompt (when one holds some), and among them the fewest resident blocks;
+    else all of them.  Random views, with bogus usages (NaN, infinite, out of [0, 1]),
+    pods with and without hot blocks, and with and without cached tokens."""
     rng = random.Random(7)
     usages = [None, 0.0, 0.3, 0.5, 1.0, 1.7, -0.2, float("nan"), float("inf")]
     for _ in range(1000):
@@ -147,16 +148,50 @@ def test_the_tie_break_keeps_the_pods_with_the_most_room_else_the_fewest_residen
             for i in range(rng.randint(2, 5))
         ]
         now = rng.choice([1.0, 150.0])  # the hot blocks within the window, or gone
+        cached = rng.choice([None, {}, {v.pod: rng.choice([0, 0, 16, 32]) for v in views}])
         rooms = [room(v, hot.count(v.pod, now)) for v in views]
         if all(r is not None for r in rooms):
             most = max(r for r in rooms if r is not None)
             want = [v.pod for v, r in zip(views, rooms, strict=True) if r == most]
-        elif all(v.resident_blocks is not None for v in views):
-            least = min(v.resident_blocks for v in views if v.resident_blocks is not None)
-            want = [v.pod for v in views if v.resident_blocks == least]
         else:
-            want = [v.pod for v in views]
-        assert most_room(views, hot, now) == want
+            holders = views
+            if cached and max(cached.values()) > 0:
+                top = max(cached.values())
+                holders = [v for v in views if cached[v.pod] == top]
+            if len(holders) == 1:
+                want = [holders[0].pod]
+            elif all(v.resident_blocks is not None for v in holders):
+                least = min(v.resident_blocks for v in holders if v.resident_blocks is not None)
+                want = [v.pod for v in holders if v.resident_blocks == least]
+            else:
+                want = [v.pod for v in holders]
+        assert most_room(views, hot, now, cached) == want
+
+
+def test_with_no_cache_size_known_a_repeated_prompt_stays_on_the_pod_that_holds_it() -> None:
+    """Backends that report no cache size (no KV events, no vLLM metrics): a short
+    prompt sent again and again ties on predicted TTFT everywhere (here: predictions
+    within ``tie_epsilon_s``, as a prompt of a few tokens on fast pods is).  Nothing
+    says where a copy would have room, so none is made: every request goes where the
+    first went (its prefix in flight there), as a cache-aware router keeps a repeated
+    prefix on one pod.  With the pods' sizes known, room decides as before."""
+    keys = [11, 12]
+    unsized = [PodView(pod=f"b{i}", resident_blocks=0) for i in range(4)]
+    p, _ = policy(tie_epsilon_s=1.0)
+    # nothing held: the ties spread (rendezvous hashing of the request id)
+    assert len({p.pick(req(f"id-{i}", keys), unsized).pod for i in range(64)}) == 4
+    picks = []
+    for i in range(64):  # each routed and left in flight, as under a closed-loop client
+        r = req(f"id-{i}", keys)
+        picks.append(p.pick(r, unsized).pod)
+        p.on_routed(r, picks[-1])
+    assert set(picks) == {picks[0]}
+    # sized pods: a tie goes where vLLM has the most free room, held prefix or not
+    p, _ = policy(tie_epsilon_s=1.0)
+    sized = [PodView(pod=f"b{i}", capacity_blocks=100, kv_usage=0.1 * (3 - i)) for i in range(4)]
+    first = req("first", keys)
+    p.on_routed(first, "b0")
+    assert p.pick(req("again", keys), sized).pod == "b3"
 
 
 def test_a_pods_remembered_keys_are_bounded_by_its_capacity() -> None:
