@@ -114,7 +114,9 @@ class ProxySettings(_Section):
         gt=0,
         description="a streaming request (or a JSON answer assembled from a stream: "
         "proxy.stream_json_answers) whose pod sends no first body byte (the first SSE "
-        "event: after queueing and prefill) within this is cancelled there and failed over "
+        "event: after queueing and prefill; of a Responses stream, the first after "
+        "response.created and response.in_progress, held until then) within this is "
+        "cancelled there and failed over "
         "to the next pod once; null: no deadline. JSON answers sent as they came have none "
         "(their head is the whole answer); they fail over when their pod is ejected",
     )

@@ -11,7 +11,10 @@ the router holds.
   one; counted in ``kvroute_epp_served_elsewhere_total``); prompt tokens and predicted
   cached tokens are counted for the pod that served.
 * **First byte** (the first response body chunk of a streamed answer: the request asked
-  for a stream, or the answer is ``text/event-stream``): TTFT (``kvroute_ttft_seconds``,
+  for a stream, or the answer is ``text/event-stream``; of a Responses API stream, the
+  chunk with its first event after ``response.created`` / ``response.in_progress``,
+  which vLLM sends before it runs the request: :mod:`router.proxy.first_output`):
+  TTFT (``kvroute_ttft_seconds``,
   from the request headers' arrival at the EPP), ``policy.on_first_token`` and the
   prefill part of the load done.  A JSON answer's first byte comes with its last token
   (vLLM sends it whole), so it is no first token: none of these happen, as in the proxy
@@ -32,6 +35,7 @@ from router.decision.request import Routed
 from router.fleet.load import RequestLoad
 from router.metrics import PodMetrics
 from router.proxy.assemble import one_token
+from router.proxy.first_output import FirstOutput
 
 if TYPE_CHECKING:
     from router.epp.picker import EndpointPicker
@@ -51,6 +55,7 @@ class Accounting:
         "_load",
         "_pm",
         "_policy_name",
+        "_watch",
         "pod",
         "routed",
         "started",
@@ -66,6 +71,8 @@ class Accounting:
         self._load: RequestLoad | None = None
         self._pm: PodMetrics | None = None
         self._first = True
+        #: a Responses stream's watch for its first output event (set by ``served``)
+        self._watch: FirstOutput | None = None
         self._counted = False
         self._done = False
         #: the answer's HTTP status (499 until response headers say otherwise)
@@ -110,6 +117,8 @@ class Accounting:
             self._first = False  # a JSON answer's first byte is its end (module docstring)
         elif not 200 <= status < 300:
             self._first = False  # an error's body is no first token
+        elif self.routed.kind == "responses":
+            self._watch = FirstOutput()  # its opening events come before the engine runs
         if pod is not None and pod != self.pod and self._load is not None:
             # the proxy retried on another endpoint of the list: account it there
             await self._end()
@@ -126,9 +135,14 @@ class Accounting:
             return
         self._pm.served(routed.route.prompt_tokens, routed.cached_tokens(self.pod))
 
-    async def first_byte(self) -> None:
+    async def first_byte(self, chunk: bytes) -> None:
+        """A response body chunk (not empty) was relayed."""
         if not self._first or self._load is None:
             return
+        if self._watch is not None:
+            if not self._watch.seen_in(chunk):
+                return
+            self._watch = None
         self._first = False
         m = self._core.metrics
         ttft = time.perf_counter() - self.started

@@ -287,7 +287,7 @@ class ExtProcStream:
         chunk: bytes = body.body
         accounting = self.accounting
         if accounting is not None and chunk:
-            await accounting.first_byte()
+            await accounting.first_byte(chunk)
             if self._reader is not None:
                 self._reader.feed(chunk)
             if self._sniffer is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httptools
 import httpx
@@ -267,11 +267,24 @@ class _BodyStream(httpx.AsyncByteStream):
                 "peer closed connection without sending complete message body"
             )
 
-    async def wait_body(self) -> None:
+    async def wait_body(self, until: Callable[[bytes], bool] | None = None) -> None:
         """Until the first body bytes are here or the body ended (nothing is taken:
-        iterating yields them); ReadTimeout after the read timeout."""
+        iterating yields them); ReadTimeout after the read timeout.  ``until``: until a
+        chunk it is true of (each chunk shown to it once, in order), the body's end, or
+        the buffer's pause limit."""
         conn = self._conn
-        while not conn.chunks and not conn.complete:
+        shown = 0
+        while not conn.complete:
+            chunks = conn.chunks
+            if chunks:
+                if until is None:
+                    return
+                while shown < len(chunks):
+                    shown += 1
+                    if until(chunks[shown - 1]):
+                        return
+                if conn.paused:  # (nothing more is read until the relay takes it)
+                    return
             self._check()
             await conn.wait(self._timeout)
 

@@ -18,7 +18,10 @@ Semantics:
   - streaming (``"stream": true``, or an SSE answer): the first byte of the *body*, i.e.
     the first SSE event, which vLLM sends after queueing and prefill (its head comes at
     once, before the engine saw the request).  The head is held until that first body
-    byte, so nothing reaches the client before it and the request may still move;
+    byte, so nothing reaches the client before it and the request may still move.  A
+    Responses API stream opens with ``response.created`` and ``response.in_progress``
+    before the engine runs the request: it waits, held, for its first event after
+    those (:mod:`.first_output`);
   - a JSON answer the router assembles (``proxy.stream_json_answers``: a chat or text
     completion asked of its pod as a stream, :mod:`.assemble`): its stream's first body
     byte, as a stream's; the answer goes to the client whole once the stream ended (a
@@ -100,6 +103,7 @@ from router.proxy.assemble import (
 )
 from router.proxy.attempts import CLIENT_DISCONNECTED, AttemptWatch, Disconnected
 from router.proxy.failures import RETRYABLE_STATUS, Stalled
+from router.proxy.first_output import FirstOutput
 from router.proxy.head import DROP_REQUEST_B, head_tail
 from router.proxy.relay import RawResponse, pod_5xx_error
 from router.proxy.response_ids import id_from_body
@@ -293,7 +297,9 @@ class Proxy(StreamRelay):
                         finally:
                             await resp.stream.aclose()
                     elif routed.stream or resp.is_event_stream:
-                        await resp.stream.wait_body()
+                        # a Responses stream: until its first output (module docstring)
+                        opening = routed.kind == "responses" and 200 <= resp.status < 300
+                        await resp.stream.wait_body(FirstOutput().seen_in if opening else None)
                     else:  # the head of a non-streaming answer comes with the answer
                         self._watch.commit(attempt)
                         if head_first and 200 <= resp.status < 300:

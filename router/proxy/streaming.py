@@ -25,6 +25,7 @@ from router.proxy import answers
 from router.proxy.assemble import Assembler
 from router.proxy.bookkeeping import Bookkeeping
 from router.proxy.failures import Failures
+from router.proxy.first_output import FirstOutput
 from router.proxy.head import head_tail
 from router.proxy.relay import (
     Once,
@@ -104,6 +105,8 @@ class StreamRelay(Bookkeeping, Failures):
             if routed.kind == "responses" and 200 <= status < 300 and self.owners is not None
             else None
         )
+        # a Responses stream opens with events sent before the engine runs the request
+        watch = FirstOutput() if routed.kind == "responses" and ok else None
         relaying = self._relaying.setdefault(pod, set())
         relaying.add(resp.stream)
         try:
@@ -117,8 +120,10 @@ class StreamRelay(Bookkeeping, Failures):
                         await self.remember(rid, pod, routed.tenant)
                     if sniff.done:
                         sniff = None
-                if first and chunk and ok:  # (an error's body is no first token)
+                # (an error's body is no first token; a Responses stream's opening is not)
+                if first and chunk and ok and (watch is None or watch.seen_in(chunk)):
                     first = False
+                    watch = None
                     await self._first_token(routed, pod, load, started)
                 answer.feed(chunk)
                 yield chunk

@@ -242,9 +242,12 @@ class ResponsesAPI:
             "status": "in_progress",
             "content": [],
         }
-        yield event("response.output_item.added", output_index=0, item=item)
         async with contextlib.aclosing(self.engine.generate(req)) as gen:
+            added = False
             async for tok in gen:
+                if not added:  # (vLLM: once the engine's first output is there)
+                    added = True
+                    yield event("response.output_item.added", output_index=0, item=item)
                 yield event(
                     "response.output_text.delta",
                     item_id=item_id,
@@ -253,6 +256,8 @@ class ResponsesAPI:
                     delta=chr(tok),
                     logprobs=[],
                 )
+            if not added:  # (no output at all)
+                yield event("response.output_item.added", output_index=0, item=item)
         entry.text = output_text(req.output_ids)
         yield event(
             "response.output_text.done",

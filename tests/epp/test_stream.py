@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.epp import protocol as P
 from router.epp.server import EppServer
+from router.sim.wire import sse_event
 from tests.epp import client as C
 from tests.epp.fleet import MODEL, endpoint, running_epp, settings_for, sim_pods
 from tests.support.aio import wait_until
@@ -242,6 +243,45 @@ async def test_only_a_streamed_answer_s_first_byte_is_a_first_token(
         assert (prefill_after, ttft_count, len(heard)) == (0, 1.0, 1)
     else:
         assert (prefill_after, ttft_count, heard) == (prefill_before, 0.0, [])
+
+
+async def test_a_responses_stream_s_first_token_is_its_first_event_after_the_opening_ones() -> None:
+    """vLLM opens a streamed Responses answer with ``response.created`` and
+    ``response.in_progress`` before its engine runs the request: those chunks neither
+    time a TTFT nor end the prefill load.  The first output event does."""
+    async with sim_pods(1) as pods, running_epp(settings_for(pods)) as (server, ch):
+        pod = pods[0].name
+        body = json.dumps({"model": MODEL, "input": "a few words " * 20, "stream": True})
+        stream = C.Stream(ch)
+        await stream.send(C.request_headers("/v1/responses"), C.request_body(body.encode(), True))
+        await stream.read_request_pick()
+        load = server.picker.load
+
+        def prefill() -> int:
+            return int(load.snapshot_now([pod])[pod][1])  # type: ignore[attr-defined]
+
+        before = prefill()
+        await stream.send(C.response_headers(content_type="text/event-stream"))
+        await stream.read(1)
+        opening = [
+            sse_event({"type": "response.created", "response": {"id": "resp_9"}}),
+            sse_event({"type": "response.in_progress", "response": {"id": "resp_9"}}),
+        ]
+        for chunk in opening:
+            await stream.send(C.response_body(chunk, False))
+            await stream.read(1)
+        opened = (prefill(), metric(server, "kvroute_ttft_seconds_count", pod=pod))
+        delta = sse_event({"type": "response.output_text.delta", "delta": "Hi"})
+        await stream.send(C.response_body(delta, False))
+        await stream.read(1)
+        output = (prefill(), metric(server, "kvroute_ttft_seconds_count", pod=pod))
+        done = sse_event({"type": "response.completed", "response": {"id": "resp_9"}})
+        await stream.send(C.response_body(done, True))
+        await stream.read(1)
+        await stream.close()
+    assert before > 0
+    assert opened == (before, 0.0)
+    assert output == (0, 1.0)
 
 
 async def test_a_streamed_answer_is_sent_back_chunk_by_chunk_as_it_arrives() -> None:

@@ -8,7 +8,10 @@ Opt-in (``pytest -m vllm tests/vllm -k responses``):
   encoder match what vLLM renders, including the BOS its Responses path adds on top of
   the chat template), and the engine's KV events for it are the router's blocks;
 * follow-ups naming ``previous_response_id`` (streaming and not) and ``GET`` of a
-  response go through the router to the engine that stored it and succeed.
+  response go through the router to the engine that stored it and succeed;
+* a streamed response's first token, for the router, is the engine's first output
+  event, not the ``response.created`` / ``response.in_progress`` events the engine
+  sends before it runs the request.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def engines(engine: EngineFactory) -> list[EngineProcess]:
     return engine.many(["responses-0", "responses-1"], hash_algo="sha256", env=STORE)
 
 
-BODIES = {
+BODIES: dict[str, dict[str, Any]] = {
     "string": {"input": "What is the capital of France?"},
     "messages": {
         "instructions": "Answer in one short sentence. "
@@ -118,3 +121,56 @@ async def test_follow_ups_and_get_reach_the_engine_that_stored_the_response(
             assert (await c.get(f"{other.base_url}/v1/responses/{rid}")).status_code == 404
         m = (await router.get("/metrics")).text
         assert 'kvroute_responses_affinity_total{result="owner"} 4.0' in m
+
+
+def _sum_count(metrics: str, name: str, where: str = "") -> tuple[float, float]:
+    """(sum, count) of the histogram ``name`` on the lines that contain ``where``."""
+    total = count = 0.0
+    for line in metrics.splitlines():
+        if where not in line:
+            continue
+        if line.startswith(f"{name}_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith(f"{name}_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
+async def test_a_streamed_response_s_first_token_is_the_engine_s_first_output(
+    engines: list[EngineProcess],
+) -> None:
+    """vLLM opens the stream before it runs the request.  The router's TTFT (arrival at
+    the router to the first output) holds the engine's own (arrival at the engine to
+    its first token, ``vllm:time_to_first_token_seconds``); timed at the opening, it
+    was shorter."""
+    # a long prompt no engine holds: its prefill takes a measurable time on the CPU engine
+    words = " ".join(f"item{i} is number {i * 7919 % 1000}." for i in range(220))
+    body = {
+        "model": MODEL,
+        "max_output_tokens": 2,
+        "temperature": 0,
+        "stream": True,
+        "input": f"Remember these: {words} Which item came first?",
+    }
+    engine_ttft = "vllm:time_to_first_token_seconds"
+    async with running_router(_pods(engines)) as router, httpx.AsyncClient(timeout=30) as c:
+
+        async def engines_ttft() -> tuple[float, float]:
+            both = [
+                _sum_count((await c.get(f"{e.base_url}/metrics")).text, engine_ttft)
+                for e in engines
+            ]
+            return sum(s for s, _ in both), sum(n for _, n in both)
+
+        before = await engines_ttft()
+        ours = _sum_count((await router.get("/metrics")).text, "kvroute_ttft_seconds")
+        async with router.stream("POST", "/v1/responses", json=body) as r:
+            raw = b"".join([chunk async for chunk in r.aiter_raw()])
+            assert r.status_code == 200, raw.decode()
+        after = await engines_ttft()
+        ours_after = _sum_count((await router.get("/metrics")).text, "kvroute_ttft_seconds")
+    assert b"event: response.output_text.delta" in raw
+    assert (after[1] - before[1], ours_after[1] - ours[1]) == (1, 1)
+    engine_s, router_s = after[0] - before[0], ours_after[0] - ours[0]
+    assert engine_s > 0.005  # the prefill took a measurable time
+    assert router_s >= engine_s, (router_s, engine_s)
