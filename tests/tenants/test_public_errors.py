@@ -7,8 +7,9 @@ debugs with them).
 The pods here are real sockets on 127.0.0.1 that fail in one way each: a closed port
 (connect refused), a server that answers 500 with its own address in the body, one
 that accepts and never answers (first-byte deadline for a stream and for a JSON answer
-the router assembles from one, read timeout for a JSON answer sent as it came), one that closes the connection without a response, and a pod ejected by
-health checks (no healthy pod).  The pods are named by their address, as DNS discovery
+the router assembles from one, read timeout for a JSON answer sent as it came), one
+that closes the connection without a response, and a pod ejected by health checks (no
+healthy pod).  The pods are named by their address, as DNS discovery
 names them, so that a pod name in a message would be an address too.
 """
 
