@@ -123,10 +123,11 @@ class ProxySettings(_Section):
     stream_json_answers: bool = Field(
         default=True,
         description="a chat or text completion that asks for a JSON answer (one choice, no "
-        "logprobs or echo, more than one token) is asked of its pod as a stream and "
-        "assembled into the JSON answer at the router, so its first token is seen as a "
-        "stream's: TTFT, the prefill part of its load, the policy's learned rates and the "
-        "first-byte deadline (router/proxy/assemble.py); false: sent as it came",
+        "logprobs or echo, more than one token), or a Responses request that does not run "
+        "in the background, is asked of its pod as a stream and assembled into the JSON "
+        "answer at the router, so its first token is seen as a stream's: TTFT, the "
+        "prefill part of its load, the policy's learned rates and the first-byte deadline "
+        "(router/proxy/assemble.py, responses_answer.py); false: sent as it came",
     )
     ejected_stream_idle_s: float = Field(
         default=10.0,

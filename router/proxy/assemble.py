@@ -8,6 +8,9 @@ its first token cannot be failed over by ``proxy.first_byte_timeout_s``.  Dynamo
 router sees every first token because its frontend always streams from the engine;
 kvroute does the same for the requests it can assemble exactly:
 
+A Responses request's answer is its stream's final response, taken whole
+(:mod:`.responses_answer`); the rest of this module is for chat and text completions.
+
 * :func:`assemblable` — a chat or text completion that asked for no stream, one choice
   (``n`` absent or 1) and nothing whose streamed form differs from the JSON one
   (``logprobs``, ``top_logprobs``, ``prompt_logprobs``, ``echo``, ``best_of``,
@@ -56,6 +59,7 @@ _NOT_ASSEMBLED = (
 _OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
 _LEAD = ("id", "object", "created", "model")
 _STREAM_SETS = {"stream": True, "stream_options": {"include_usage": True}}
+_RESPONSES_STREAM_SETS = {"stream": True}
 _decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder()
 
@@ -83,9 +87,15 @@ def one_token(routed: Routed) -> bool:
 
 def assemblable(routed: Routed) -> bool:
     """Whether ``routed``'s JSON answer can be assembled exactly from a stream, and is
-    worth it (not :func:`one_token`: its head already tells its first token)."""
+    worth it (not :func:`one_token`: its head already tells its first token).  A
+    Responses request is, unless it runs in the background (its answer is a queued
+    response, not the result): :mod:`.responses_answer`."""
     body = routed.body
-    if routed.kind not in _OBJECT or routed.stream or routed.pd is not None:
+    if routed.stream or routed.pd is not None:
+        return False
+    if routed.kind == "responses":
+        return not body.get("background")
+    if routed.kind not in _OBJECT:
         return False
     if one_token(routed):
         return False
@@ -99,10 +109,12 @@ def assemblable(routed: Routed) -> bool:
     return True
 
 
-def streamed_body(raw: bytes, body: dict[str, Any]) -> bytes:
+def streamed_body(raw: bytes, body: dict[str, Any], kind: str = "chat") -> bytes:
     """``raw`` (the bytes the client's ``body`` was parsed from) asking for a stream
-    with its usage; ``body`` is left as the client sent it."""
-    return rewrite_body(raw, body, set_fields=_STREAM_SETS)
+    with its usage (a Responses stream's final event carries it); ``body`` is left as
+    the client sent it."""
+    sets = _RESPONSES_STREAM_SETS if kind == "responses" else _STREAM_SETS
+    return rewrite_body(raw, body, set_fields=sets)
 
 
 class Assembler:

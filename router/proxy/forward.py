@@ -229,7 +229,7 @@ class Proxy(StreamRelay):
         # a JSON answer asked of the pod as a stream, assembled here (router/proxy/assemble.py)
         whole = leg is None and self._stream_json and assemblable(routed)
         if whole:
-            raw_body = streamed_body(raw_body, routed.body)
+            raw_body = streamed_body(raw_body, routed.body, routed.kind)
         head_first = leg is None and one_token(routed)  # its head is its first token
         tail = self._head_tail(headers, len(raw_body))
         retryable = RETRYABLE_STATUS if leg is None else leg.retry_status
@@ -290,7 +290,9 @@ class Proxy(StreamRelay):
                     if resp.status in retryable and not last:
                         pass  # closed below; the next pod is tried
                     elif whole and resp.is_event_stream and 200 <= resp.status < 300:
-                        await resp.stream.wait_body()  # its first token: committed there
+                        opening = routed.kind == "responses"  # (until its first output)
+                        # its first token: committed there
+                        await resp.stream.wait_body(FirstOutput().seen_in if opening else None)
                         self._watch.commit(attempt)
                         try:
                             content = await self._gather(resp, routed, pod, load, started)

@@ -36,6 +36,7 @@ from router.proxy.relay import (
     relay_chunks,
 )
 from router.proxy.response_ids import CreatedSniffer
+from router.proxy.responses_answer import ResponsesAssembler
 
 if TYPE_CHECKING:
     from router.proxy.disagg import DecodeLeg
@@ -168,13 +169,15 @@ class StreamRelay(Bookkeeping, Failures):
         """Read the stream asked for a JSON answer (:mod:`router.proxy.assemble`) to its
         end, its first byte counted as a stream's first token, and return the JSON
         answer.  Its pod's ejection limits its silence, as a relayed stream's."""
-        whole = Assembler(routed.kind)
+        responses = routed.kind == "responses"
+        whole = ResponsesAssembler() if responses else Assembler(routed.kind)
+        watch = FirstOutput() if responses else None
         relaying = self._relaying.setdefault(pod, set())
         relaying.add(resp.stream)
         first = True
         try:
             async for chunk in resp.stream:
-                if first and chunk:
+                if first and chunk and (watch is None or watch.seen_in(chunk)):
                     first = False
                     await self._first_token(routed, pod, load, started)
                 whole.feed(chunk)

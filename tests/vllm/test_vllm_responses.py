@@ -174,3 +174,35 @@ async def test_a_streamed_response_s_first_token_is_the_engine_s_first_output(
     engine_s, router_s = after[0] - before[0], ours_after[0] - ours[0]
     assert engine_s > 0.005  # the prefill took a measurable time
     assert router_s >= engine_s, (router_s, engine_s)
+
+
+async def test_a_json_response_assembled_from_the_stream_is_the_engine_s_own(
+    engines: list[EngineProcess],
+) -> None:
+    """``proxy.stream_json_answers``: the router asks for a stream and answers the final
+    event's response, which vLLM builds as it builds its JSON answer."""
+    body = {
+        "model": MODEL,
+        "max_output_tokens": 8,
+        "temperature": 0,
+        "input": "Name three colours of the rainbow.",
+    }
+    async with running_router(_pods(engines)) as router, httpx.AsyncClient(timeout=60) as c:
+        ours = _sum_count((await router.get("/metrics")).text, "kvroute_ttft_seconds")
+        through = await router.post("/v1/responses", json=body)
+        ours_after = _sum_count((await router.get("/metrics")).text, "kvroute_ttft_seconds")
+        engine = engines[int(through.headers["x-kvroute-pod"].rsplit("-", 1)[1])]
+        own = (await c.post(f"{engine.base_url}/v1/responses", json=body)).json()
+        got = await router.get(f"/v1/responses/{through.json()['id']}")
+    assert through.status_code == 200, through.text
+    assert through.headers["content-type"] == "application/json"
+    answer = through.json()
+    assert set(answer) == set(own)
+    assert (answer["object"], answer["status"]) == (own["object"], own["status"])
+    assert answer["output"] == [
+        {**o, "id": a["id"]} for o, a in zip(own["output"], answer["output"], strict=True)
+    ]
+    tokens = ("input_tokens", "output_tokens", "total_tokens")
+    assert [answer["usage"][k] for k in tokens] == [own["usage"][k] for k in tokens]
+    assert ours_after[1] == ours[1] + 1  # its first token was seen
+    assert got.status_code == 200 and got.json()["id"] == answer["id"]  # stored, found
