@@ -117,29 +117,45 @@ def streamed_body(raw: bytes, body: dict[str, Any], kind: str = "chat") -> bytes
     return rewrite_body(raw, body, set_fields=sets)
 
 
-class Assembler:
+class EventFeed:
+    """Hands each complete SSE event of the chunks fed to :meth:`_event`; :meth:`_flush`
+    hands it what is left at the stream's end (an event without its blank line)."""
+
+    __slots__ = ("_events",)
+
+    def __init__(self) -> None:
+        self._events = SseEvents()
+
+    def feed(self, chunk: bytes) -> None:
+        for event in self._events.feed(chunk):
+            self._event(event)
+
+    def _flush(self) -> None:
+        rest, self._events.rest = self._events.rest, b""
+        if rest.strip():
+            self._event(rest)
+
+    def _event(self, event: bytes) -> None:
+        raise NotImplementedError
+
+
+class Assembler(EventFeed):
     """The SSE of one completion, read as it comes; :meth:`answer` is the JSON."""
 
-    __slots__ = ("_choices", "_chunks", "_events", "_kind", "_top")
+    __slots__ = ("_choices", "_chunks", "_kind", "_top")
 
     def __init__(self, kind: str) -> None:
+        super().__init__()
         self._kind = kind
-        self._events = SseEvents()
         self._chunks = 0
         #: the top-level fields, the last non-null value of each (vLLM sends
         #: ``system_fingerprint`` with the usage, after the first chunk)
         self._top: dict[str, Any] = {}
         self._choices: dict[int, dict[str, Any]] = {}
 
-    def feed(self, chunk: bytes) -> None:
-        for event in self._events.feed(chunk):
-            self._event(event)
-
     def answer(self) -> bytes:
         """The JSON answer (raises :class:`StreamUnreadable` / :class:`StreamFailed`)."""
-        rest, self._events.rest = self._events.rest, b""
-        if rest.strip():
-            self._event(rest)
+        self._flush()
         if not self._chunks:
             raise StreamUnreadable("the stream carried no completion chunk")
         top = self._top

@@ -13,9 +13,7 @@ also open with ``response.queued``.)
 
 from __future__ import annotations
 
-import json
-
-from router.proxy.sse import SseEvents, data_of
+from router.proxy.sse import SseEvents, data_of, event_name
 
 #: the events a Responses stream sends before the engine's first output
 BEFORE_OUTPUT = frozenset({b"response.created", b"response.in_progress", b"response.queued"})
@@ -46,23 +44,3 @@ class FirstOutput:
             if name not in BEFORE_OUTPUT:
                 return True
         return len(self._events.rest) > self.LIMIT
-
-
-def event_name(event: bytes) -> bytes | None:
-    """An SSE event's type: its last ``event:`` line, else its data's ``type`` (None
-    when it has neither)."""
-    name = None
-    for line in event.split(b"\n"):
-        if line.startswith(b"event:"):
-            name = line[6:].strip()
-    if name is not None:
-        return name
-    data = data_of(event)
-    if not data:
-        return None
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        return None
-    kind = obj.get("type") if isinstance(obj, dict) else None
-    return kind.encode() if isinstance(kind, str) else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from router.proxy.sse import SseEvents, data_of
+from router.proxy.sse import SseEvents, data_of, event_name
 
 
 def id_from_body(content: bytes) -> str | None:
@@ -60,22 +60,12 @@ class CreatedSniffer:
 
 
 def _created_id(event: bytes) -> str | None:
-    names = [line[6:].strip() for line in event.split(b"\n") if line.startswith(b"event:")]
-    name = names[-1] if names else None
-    data = data_of(event)
-    if not data:
+    if event_name(event) != b"response.created":
         return None
     try:
-        obj = json.loads(data)
+        obj = json.loads(data_of(event))
     except ValueError:
         return None
-    if not isinstance(obj, dict):
-        return None
-    kind = obj.get("type")
-    if name is None and isinstance(kind, str):
-        name = kind.encode()
-    if name != b"response.created":
-        return None
-    resp = obj.get("response")
+    resp = obj.get("response") if isinstance(obj, dict) else None
     rid = resp.get("id") if isinstance(resp, dict) else None
     return rid if isinstance(rid, str) and rid else None

@@ -21,9 +21,8 @@ from typing import Any
 
 import msgspec
 
-from router.proxy.assemble import StreamFailed, StreamUnreadable
-from router.proxy.first_output import event_name
-from router.proxy.sse import SseEvents, data_of
+from router.proxy.assemble import EventFeed, StreamFailed, StreamUnreadable
+from router.proxy.sse import data_of, event_name
 
 #: the events that end a Responses stream with the whole response
 FINAL = frozenset({b"response.completed", b"response.incomplete", b"response.failed"})
@@ -31,24 +30,18 @@ _decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder()
 
 
-class ResponsesAssembler:
+class ResponsesAssembler(EventFeed):
     """The SSE of one response, read as it comes; :meth:`answer` is the JSON."""
 
-    __slots__ = ("_events", "_response")
+    __slots__ = ("_response",)
 
     def __init__(self) -> None:
-        self._events = SseEvents()
+        super().__init__()
         self._response: dict[str, Any] | None = None
-
-    def feed(self, chunk: bytes) -> None:
-        for event in self._events.feed(chunk):
-            self._event(event)
 
     def answer(self) -> bytes:
         """The JSON answer (raises :class:`StreamUnreadable` / :class:`StreamFailed`)."""
-        rest, self._events.rest = self._events.rest, b""
-        if rest.strip():
-            self._event(rest)
+        self._flush()
         if self._response is None:
             raise StreamUnreadable("the stream ended without its final response event")
         return _encode.encode(self._response)

@@ -4,6 +4,8 @@ of an event's ``data:`` lines."""
 
 from __future__ import annotations
 
+import json
+
 
 class SseEvents:
     """Complete events from chunks fed as they arrive: the text between blank lines,
@@ -38,3 +40,23 @@ def data_of(event: bytes) -> bytes:
     if event[:6] == b"data: " and b"\n" not in event:
         return event[6:]  # (vLLM's events: one data line each)
     return b"\n".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
+
+
+def event_name(event: bytes) -> bytes | None:
+    """An SSE event's type: its last ``event:`` line, else its data's ``type`` (None
+    when it has neither)."""
+    name = None
+    for line in event.split(b"\n"):
+        if line.startswith(b"event:"):
+            name = line[6:].strip()
+    if name is not None:
+        return name
+    data = data_of(event)
+    if not data:
+        return None
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return None
+    kind = obj.get("type") if isinstance(obj, dict) else None
+    return kind.encode() if isinstance(kind, str) else None

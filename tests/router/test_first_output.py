@@ -14,10 +14,11 @@ from typing import Any
 import httpx
 import pytest
 
-from router.proxy.first_output import FirstOutput, event_name
+from router.proxy.first_output import FirstOutput
+from router.proxy.sse import event_name
 from router.sim.wire import sse_event
 from tests.router.test_app import MODEL, running, sim
-from tests.router.test_json_answers import Heard, _read_request, metric, raw_pod
+from tests.router.test_json_answers import Heard, _read_request, beside_a_sim_pod, metric
 
 CREATED = sse_event({"type": "response.created", "response": {"id": "resp_1"}})
 IN_PROGRESS = sse_event({"type": "response.in_progress", "response": {"id": "resp_1"}})
@@ -148,16 +149,7 @@ async def test_a_pod_that_opens_a_responses_stream_and_hangs_is_failed_over() ->
     """The first-byte deadline waits for a Responses stream's first output, holding its
     opening events: a pod stuck before its engine's first output is left for the next
     one, and the client sees only that pod's stream."""
-    async with (
-        raw_pod(opens_then_hangs) as hung,
-        running(
-            [sim(0)],
-            proxy={"first_byte_timeout_s": 0.3, "retries": 1},
-            health={"enabled": False},
-            other_pods=({"name": "hung", "url": hung, "models": [MODEL]},),
-            policy="round_robin",
-        ) as rig,
-    ):
+    async with beside_a_sim_pod(opens_then_hangs) as rig:
         streams = []
         for i in range(2):  # round robin: one of them is sent to the hung pod first
             async with rig.client.stream("POST", "/v1/responses", json=_responses(f"q{i}")) as r:

@@ -204,6 +204,24 @@ def sse_pod(events: list[bytes], then: str) -> Handler:
     return handle
 
 
+@contextlib.asynccontextmanager
+async def beside_a_sim_pod(handler: Handler) -> AsyncIterator[Rig]:
+    """A router over ``sim-0`` and a raw pod ``hung`` served by ``handler``, round robin
+    (the first request goes to one, the next to the other), a first-byte deadline of
+    0.3 s and one failover."""
+    async with (
+        raw_pod(handler) as hung,
+        running(
+            [sim(0)],
+            proxy={"first_byte_timeout_s": 0.3, "retries": 1},
+            health={"enabled": False},
+            other_pods=({"name": "hung", "url": hung, "models": [MODEL]},),
+            policy="round_robin",
+        ) as rig,
+    ):
+        yield rig
+
+
 def hangs(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Awaitable[None]:
     """A pod that takes the request and never answers (a hung engine)."""
 
@@ -260,16 +278,7 @@ async def test_a_pod_hung_before_a_json_answer_s_first_token_is_failed_over(
     """The first-byte deadline, once a stream's only, now covers JSON answers too: those
     assembled from a stream, and those of one token (their head is their token)."""
     limit = {} if max_tokens is None else {"max_tokens": max_tokens}
-    async with (
-        raw_pod(hangs) as hung,
-        running(
-            [sim(0)],
-            proxy={"first_byte_timeout_s": 0.3, "retries": 1},
-            health={"enabled": False},
-            other_pods=({"name": "hung", "url": hung, "models": [MODEL]},),
-            policy="round_robin",
-        ) as rig,
-    ):
+    async with beside_a_sim_pod(hangs) as rig:
         answers = [
             await rig.client.post("/v1/chat/completions", json=chat(f"q{i}", **limit))
             for i in range(2)
