@@ -23,8 +23,9 @@ Semantics:
     before the engine runs the request: it waits, held, for its first event after
     those (:mod:`.first_output`);
   - a JSON answer the router assembles (``proxy.stream_json_answers``: a chat or text
-    completion asked of its pod as a stream, :mod:`.assemble`): its stream's first body
-    byte, as a stream's; the answer goes to the client whole once the stream ended (a
+    completion, or a Responses request, asked of its pod as a stream, :mod:`.assemble`,
+    :mod:`.responses_answer`): its stream's first token, as a stream's; the answer goes
+    to the client whole once the stream ended (a
     stream that gives no whole answer is a 502: ``stream_error``, ``stream_unreadable``,
     or the transport's);
   - a JSON answer of at most one token (``max_tokens`` <= 1): its head, which vLLM
