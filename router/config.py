@@ -485,7 +485,7 @@ class Settings(BaseSettings):
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
     events: EventsSettings = Field(default_factory=EventsSettings)
     speculative: SpeculativeSettings = Field(default_factory=SpeculativeSettings)
-    health: HealthSettings = Field(default_factory=HealthSettings)  # type: ignore[arg-type]
+    health: HealthSettings = Field(default_factory=HealthSettings)
 
     @field_validator("pod_header", "session_header")
     @classmethod

@@ -103,7 +103,7 @@ def test_invalid_values_are_rejected() -> None:
     with pytest.raises(ValidationError, match="read_timeout_s"):
         Settings.load(["--proxy.read-timeout-s", "-1"])
     with pytest.raises(ValidationError, match="header"):
-        Settings(pod_header="bad header")  # type: ignore[call-arg]
+        Settings(pod_header="bad header")
 
 
 def test_list_and_dict_settings_from_cli_and_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -261,7 +261,7 @@ async def test_cost_routing_reaches_the_replay_prediction_and_3x_round_robin(
     pods = await start_pods([sim(i) for i in range(PODS)])
     try:
         async with RunningServer(create_app(router_settings(pods))) as router:
-            gateway: Gateway = router.server.config.app.state.gateway  # type: ignore[attr-defined]
+            gateway: Gateway = router.server.config.app.state.gateway  # type: ignore[union-attr]
             assert gateway.subscriber is not None
             async with httpx.AsyncClient(base_url=router.url, timeout=60) as client:
                 rounds = await run_live(client, gateway.subscriber, pods)
@@ -285,7 +285,7 @@ async def test_with_redis_a_separate_indexer_feeds_the_router_and_the_hit_rate_h
         await indexer.start()
         settings = router_settings(pods, **shared)
         async with RunningServer(create_app(settings)) as router:
-            gateway: Gateway = router.server.config.app.state.gateway  # type: ignore[attr-defined]
+            gateway: Gateway = router.server.config.app.state.gateway  # type: ignore[union-attr]
             assert gateway.subscriber is None  # the router only reads the shared index
             async with httpx.AsyncClient(base_url=router.url, timeout=60) as client:
                 rounds = await run_live(client, indexer.subscriber, pods)
@@ -346,7 +346,7 @@ async def test_a_round_sent_while_redis_hangs_keeps_the_fleets_hit_rate(
         ):
             rounds = await run_live(client, indexer.subscriber, pods, hang)
             live = await fleet_hit_rate(client, pods)
-            gateway: Gateway = router.server.config.app.state.gateway  # type: ignore[attr-defined]
+            gateway: Gateway = router.server.config.app.state.gateway  # type: ignore[union-attr]
             registry = gateway.metrics.registry
             failed = sum(
                 registry.get_sample_value("kvroute_redis_errors_total", {"op": "lookup", "kind": k})

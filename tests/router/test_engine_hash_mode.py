@@ -49,7 +49,7 @@ def test_xxhash_without_a_seed_is_refused_naming_the_setting() -> None:
 
 def test_unknown_algorithms_and_fields_are_refused() -> None:
     with pytest.raises(ValidationError):
-        EventsSettings(engine_hash_algo="md5")  # type: ignore[arg-type]
+        EventsSettings(engine_hash_algo="md5")
     with pytest.raises(ValidationError):
         EventsSettings.model_validate({"engine_hash_sead": "1"})
 

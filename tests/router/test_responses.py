@@ -209,7 +209,11 @@ MESSAGES_INPUT = [
 
 async def test_a_message_list_request_is_scored_and_a_function_call_input_is_not() -> None:
     async with running([sim(0, kv_events=True), sim(1, kv_events=True)], events=True) as rig:
-        body = {"model": MODEL, "instructions": "Be brief.", "input": MESSAGES_INPUT}
+        body: dict[str, Any] = {
+            "model": MODEL,
+            "instructions": "Be brief.",
+            "input": MESSAGES_INPUT,
+        }
         _, pod, first = await create(rig.client, **body)
         explained: dict[str, Any] = {}
         for _ in range(500):  # the pod's BlockStored events reach the index

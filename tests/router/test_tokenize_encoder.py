@@ -88,7 +88,7 @@ def test_reuse_with_tools_lora_and_cache_salt_matches_a_full_encode(
     tok = toks[template]
     hasher = BlockHasher(8, model="m")
     encoder = ChatEncoder(tok, hasher)
-    kw = {"tools": TOOLS, "lora": "adapter-a", "cache_salt": "tenant-1"}
+    kw: dict[str, Any] = {"tools": TOOLS, "lora": "adapter-a", "cache_salt": "tenant-1"}
     for messages in conversation_turns(4):
         got = encoder.encode_chat(messages, **kw)
         ids, keys = full_encode(tok, hasher, messages, **kw)

@@ -233,7 +233,7 @@ def test_content_parts_stay_a_list_for_templates_that_loop_over_content(
 ) -> None:
     tok = ours["parts"]
     assert detect_content_format(tok.template_source()) == "openai"
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "plain string becomes one part"},
         {
             "role": "user",
@@ -252,7 +252,7 @@ def test_content_parts_stay_a_list_for_templates_that_loop_over_content(
 def test_null_content_renders_as_empty_text(
     ours: dict[str, HFTokenizer], reference: dict[str, Any]
 ) -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": None},
         {"role": "user", "content": "again"},

@@ -27,6 +27,7 @@ def test_approx_specs_set_characters_per_token() -> None:
     four = load_tokenizer("approx")
     two = load_tokenizer("approx:2")
     assert isinstance(four, ApproxTokenizer) and four.approximate
+    assert isinstance(two, ApproxTokenizer)
     assert (four.chars_per_token, two.chars_per_token) == (4, 2)
     assert len(two.encode_prompt("abcdefgh")) == 4
     assert len(four.encode_prompt("abcdefghi")) == 3  # ceil(9 / 4)

@@ -28,7 +28,7 @@ BS = 16
 
 def _engine(capacity_blocks: int, **kw: object) -> SimEngine:
     return SimEngine(
-        SimSettings(capacity_tokens=BS * capacity_blocks, block_size=BS, model="m", **kw)  # type: ignore[arg-type]
+        SimSettings(capacity_tokens=BS * capacity_blocks, block_size=BS, model="m", **kw)
     )
 
 

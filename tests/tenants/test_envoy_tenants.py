@@ -70,7 +70,7 @@ async def test_a_pods_5xx_body_through_envoy_is_the_tenant_facing_error() -> Non
             }
         )
         pod = SimpleNamespace(url=url)  # what the Envoy configuration needs of a pod
-        async with epp_envoy([pod], settings) as (_server, client, _):  # type: ignore[list-item]
+        async with epp_envoy([pod], settings) as (_server, client, _):
             body = {"model": MODEL, "prompt": [7] * 40, "max_tokens": 4}
             r = await client.post("/v1/completions", json=body, headers=auth(KEY_A))
     assert r.status_code == 500

@@ -123,7 +123,7 @@ async def test_with_redis_down_each_replica_limits_on_its_own(
     tmp_path: Any, redis_namespace: str
 ) -> None:
     with FaultyServer(tmp_path) as server:
-        shared = {"redis_url": server.url, "redis_namespace": redis_namespace}
+        shared: dict[str, Any] = {"redis_url": server.url, "redis_namespace": redis_namespace}
         limits = {"requests_per_minute": 2}
         async with (
             fleet([sim(0)]) as pods,

@@ -7,6 +7,7 @@ import ssl
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trustme
@@ -73,7 +74,7 @@ async def test_an_acl_user_authenticates_with_its_own_password(
 async def test_limits_are_shared_through_an_authenticated_redis(
     auth_server: int, tmp_path: Path, redis_namespace: str
 ) -> None:
-    shared = {
+    shared: dict[str, Any] = {
         "redis_url": f"redis://127.0.0.1:{auth_server}/0",
         "redis_password_file": secret_file(tmp_path, PASSWORD),
         "redis_namespace": redis_namespace,

@@ -32,7 +32,9 @@ async def create(client: httpx.AsyncClient, key: str, **body: Any) -> httpx.Resp
 async def test_another_tenant_cannot_get_cancel_or_continue_a_response(
     store: str, redis_url: str, redis_namespace: str
 ) -> None:
-    extra = {"redis_url": redis_url, "redis_namespace": redis_namespace} if store == "redis" else {}
+    extra: dict[str, Any] = (
+        {"redis_url": redis_url, "redis_namespace": redis_namespace} if store == "redis" else {}
+    )
     async with (
         fleet([sim(0), sim(1)]) as pods,
         router(settings_for(pods, **two_tenants(), **extra)) as client,
@@ -59,9 +61,9 @@ async def test_another_tenant_cannot_get_cancel_or_continue_a_response(
         assert stolen.status_code == 404
         assert stolen.json()["error"]["code"] == "response_not_found"
         if store == "redis":
-            r = aioredis.Redis.from_url(redis_url)
+            store_client = aioredis.Redis.from_url(redis_url)
             try:
-                value = await r.get(f"{redis_namespace}:resp:{rid}")
+                value = await store_client.get(f"{redis_namespace}:resp:{rid}")
             finally:
-                await r.aclose()
+                await store_client.aclose()
             assert value == made.headers["x-kvroute-pod"].encode() + b"\x00a"

@@ -21,7 +21,7 @@ from tools.capture_vllm_events import EngineProcess
 
 pytestmark = pytest.mark.vllm
 
-BODIES = {
+BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {
         "messages": [{"role": "user", "content": "Name three colours, please."}],
     },
