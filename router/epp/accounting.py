@@ -35,7 +35,7 @@ from router.decision.request import Routed
 from router.fleet.load import RequestLoad
 from router.metrics import PodMetrics
 from router.proxy.assemble import one_token
-from router.proxy.first_output import FirstOutput
+from router.proxy.first_output import FirstOutput, opening_watch
 
 if TYPE_CHECKING:
     from router.epp.picker import EndpointPicker
@@ -117,8 +117,8 @@ class Accounting:
             self._first = False  # a JSON answer's first byte is its end (module docstring)
         elif not 200 <= status < 300:
             self._first = False  # an error's body is no first token
-        elif self.routed.kind == "responses":
-            self._watch = FirstOutput()  # its opening events come before the engine runs
+        else:  # a Responses stream's opening events come before the engine runs
+            self._watch = opening_watch(self.routed.kind)
         if pod is not None and pod != self.pod and self._load is not None:
             # the proxy retried on another endpoint of the list: account it there
             await self._end()

@@ -42,7 +42,7 @@ from typing import Any
 import msgspec
 
 from router.decision.request import Routed
-from router.proxy.sse import SseEvents, data_of
+from router.proxy.sse import EventFeed, data_of
 from router.rewrite import rewrite_body
 
 #: request fields whose streamed answer differs from the JSON one (not assembled)
@@ -115,28 +115,6 @@ def streamed_body(raw: bytes, body: dict[str, Any], kind: str = "chat") -> bytes
     the client sent it."""
     sets = _RESPONSES_STREAM_SETS if kind == "responses" else _STREAM_SETS
     return rewrite_body(raw, body, set_fields=sets)
-
-
-class EventFeed:
-    """Hands each complete SSE event of the chunks fed to :meth:`_event`; :meth:`_flush`
-    hands it what is left at the stream's end (an event without its blank line)."""
-
-    __slots__ = ("_events",)
-
-    def __init__(self) -> None:
-        self._events = SseEvents()
-
-    def feed(self, chunk: bytes) -> None:
-        for event in self._events.feed(chunk):
-            self._event(event)
-
-    def _flush(self) -> None:
-        rest, self._events.rest = self._events.rest, b""
-        if rest.strip():
-            self._event(rest)
-
-    def _event(self, event: bytes) -> None:
-        raise NotImplementedError
 
 
 class Assembler(EventFeed):

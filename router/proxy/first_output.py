@@ -19,6 +19,12 @@ from router.proxy.sse import SseEvents, data_of, event_name
 BEFORE_OUTPUT = frozenset({b"response.created", b"response.in_progress", b"response.queued"})
 
 
+def opening_watch(kind: str) -> FirstOutput | None:
+    """A watch for the first output of a 2xx stream of this request kind: a Responses
+    stream's; None for the others, whose first byte is their first token."""
+    return FirstOutput() if kind == "responses" else None
+
+
 class FirstOutput:
     """Fed a Responses stream's chunks as they are relayed, says which one carries the
     first event sent after the engine's first output.  Only the events before it are

@@ -104,7 +104,7 @@ from router.proxy.assemble import (
 )
 from router.proxy.attempts import CLIENT_DISCONNECTED, AttemptWatch, Disconnected
 from router.proxy.failures import RETRYABLE_STATUS, Stalled
-from router.proxy.first_output import FirstOutput
+from router.proxy.first_output import opening_watch
 from router.proxy.head import DROP_REQUEST_B, head_tail
 from router.proxy.relay import RawResponse, pod_5xx_error
 from router.proxy.response_ids import id_from_body
@@ -291,9 +291,8 @@ class Proxy(StreamRelay):
                     if resp.status in retryable and not last:
                         pass  # closed below; the next pod is tried
                     elif whole and resp.is_event_stream and 200 <= resp.status < 300:
-                        opening = routed.kind == "responses"  # (until its first output)
-                        # its first token: committed there
-                        await resp.stream.wait_body(FirstOutput().seen_in if opening else None)
+                        watch = opening_watch(routed.kind)  # its first token: committed there
+                        await resp.stream.wait_body(watch.seen_in if watch else None)
                         self._watch.commit(attempt)
                         try:
                             content = await self._gather(resp, routed, pod, load, started)
@@ -301,8 +300,9 @@ class Proxy(StreamRelay):
                             await resp.stream.aclose()
                     elif routed.stream or resp.is_event_stream:
                         # a Responses stream: until its first output (module docstring)
-                        opening = routed.kind == "responses" and 200 <= resp.status < 300
-                        await resp.stream.wait_body(FirstOutput().seen_in if opening else None)
+                        ok = 200 <= resp.status < 300
+                        watch = opening_watch(routed.kind) if ok else None
+                        await resp.stream.wait_body(watch.seen_in if watch else None)
                     else:  # the head of a non-streaming answer comes with the answer
                         self._watch.commit(attempt)
                         if head_first and 200 <= resp.status < 300:

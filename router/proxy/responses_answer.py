@@ -21,8 +21,8 @@ from typing import Any
 
 import msgspec
 
-from router.proxy.assemble import EventFeed, StreamFailed, StreamUnreadable
-from router.proxy.sse import data_of, event_name
+from router.proxy.assemble import StreamFailed, StreamUnreadable
+from router.proxy.sse import EventFeed, data_of, event_name
 
 #: the events that end a Responses stream with the whole response
 FINAL = frozenset({b"response.completed", b"response.incomplete", b"response.failed"})

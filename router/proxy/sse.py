@@ -1,6 +1,7 @@
 """Server-sent events read as a pod's stream comes, for the parts of the proxy that look
-inside one (:mod:`.assemble`, :mod:`.response_ids`): complete events, and the payload
-of an event's ``data:`` lines."""
+inside one (:mod:`.assemble`, :mod:`.responses_answer`, :mod:`.response_ids`,
+:mod:`.first_output`): complete events, a feed of them to a reader, the payload of an
+event's ``data:`` lines, and its type."""
 
 from __future__ import annotations
 
@@ -33,6 +34,28 @@ class SseEvents:
             end = buf.find(b"\n\n", start)
         self.rest = buf[start:] if start else buf
         return events
+
+
+class EventFeed:
+    """Hands each complete SSE event of the chunks fed to :meth:`_event`; :meth:`_flush`
+    hands it what is left at the stream's end (an event without its blank line)."""
+
+    __slots__ = ("_events",)
+
+    def __init__(self) -> None:
+        self._events = SseEvents()
+
+    def feed(self, chunk: bytes) -> None:
+        for event in self._events.feed(chunk):
+            self._event(event)
+
+    def _flush(self) -> None:
+        rest, self._events.rest = self._events.rest, b""
+        if rest.strip():
+            self._event(rest)
+
+    def _event(self, event: bytes) -> None:
+        raise NotImplementedError
 
 
 def data_of(event: bytes) -> bytes:

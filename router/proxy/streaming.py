@@ -25,7 +25,7 @@ from router.proxy import answers
 from router.proxy.assemble import Assembler
 from router.proxy.bookkeeping import Bookkeeping
 from router.proxy.failures import Failures
-from router.proxy.first_output import FirstOutput
+from router.proxy.first_output import opening_watch
 from router.proxy.head import head_tail
 from router.proxy.relay import (
     Once,
@@ -107,7 +107,7 @@ class StreamRelay(Bookkeeping, Failures):
             else None
         )
         # a Responses stream opens with events sent before the engine runs the request
-        watch = FirstOutput() if routed.kind == "responses" and ok else None
+        watch = opening_watch(routed.kind) if ok else None
         relaying = self._relaying.setdefault(pod, set())
         relaying.add(resp.stream)
         try:
@@ -169,9 +169,8 @@ class StreamRelay(Bookkeeping, Failures):
         """Read the stream asked for a JSON answer (:mod:`router.proxy.assemble`) to its
         end, its first byte counted as a stream's first token, and return the JSON
         answer.  Its pod's ejection limits its silence, as a relayed stream's."""
-        responses = routed.kind == "responses"
-        whole = ResponsesAssembler() if responses else Assembler(routed.kind)
-        watch = FirstOutput() if responses else None
+        whole = ResponsesAssembler() if routed.kind == "responses" else Assembler(routed.kind)
+        watch = opening_watch(routed.kind)
         relaying = self._relaying.setdefault(pod, set())
         relaying.add(resp.stream)
         first = True
