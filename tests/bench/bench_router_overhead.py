@@ -10,8 +10,10 @@ once, so the pod's own time is a small constant), then, on free loopback ports:
                         policy (cost), KV events on, in front of all pods;
 * ``kvroute w1 round_robin`` — with ``--kvroute-rr``: 1 worker, ``--policy round_robin``
                         (like for like with the peers' round robin);
-* ``sglang rr/ca``    — ``sglang-router`` round_robin / cache_aware (if installed);
-* ``vllm-router rr/ca`` — ``vllm-router`` round_robin / cache_aware (if installed);
+* ``sglang rr/ca``    — ``sglang-router`` round_robin / cache_aware (if installed in
+                        ``--peer-python``, default this interpreter);
+* ``vllm-router rr/ca`` — ``vllm-router`` round_robin / cache_aware (beside
+                        ``--peer-python``, else on PATH);
 * ``python floor``    — with ``--floor``: uvicorn (kvroute's protocol) + kvroute's pod
                         transport relaying round robin, no routing, no metrics: the
                         cost of Python HTTP in and out alone, the part of kvroute's
@@ -397,16 +399,23 @@ def start_floor(urls: list[str]) -> tuple[Proc, int]:
     return Proc("python floor", p), port
 
 
-def start_sglang(urls: list[str], policy: str) -> tuple[Proc, int] | None:
-    try:
-        import sglang_router  # noqa: F401
-    except ImportError:
+def peer_tools(py: str) -> tuple[str | None, str | None]:
+    """(python with sglang_router, vllm-router executable) found from ``py`` (the peers
+    may live in a venv of their own: ``--peer-python``)."""
+    has_sglang = subprocess.run([py, "-c", "import sglang_router"], capture_output=True)
+    sglang = py if has_sglang.returncode == 0 else None
+    beside = Path(py).parent / "vllm-router"
+    vllm = str(beside) if beside.exists() else shutil.which("vllm-router")
+    return sglang, vllm
+
+
+def start_sglang(py: str | None, urls: list[str], policy: str) -> tuple[Proc, int] | None:
+    if py is None:
         return None
     port, mport = free_port(), free_port()
     p = subprocess.Popen(
         [
-            sys.executable,
-            *["-m", "sglang_router.launch_router", "--host", "127.0.0.1"],
+            *[py, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"],
             *f"--port {port} --policy {policy} --prometheus-host 127.0.0.1".split(),
             *["--prometheus-port", str(mport), "--worker-urls", *urls],
         ],
@@ -418,8 +427,7 @@ def start_sglang(urls: list[str], policy: str) -> tuple[Proc, int] | None:
     return Proc(f"sglang {policy}", p), port
 
 
-def start_vllm_router(urls: list[str], policy: str) -> tuple[Proc, int] | None:
-    exe = shutil.which("vllm-router")
+def start_vllm_router(exe: str | None, urls: list[str], policy: str) -> tuple[Proc, int] | None:
     if exe is None:
         return None
     port, mport = free_port(), free_port()
@@ -455,6 +463,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--no-peers", action="store_true", help="skip sglang-router / vllm-router")
+    ap.add_argument(
+        "--peer-python",
+        default=sys.executable,
+        help="python with the peers (sglang_router; vllm-router beside it or on PATH)",
+    )
     ap.add_argument(
         "--floor", action="store_true", help="add the bare Python relay (no routing) target"
     )
@@ -498,14 +511,15 @@ def main() -> int:
             targets.append((proc.name, port))
             target_pids[proc.name] = [proc.popen.pid]
         if not args.no_peers:
-            for starter, policy in (
-                (start_sglang, "round_robin"),
-                (start_sglang, "cache_aware"),
-                (start_vllm_router, "round_robin"),
-                (start_vllm_router, "cache_aware"),
+            sglang, vllm = peer_tools(args.peer_python)
+            for starter, tool, policy in (
+                (start_sglang, sglang, "round_robin"),
+                (start_sglang, sglang, "cache_aware"),
+                (start_vllm_router, vllm, "round_robin"),
+                (start_vllm_router, vllm, "cache_aware"),
             ):
                 try:
-                    started = starter(urls, policy)
+                    started = starter(tool, urls, policy)
                 except RuntimeError as exc:
                     print(f"# skipped {starter.__name__} {policy}: {exc}", file=sys.stderr)
                     continue

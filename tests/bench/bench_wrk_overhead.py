@@ -87,6 +87,7 @@ from bench_router_overhead import (  # noqa: E402
     _proc_tree,
     cpu_seconds,
     free_port,
+    peer_tools,
     start_floor,
     wait_http,
 )
@@ -289,15 +290,6 @@ def start_vllm_router(
     )
     wait_completion(port, p)
     return Proc(f"vllm-router {policy}", p), port
-
-
-def peer_tools(py: str) -> tuple[str | None, str | None]:
-    """(python with sglang_router, vllm-router executable) found from ``py``."""
-    has_sglang = subprocess.run([py, "-c", "import sglang_router"], capture_output=True)
-    sglang = py if has_sglang.returncode == 0 else None
-    beside = Path(py).parent / "vllm-router"
-    vllm = str(beside) if beside.exists() else shutil.which("vllm-router")
-    return sglang, vllm
 
 
 # -- measurements --------------------------------------------------------------------------
