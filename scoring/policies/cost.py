@@ -10,7 +10,7 @@ leading blocks servable from tier ``t`` or faster (tiers fastest first)::
     cached      = max(cached[slowest tier with a rate], in-flight hits * B)   (see below)
     cached      = min(cached, kept * B)           (the blocks an LRU cache keeps, below)
     uncached    = P - cached
-    evicted     = clamp(hot + new - capacity_blocks, 0, new) * B      (opt-in, below)
+    evicted     = clamp(hot + new - capacity_blocks, 0, new) * B      (below)
     slowdown    = 1 + decode_slowdown_per_running * running
                   (running = scraped ``running``; router ``inflight`` when not scraped)
     score(pod)  = (queued_tokens + w * (uncached + evicted)) / prefill_rate_tokens_per_s
@@ -31,16 +31,20 @@ own, so a fleet serving only non-streamed requests keeps the prior.
 ``hot`` is the pod's hot working set as this policy knows it: the distinct blocks it
 routed there in the last ``hot_window_s`` (300 s, the lifetime hosted APIs give an
 unused cached prefix; scoring/policies/hot_set.py), and ``new`` the request's full
-blocks not cached there.  With ``charge_hot_evictions`` (default off), when the hot set
-plus the new blocks overflow the pod's cache, each new block pushes a hot one out
-(vLLM evicts LRU), a miss some later request (the next turn of a conversation in
-progress) pays: ``evicted`` charges it now, at the same price as the request's own
-misses (zero while the hot set fits, or when the capacity is unknown; without the
-option, zero).  It raises hit rates but lengthens TTFT tails on overloaded small-cache
-fleets (scoring/policies/README.md has the numbers), so it is opt-in.  Hot counts are
-read only where they change the decision: every pod with the charge, else only the tied
-pods of a room tie-break (the hot set is kept incrementally, so a read is one comparison
-until the pod's oldest block leaves the window).
+blocks not cached there.  With ``charge_hot_evictions`` (default on since session 21),
+when the hot set plus the new blocks overflow the pod's cache, each new block pushes a
+hot one out (vLLM evicts LRU), a miss some later request (the next turn of a
+conversation in progress, the next question over a document) pays: ``evicted`` charges
+it now, at the same price as the request's own misses (zero while the hot set fits, or
+when the capacity is unknown; with the option off, zero).  Without it a pod waiting
+for KV room sends its document to a pod whose cache holds another one, which then
+thrashes (RAG on 16 unequal pods: TTFT p90 6.2x the best policy's; 1.04x with it).  It
+raises hit rates on every seed measured and loses some balance on RAG fleets of 8 pods
+(scoring/policies/README.md has the numbers).  Hot counts are read only where they
+change the decision: every pod with a known size and blocks to compute under the
+charge, else only the tied pods of a room tie-break (the hot set is kept
+incrementally, so a read is one comparison until the pod's oldest block leaves the
+window).
 
 The pod with the smallest score wins.  Pods within ``tie_epsilon_s`` of the minimum
 are tied.  With ``tie_break_by_room`` (default on) the tie narrows to the pods with the
@@ -276,6 +280,7 @@ class CostPolicy(CostLedger):
         cached: dict[str, int] = {}
         weights: dict[str, float] = {}
         evicted: dict[str, int] = {}
+        counted: dict[str, int] = {}  # hot counts the charge read (the tie-break reuses them)
         hot_set = self._hot if self._hot_on else None
         arrivals = self._arrivals
         now = self.clock() if hot_set is not None or arrivals is not None else 0.0
@@ -329,14 +334,16 @@ class CostPolicy(CostLedger):
                 if keep < cb:
                     c = keep * bs
             miss = prompt - c
-            if charge:
-                h = hot_set.count(name, now)  # type: ignore[union-attr]
-                # hot blocks this request's freshly computed blocks push out: each is
-                # a miss a later request pays (0 while the hot set fits the cache)
-                e = evicted_hot(h, len(keys) - c // bs, pod.capacity_blocks)
-                if e:
-                    evicted[name] = e
-                    miss += e * bs
+            if charge and cap_b:
+                new_b = len(keys) - c // bs
+                if new_b > 0:  # (no new block, or no known size: nothing evicted)
+                    h = counted[name] = hot_set.count(name, now)  # type: ignore[union-attr]
+                    # hot blocks this request's freshly computed blocks push out: each
+                    # is a miss a later request pays (0 while the hot set fits the cache)
+                    e = evicted_hot(h, new_b, cap_b)
+                    if e:
+                        evicted[name] = e
+                        miss += e * bs
             if arrivals is not None:  # + the arrivals its cache binds to it, meanwhile
                 lam = self.bound_arrival_rate(name, now)
                 if lam > 0.0:
@@ -370,7 +377,9 @@ class CostPolicy(CostLedger):
         limit = best + eps  # type: ignore[operator]
         if self._room_ties:
             near = [v for v in pods if predicted[v.pod] <= limit]
-            tied = most_room(near, hot_set, now, cached) if len(near) > 1 else [near[0].pod]
+            tied = (
+                most_room(near, hot_set, now, cached, counted) if len(near) > 1 else [near[0].pod]
+            )
         else:
             tied = [name for name, t in predicted.items() if t <= limit]
         chosen = tied[0]

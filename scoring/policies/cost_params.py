@@ -73,7 +73,7 @@ class CostParams(PolicyParams):
         description="blocks routed to a pod this recently are hot (room, eviction charge); 0: off",
     )
     charge_hot_evictions: bool = Field(
-        default=False, description="charge the hot blocks a miss would evict as misses"
+        default=True, description="charge the hot blocks a miss would evict as misses"
     )
     kv_admission: bool = Field(
         default=True,

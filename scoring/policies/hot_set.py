@@ -311,6 +311,7 @@ def most_room(
     hot: HotBlocks | None = None,
     now: float = 0.0,
     cached: Mapping[str, int] | None = None,
+    counted: Mapping[str, int] | None = None,
 ) -> list[str]:
     """The names of the tied pods with the most room for a new prefix (:func:`room`:
     vLLM's free blocks less the blocks ``hot`` says this router sent there within its
@@ -320,7 +321,8 @@ def most_room(
     (when one holds some), then to the fewest resident blocks (all of them when a tied
     pod's count is unknown).
 
-    :func:`room` inlined (one pass, hot counts read only here): it runs on every
+    :func:`room` inlined (one pass, hot counts read only here unless ``counted`` has
+    them: ``hot``'s counts at ``now`` the caller read already): it runs on every
     decision whose candidates tie, the usual case for a prefix no pod holds."""
     most = -_INF
     names: list[str] = []
@@ -337,7 +339,8 @@ def most_room(
         else:
             break
         if count is not None:
-            left = cap - count(v.pod, now)
+            h = counted.get(v.pod) if counted is not None else None
+            left = cap - (count(v.pod, now) if h is None else h)
             if left < free:
                 free = float(left)
         if free > most:

@@ -80,7 +80,7 @@ def test_a_miss_that_would_evict_hot_blocks_goes_where_the_cache_has_room() -> N
     """p0 holds the request's first 2 blocks, but its cache (10 blocks) is full of hot
     blocks: the 4 it would compute push out 4 hot ones, a later miss each.  p1 computes
     all 6 and evicts nothing hot."""
-    p, _ = policy(charge_hot_evictions=True)
+    p, _ = policy()  # the charge is on by default (session 21)
     p.on_routed(req("warm", list(range(10))), "p0")
     views = [
         PodView(pod="p0", hits={"GPU": 2}, resident_blocks=10, capacity_blocks=10, kv_usage=0.0),
@@ -90,11 +90,11 @@ def test_a_miss_that_would_evict_hot_blocks_goes_where_the_cache_has_room() -> N
     decision = p.pick(request, views)
     assert decision.pod == "p1"
     assert decision.detail["evicted_hot_blocks"] == {"p0": 4}
-    # by default (no charge), or with hot tracking off, only the request's own prefill
+    # without the charge, or with hot tracking off, only the request's own prefill
     # counts: the hit wins
-    default, _ = policy()
-    off, _ = policy(hot_window_s=0.0, charge_hot_evictions=True)
-    for q in (default, off):
+    uncharged, _ = policy(charge_hot_evictions=False)
+    off, _ = policy(hot_window_s=0.0)
+    for q in (uncharged, off):
         q.on_routed(req("warm", list(range(10))), "p0")
         assert q.pick(request, views).pod == "p0"
     assert off.hot_blocks("p0") == 0
@@ -166,6 +166,9 @@ def test_the_tie_break_keeps_the_pods_with_the_most_room_else_the_most_cached() 
             else:
                 want = [v.pod for v in holders]
         assert most_room(views, hot, now, cached) == want
+        # the same with some of the hot counts read beforehand (cost's charge reads them)
+        counted = {v.pod: hot.count(v.pod, now) for v in views if rng.random() < 0.5}
+        assert most_room(views, hot, now, cached, counted) == want
 
 
 def test_with_no_cache_size_known_a_repeated_prompt_stays_on_the_pod_that_holds_it() -> None:

@@ -410,10 +410,11 @@ def test_cost_spreads_chats_sharing_a_system_prompt_over_a_small_fleet(tmp_path:
         assert theirs["hit_rate"] < default["hit_rate"]
         assert theirs["ttft_p90_s"] > default["ttft_p90_s"]
     assert default["hit_rate"] >= 0.7 * pooled
-    # the miss weight counted in prompts with its fitted pair (backlog_weight 12, share
-    # 0.125) keeps more hits on this small fleet, the one both were chosen on
-    # (scoring/policies/README.md) ...
-    prompt = run(backlog_unit="prompt", fleet_backlog_share=0.125)
+    # the formulas before, without the hot-eviction charge they had not got (on by
+    # default since session 21): the miss weight counted in prompts with its fitted pair
+    # (backlog_weight 12, share 0.125) keeps more hits on this small fleet, the one both
+    # were chosen on (scoring/policies/README.md) ...
+    prompt = run(backlog_unit="prompt", fleet_backlog_share=0.125, charge_hot_evictions=False)
     assert prompt["hit_rate"] >= 0.9 * pooled and prompt["imbalance"] <= 1.5
     # ... and pricing every miss there by the fleet's mean backlog lets the hot pod's
     # queue hold traffic, when every hit the index shows counts ...
@@ -422,11 +423,12 @@ def test_cost_spreads_chats_sharing_a_system_prompt_over_a_small_fleet(tmp_path:
         fleet_backlog_share=1.0,
         queue_evictions=False,
         lru_evictions=False,
+        charge_hot_evictions=False,
     )
     assert fleet["imbalance"] > 2.0
     assert fleet["ttft_p90_s"] > 3 * prompt["ttft_p90_s"]
     # ... less so when only the hits that survive the hot pod's queue count (the default)
-    survivors = run(backlog_unit="prompt", fleet_backlog_share=1.0)
+    survivors = run(backlog_unit="prompt", fleet_backlog_share=1.0, charge_hot_evictions=False)
     assert survivors["imbalance"] < fleet["imbalance"]
     assert survivors["ttft_p90_s"] < 0.6 * fleet["ttft_p90_s"]
 

@@ -191,8 +191,8 @@ def oracles() -> dict[bool, float]:
 
 @pytest.mark.parametrize(
     "policy_params",
-    [{}, {"charge_hot_evictions": True}],
-    ids=["defaults", "charge-hot-evictions"],
+    [{}, {"charge_hot_evictions": False}],
+    ids=["defaults", "no-hot-eviction-charge"],
 )
 @pytest.mark.parametrize("fill", [False, True], ids=["clean", "one-engine-full-of-old-cache"])
 async def test_the_router_reaches_nine_tenths_of_the_oracle_placements_hit_rate(
