@@ -40,7 +40,7 @@ readiness probe and before aiperf starts, so each run starts with empty caches.
 Send traffic only to 127.0.0.1: run it in a loopback-only network namespace
 (``ip netns add bench; ip netns exec bench ip link set lo up``).  aiperf fails with
 ``HF_HUB_OFFLINE=1`` set, so it is removed from aiperf's environment; the Rust routers get
-``HF_HUB_OFFLINE=1 HF_ENDPOINT=http://127.0.0.1:9`` (``bench_router_overhead.PEER_ENV``).
+``HF_HUB_OFFLINE=1 HF_ENDPOINT=http://127.0.0.1:9`` (``peer_routers.PEER_ENV``).
 """
 
 from __future__ import annotations

@@ -43,7 +43,6 @@ import contextlib
 import itertools
 import json
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -54,6 +53,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from peer_routers import peer_tools, sglang_command, spawn, vllm_router_command
 
 BODY = json.dumps({"model": "sim-model", "prompt": "hi", "max_tokens": 1}).encode()
 STREAM_BODY = json.dumps(
@@ -329,8 +330,6 @@ def start_kvroute(urls: list[str], workers: int, policy: str = "cost") -> tuple[
 
 HERE = Path(__file__).resolve().parent
 
-PEER_ENV = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
-
 
 def relay_app(urls: list[str]) -> Callable[..., Any]:
     """The ``--floor`` target: a bare ASGI relay (round robin over ``urls``) on
@@ -399,30 +398,11 @@ def start_floor(urls: list[str]) -> tuple[Proc, int]:
     return Proc("python floor", p), port
 
 
-def peer_tools(py: str) -> tuple[str | None, str | None]:
-    """(python with sglang_router, vllm-router executable) found from ``py`` (the peers
-    may live in a venv of their own: ``--peer-python``)."""
-    has_sglang = subprocess.run([py, "-c", "import sglang_router"], capture_output=True)
-    sglang = py if has_sglang.returncode == 0 else None
-    beside = Path(py).parent / "vllm-router"
-    vllm = str(beside) if beside.exists() else shutil.which("vllm-router")
-    return sglang, vllm
-
-
 def start_sglang(py: str | None, urls: list[str], policy: str) -> tuple[Proc, int] | None:
     if py is None:
         return None
     port, mport = free_port(), free_port()
-    p = subprocess.Popen(
-        [
-            *[py, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"],
-            *f"--port {port} --policy {policy} --prometheus-host 127.0.0.1".split(),
-            *["--prometheus-port", str(mport), "--worker-urls", *urls],
-        ],
-        env={**os.environ, **PEER_ENV},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    p = spawn(sglang_command(py, port, mport, urls, policy))
     wait_completion(port)
     return Proc(f"sglang {policy}", p), port
 
@@ -431,15 +411,7 @@ def start_vllm_router(exe: str | None, urls: list[str], policy: str) -> tuple[Pr
     if exe is None:
         return None
     port, mport = free_port(), free_port()
-    p = subprocess.Popen(
-        [
-            *[exe, *f"--host 127.0.0.1 --port {port} --policy {policy}".split()],
-            *["--prometheus-port", str(mport), "--worker-urls", *urls],
-        ],
-        env={**os.environ, **PEER_ENV},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    p = spawn(vllm_router_command(exe, port, mport, urls, policy))
     wait_completion(port)
     return Proc(f"vllm-router {policy}", p), port
 

@@ -87,9 +87,14 @@ from bench_router_overhead import (  # noqa: E402
     _proc_tree,
     cpu_seconds,
     free_port,
-    peer_tools,
     start_floor,
     wait_http,
+)
+from peer_routers import (  # noqa: E402
+    peer_tools,
+    sglang_command,
+    spawn,
+    vllm_router_command,
 )
 from source_tree import tree_cwd, tree_env  # noqa: E402
 
@@ -98,7 +103,6 @@ MODEL = "fake-model"
 PROMPT = "Summarise the plot of a short story about a lighthouse keeper in two sentences."
 BODY = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
 STREAM_BODY = {**BODY, "max_tokens": 8, "stream": True}
-PEER_ENV = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
 NETNS_ENV = "KVROUTE_BENCH_NETNS"
 
 #: wrk's Lua: the POST body, and one JSON line of results at the end
@@ -259,17 +263,7 @@ def start_sglang(
     py: str, urls: list[str], policy: str, cpus: str | None = None
 ) -> tuple[Proc, int]:
     port, mport = free_port(), free_port()
-    cmd = [
-        *[py, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"],
-        *f"--port {port} --policy {policy} --prometheus-host 127.0.0.1".split(),
-        *["--prometheus-port", str(mport), "--worker-urls", *urls],
-    ]
-    p = subprocess.Popen(
-        pinned(cmd, cpus),
-        env={**os.environ, **PEER_ENV},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    p = spawn(pinned(sglang_command(py, port, mport, urls, policy), cpus))
     wait_completion(port, p)
     return Proc(f"sglang {policy}", p), port
 
@@ -278,16 +272,7 @@ def start_vllm_router(
     exe: str, urls: list[str], policy: str, cpus: str | None = None
 ) -> tuple[Proc, int]:
     port, mport = free_port(), free_port()
-    cmd = [
-        *[exe, *f"--host 127.0.0.1 --port {port} --policy {policy}".split()],
-        *["--prometheus-port", str(mport), "--worker-urls", *urls],
-    ]
-    p = subprocess.Popen(
-        pinned(cmd, cpus),
-        env={**os.environ, **PEER_ENV},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    p = spawn(pinned(vllm_router_command(exe, port, mport, urls, policy), cpus))
     wait_completion(port, p)
     return Proc(f"vllm-router {policy}", p), port
 
