@@ -206,7 +206,17 @@ class CostLedger(Policy):
         if old is not None:
             if old[4] >= 0.0 and self._kv:
                 old[5].decode.add(self.clock() - old[4])
-            self._unledger(old[0], old[1], old[2], request.block_keys)
+            # _unledger inlined (this runs on every completion)
+            at, miss, keys = old[0], old[2], request.block_keys
+            if keys and self._count_inflight:
+                self._inflight.remove(at, keys)
+            entry = self._ledger.get(at)
+            if entry is not None:
+                entry[0] -= old[1]
+                entry[1] -= miss
+            total = self._live_total
+            total[0] -= miss
+            total[1] -= 1
 
     def on_pod_removed(self, pod: str) -> None:
         self._ledger.pop(pod, None)

@@ -86,7 +86,12 @@ class _PodTree:
                 order[leaf] = None
                 return
             end = child.end if child.end <= n else n
-            m = agree_until(child.chain, keys, i, end)
+            # (agree_until's first test inlined: a repeated prefix passes it)
+            m = (
+                end
+                if child.chain[end - 1] == keys[end - 1]
+                else agree_until(child.chain, keys, i, end)
+            )
             if m < child.end:  # the chain leaves (or ends inside) the child's run: split
                 head = _Node(child.chain, i, m, now, node)
                 node.children[keys[i]] = head
@@ -155,7 +160,10 @@ class HotBlocks:
         if tree is None:
             tree = self._pods[pod] = _PodTree()
         tree.insert(keys, now)
-        tree.limit = limit = self.max_keys if capacity is None else min(self.max_keys, 2 * capacity)
+        limit = self.max_keys
+        if capacity is not None and 2 * capacity < limit:
+            limit = 2 * capacity
+        tree.limit = limit
         # drop the least recent subtrees while what stays is at least the bound, so
         # that the count below is the bound either way and memory stays bounded
         order = tree.order
@@ -165,7 +173,10 @@ class HotBlocks:
             if tree.keys - sum(x.end - x.start for x in under) < limit:
                 break
             tree.drop(node, under)
-        self._expire(tree, now)
+        # nothing leaves before the oldest node's time does: next_expiry is a lower
+        # bound of it (an insert only refreshes nodes), unless the tree was empty
+        if not now < tree.next_expiry < _INF:
+            self._expire(tree, now)
 
     def count(self, pod: str, now: float) -> int:
         """Distinct keys routed to ``pod`` within the window before ``now``, at most
