@@ -8,22 +8,16 @@ from router.decision.learning import PROBE_PATIENCE, RouteLearner
 from router.decision.request import Routed
 from router.fleet.scrape import Scraped
 from scoring.policies.base import Decision, PodView, RouteRequest
+from tests.support.clock import ManualClock
 
 BS = 16
 KEYS = list(range(100, 110))  # a 10-block chain
 PROMPT = 10 * BS + 5
 
 
-class Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def learner(events_off: bool = False, **kw: object) -> RouteLearner:
     settings = SpeculativeSettings.model_validate(kw)
-    return RouteLearner(settings, events_off=events_off, clock=Clock())
+    return RouteLearner(settings, events_off=events_off, clock=ManualClock())
 
 
 def routed(pod: str, gpu: int = 0, spec: int = 0, approximate: bool = False) -> Routed:

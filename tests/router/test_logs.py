@@ -8,19 +8,12 @@ import logging
 import pytest
 
 from router.logs import RateLimitedLog
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import ManualClock
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    return ManualClock(1000.0)
 
 
 def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -28,7 +21,7 @@ def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_a_flood_of_one_cause_is_one_line_then_one_line_with_the_count(
-    caplog: pytest.LogCaptureFixture, clock: Clock
+    caplog: pytest.LogCaptureFixture, clock: ManualClock
 ) -> None:
     caplog.set_level(logging.WARNING, logger="test.limited")
     limited = RateLimitedLog(logging.getLogger("test.limited"), 10.0, clock=clock)
@@ -46,7 +39,9 @@ def test_a_flood_of_one_cause_is_one_line_then_one_line_with_the_count(
     assert limited.suppressed("stream_broken") == 0
 
 
-def test_causes_are_limited_separately(caplog: pytest.LogCaptureFixture, clock: Clock) -> None:
+def test_causes_are_limited_separately(
+    caplog: pytest.LogCaptureFixture, clock: ManualClock
+) -> None:
     caplog.set_level(logging.WARNING, logger="test.limited")
     limited = RateLimitedLog(logging.getLogger("test.limited"), 10.0, clock=clock)
     for _ in range(5):
@@ -56,7 +51,7 @@ def test_causes_are_limited_separately(caplog: pytest.LogCaptureFixture, clock: 
 
 
 def test_a_cause_logs_again_after_the_interval_without_a_count_when_none_was_left_out(
-    caplog: pytest.LogCaptureFixture, clock: Clock
+    caplog: pytest.LogCaptureFixture, clock: ManualClock
 ) -> None:
     caplog.set_level(logging.WARNING, logger="test.limited")
     limited = RateLimitedLog(logging.getLogger("test.limited"), 10.0, clock=clock)
@@ -66,7 +61,7 @@ def test_a_cause_logs_again_after_the_interval_without_a_count_when_none_was_lef
     assert messages(caplog) == ["one", "two"]
 
 
-def test_flush_reports_pending_counts(caplog: pytest.LogCaptureFixture, clock: Clock) -> None:
+def test_flush_reports_pending_counts(caplog: pytest.LogCaptureFixture, clock: ManualClock) -> None:
     caplog.set_level(logging.WARNING, logger="test.limited")
     limited = RateLimitedLog(logging.getLogger("test.limited"), 10.0, clock=clock)
     for _ in range(3):
@@ -80,7 +75,7 @@ def test_flush_reports_pending_counts(caplog: pytest.LogCaptureFixture, clock: C
 
 
 def test_exception_logs_the_traceback_once_per_interval(
-    caplog: pytest.LogCaptureFixture, clock: Clock
+    caplog: pytest.LogCaptureFixture, clock: ManualClock
 ) -> None:
     caplog.set_level(logging.ERROR, logger="test.limited")
     limited = RateLimitedLog(logging.getLogger("test.limited"), 10.0, clock=clock)
@@ -95,7 +90,7 @@ def test_exception_logs_the_traceback_once_per_interval(
 
 
 def test_the_line_names_the_caller_not_the_helper(
-    caplog: pytest.LogCaptureFixture, clock: Clock
+    caplog: pytest.LogCaptureFixture, clock: ManualClock
 ) -> None:
     caplog.set_level(logging.WARNING, logger="test.limited")
     limited = RateLimitedLog(logging.getLogger("test.limited"), clock=clock)
@@ -103,14 +98,14 @@ def test_the_line_names_the_caller_not_the_helper(
     assert caplog.records[-1].funcName == "test_the_line_names_the_caller_not_the_helper"
 
 
-def test_the_cause_table_stays_bounded(clock: Clock) -> None:
+def test_the_cause_table_stays_bounded(clock: ManualClock) -> None:
     limited = RateLimitedLog(logging.getLogger("test.limited"), max_causes=100, clock=clock)
     for i in range(10_000):
         limited.warning(("pod", i), "x")
     assert len(limited._causes) <= 100
 
 
-def test_lines_below_the_logger_level_are_neither_logged_nor_counted(clock: Clock) -> None:
+def test_lines_below_the_logger_level_are_neither_logged_nor_counted(clock: ManualClock) -> None:
     logger = logging.getLogger("test.limited.quiet")
     logger.setLevel(logging.ERROR)
     limited = RateLimitedLog(logger, clock=clock)

@@ -7,17 +7,10 @@ import pytest
 from redis.backoff import ConstantBackoff, EqualJitterBackoff
 
 from scoring.index.breaker import CircuitBreaker, SharedStateUnavailable
+from tests.support.clock import ManualClock
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def breaker(clock: Clock, n: int = 3, backoff_s: float = 1.0) -> CircuitBreaker:
+def breaker(clock: ManualClock, n: int = 3, backoff_s: float = 1.0) -> CircuitBreaker:
     return CircuitBreaker(failures_to_open=n, backoff=ConstantBackoff(backoff_s), clock=clock)
 
 
@@ -27,7 +20,7 @@ def fail(b: CircuitBreaker, times: int, kind: str = "timeout") -> None:
 
 
 def test_n_consecutive_failures_open_it_and_a_success_in_between_resets_the_count() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     b = breaker(clock)
     fail(b, 2)
     b.success(b.admit("lookup"))
@@ -39,7 +32,7 @@ def test_n_consecutive_failures_open_it_and_a_success_in_between_resets_the_coun
 
 
 def test_while_open_calls_are_refused_at_once_and_counted_as_open() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     b = breaker(clock)
     fail(b, 3)
     with pytest.raises(SharedStateUnavailable) as err:
@@ -52,7 +45,7 @@ def test_while_open_calls_are_refused_at_once_and_counted_as_open() -> None:
 
 
 def test_after_the_backoff_one_probe_goes_through_and_its_success_closes_it() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     b = breaker(clock)
     fail(b, 3)
     clock.now += 0.99
@@ -69,7 +62,7 @@ def test_after_the_backoff_one_probe_goes_through_and_its_success_closes_it() ->
 
 
 def test_a_failed_probe_reopens_it_with_the_next_longer_backoff() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     delays: list[int] = []
 
     class Recording:
@@ -98,7 +91,7 @@ def test_the_default_backoff_is_exponential_with_equal_jitter_and_capped() -> No
 
 
 def test_error_replies_prove_the_server_is_up_and_never_open_it() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     b = breaker(clock)
     fail(b, 2)
     fail(b, 10, kind="error")  # READONLY, OOM, a script error: answered
@@ -108,7 +101,7 @@ def test_error_replies_prove_the_server_is_up_and_never_open_it() -> None:
 
 
 def test_an_error_reply_to_the_probe_closes_it() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     b = breaker(clock)
     fail(b, 3)
     clock.now += 1.0
@@ -117,7 +110,7 @@ def test_an_error_reply_to_the_probe_closes_it() -> None:
 
 
 def test_an_abandoned_probe_frees_the_probe_slot() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     b = breaker(clock)
     fail(b, 3)
     clock.now += 1.0
@@ -128,7 +121,7 @@ def test_an_abandoned_probe_frees_the_probe_slot() -> None:
 
 
 def test_listeners_hear_every_error_and_state_change_until_removed() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     b = breaker(clock, n=2)
     errors: list[tuple[str, str]] = []
     states: list[str] = []
@@ -148,7 +141,7 @@ def test_listeners_hear_every_error_and_state_change_until_removed() -> None:
 def test_a_listener_that_raises_does_not_break_the_breaker(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     b = breaker(clock, n=1)
 
     def broken(state: str) -> None:

@@ -10,6 +10,7 @@ import pytest
 from scoring.policies import PodView, RouteRequest, build_policy
 from scoring.policies.cost import CostPolicy
 from scoring.policies.learned_rate import PrefillRate
+from tests.support.clock import ManualClock
 
 BS = 16
 
@@ -106,14 +107,6 @@ def test_a_fit_that_would_make_the_rate_bad_keeps_the_last_one() -> None:
         assert math.isfinite(rate.rate) and rate.rate > 0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def req(rid: str, blocks: int) -> RouteRequest:
     keys = [hash((rid, i)) for i in range(blocks)]
     return RouteRequest(
@@ -127,7 +120,7 @@ def test_cost_prices_a_miss_at_the_rate_its_first_tokens_show() -> None:
     then predicted at 1.6 s, and ``learned()`` says so."""
     policy = build_policy("cost", {"prefill_rate_tokens_per_s": 5000.0, "kv_admission": False})
     assert isinstance(policy, CostPolicy)
-    clock = Clock()
+    clock = ManualClock()
     policy.clock = clock
     views = [PodView(pod="p0"), PodView(pod="p1")]
     assert policy.learned() == {}  # no request of the model yet
@@ -147,7 +140,7 @@ def test_cost_prices_a_miss_at_the_rate_its_first_tokens_show() -> None:
 
 def test_cost_with_learning_off_keeps_the_setting() -> None:
     policy = build_policy("cost", {"learn_prefill_rate": False, "kv_admission": False})
-    clock = Clock()
+    clock = ManualClock()
     policy.clock = clock
     r = req("a", 100)
     policy.on_routed(r, "p0")
@@ -161,7 +154,7 @@ def test_cost_with_learning_off_keeps_the_setting() -> None:
 def test_each_model_is_priced_at_its_own_pods_rate() -> None:
     """One router in front of a small and a large model: each learns its own rate."""
     policy = build_policy("cost", {"kv_admission": False})
-    clock = Clock()
+    clock = ManualClock()
     policy.clock = clock
     views = [PodView(pod="small-0"), PodView(pod="large-0")]
     for i in range(300):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from scoring.policies import PodView, RouteRequest, build_policy
 from scoring.policies.cost import CostPolicy
 from scoring.policies.queued import QueuedPrompts
+from tests.support.clock import ManualClock
 
 BS = 16
 SYSTEM = [1, 2]  # a shared instruction: two blocks every prompt starts with
@@ -100,15 +101,6 @@ def two_pods(cached_on_a: int) -> list[PodView]:
     ]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        self.now += 0.001  # every call a little later: routes are ordered in time
-        return self.now
-
-
 def policy(**params: object) -> CostPolicy:
     """``cost`` with the queue rule alone (the fallback when hot tracking is off), unless
     ``params`` say otherwise."""
@@ -116,7 +108,7 @@ def policy(**params: object) -> CostPolicy:
         "cost", {"prefill_rate_tokens_per_s": 1000.0, "lru_evictions": False, **params}
     )
     assert isinstance(p, CostPolicy)
-    p.clock = Clock()
+    p.clock = ManualClock(1000.0, step=0.001)
     return p
 
 

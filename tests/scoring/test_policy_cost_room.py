@@ -10,6 +10,7 @@ from collections import Counter
 from scoring.policies import PodView, RouteRequest, build_policy
 from scoring.policies.cost import CostPolicy
 from scoring.policies.hot_set import HotBlocks, evicted_hot, most_room, room
+from tests.support.clock import ManualClock
 
 BS = 16
 
@@ -20,18 +21,10 @@ def req(rid: str, keys: list[int]) -> RouteRequest:
     )
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def policy(**params: object) -> tuple[CostPolicy, Clock]:
+def policy(**params: object) -> tuple[CostPolicy, ManualClock]:
     p = build_policy("cost", params)
     assert isinstance(p, CostPolicy)
-    clock = Clock()
+    clock = ManualClock(1000.0)
     p.clock = clock
     return p, clock
 

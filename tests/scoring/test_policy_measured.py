@@ -14,16 +14,9 @@ from scoring.policies.pod_rates import PodRates, Priors
 from scoring.replay.engine import replay_policy
 from scoring.replay.families import generate
 from scoring.replay.simpod import FleetConfig
+from tests.support.clock import ManualClock
 
 BS = 16
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def req(rid: str, keys: list[int] | None = None, prompt: int | None = None) -> RouteRequest:
@@ -37,17 +30,17 @@ def req(rid: str, keys: list[int] | None = None, prompt: int | None = None) -> R
     )
 
 
-def policy(**params: object) -> tuple[MeasuredPolicy, Clock]:
+def policy(**params: object) -> tuple[MeasuredPolicy, ManualClock]:
     pol = build_policy("measured", params)
     assert isinstance(pol, MeasuredPolicy)
-    clock = Clock()
+    clock = ManualClock()
     pol.clock = clock
     return pol, clock
 
 
 def serve(
     pol: MeasuredPolicy,
-    clock: Clock,
+    clock: ManualClock,
     pod: str,
     rid: str,
     tokens: int,
@@ -61,12 +54,12 @@ def serve(
     r = req(rid, prompt=tokens)
     pol.pick(r, [PodView(pod=pod)])
     pol.on_routed(r, pod)
-    clock.t += seconds
+    clock.now += seconds
     pol.on_first_token(r, pod, seconds)
-    clock.t += step_s * max(0, output - 1)
+    clock.now += step_s * max(0, output - 1)
     pol.on_finished(r, pod, output)
     pol.on_complete(r, pod)
-    clock.t += 1.0  # idle gap: the next one finds the pod idle
+    clock.now += 1.0  # idle gap: the next one finds the pod idle
 
 
 def test_learning_converges_to_a_pods_true_prefill_rate() -> None:
@@ -130,7 +123,7 @@ def test_a_decode_heavy_pod_is_charged_for_the_prefill_it_slows() -> None:
             view = PodView(pod=pod, running=running)
             pol.pick(r, [view])
             pol.on_routed(r, pod)
-            clock.t += 2000 / 5000 * (1 + 0.1 * running)
+            clock.now += 2000 / 5000 * (1 + 0.1 * running)
             pol.on_first_token(r, pod, 0.0)
             pol.on_complete(r, pod)
     assert pol.rates["a"].slowdown_s_per_token() / pol.rates["a"].token_s(0) == pytest.approx(
@@ -167,11 +160,11 @@ def test_nan_or_negative_observations_are_ignored_counted_and_logged_once(
 
 def test_a_clock_running_backwards_is_rejected_not_learned() -> None:
     pol, clock = policy()
-    clock.t = 10.0
+    clock.now = 10.0
     r = req("r", prompt=100)
     pol.pick(r, [PodView(pod="a")])
     pol.on_routed(r, "a")
-    clock.t = 5.0
+    clock.now = 5.0
     pol.on_first_token(r, "a", 0.1)
     assert pol.calibration.rejected["clock"] == 1
     assert pol.rates["a"].prefill.observations == 0
@@ -183,7 +176,7 @@ def test_a_pod_that_never_answers_keeps_its_priors_and_its_queue_repels() -> Non
         r = req(f"r{i}", prompt=1000)
         pol.pick(r, [PodView(pod="mute")])
         pol.on_routed(r, "mute")
-        clock.t += 0.1
+        clock.now += 0.1
     assert pol.rates["mute"].token_s(0) == pytest.approx(1 / 5000)
     d = pol.pick(req("x", prompt=1000), [PodView(pod="mute"), PodView(pod="other")])
     assert d.pod == "other"
@@ -195,12 +188,12 @@ def test_a_miss_costs_more_where_requests_will_queue_behind_it() -> None:
     # "busy" receives a request every 0.2 s, "calm" every 2 s
     for i in range(30):
         serve(pol, clock, "busy", f"b{i}", 500, 0.1)
-        clock.t -= 0.9
+        clock.now -= 0.9
         if i % 10 == 0:
             serve(pol, clock, "calm", f"c{i}", 500, 0.1)
-            clock.t -= 1.0
+            clock.now -= 1.0
     busy, calm = pol.rates["busy"], pol.rates["calm"]
-    assert busy.arrival_rate(clock.t) > 3 * calm.arrival_rate(clock.t)
+    assert busy.arrival_rate(clock.now) > 3 * calm.arrival_rate(clock.now)
     d = pol.pick(req("x", prompt=5000), [PodView(pod="busy"), PodView(pod="calm")])
     assert d.pod == "calm"
 
@@ -239,7 +232,7 @@ def test_when_the_whole_fleet_queues_a_miss_is_charged_for_the_fleets_followers(
                 r = req(f"{pod}{i}", prompt=400)
                 pol.pick(r, [PodView(pod=pod)])
                 pol.on_routed(r, pod)
-            clock.t += 0.1
+            clock.now += 0.1
         views = [PodView(pod="a", hits={"GPU": 100}), PodView(pod="b"), PodView(pod="c")]
         picks[pooled] = pol.pick(req("x", list(range(100))), views).pod
     assert picks == {False: "b", True: "a"}
@@ -261,7 +254,7 @@ def test_a_miss_that_pushes_hot_blocks_out_pays_their_recompute() -> None:
     pol.pick(warm, [PodView(pod="p0", capacity_blocks=20)])
     pol.on_routed(warm, "p0")
     pol.on_complete(warm, "p0")
-    clock.t += 1.0
+    clock.now += 1.0
     views = [
         PodView(pod="p0", resident_blocks=20, capacity_blocks=20, kv_usage=0.0),
         PodView(pod="p1", resident_blocks=20, capacity_blocks=20, kv_usage=0.0),

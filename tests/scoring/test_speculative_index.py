@@ -6,22 +6,15 @@ from __future__ import annotations
 import pytest
 
 from scoring.index.speculative import SpeculativeIndex
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import ManualClock
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    return ManualClock(1000.0)
 
 
-def test_a_routed_chain_is_held_as_leading_blocks_of_its_pod(clock: Clock) -> None:
+def test_a_routed_chain_is_held_as_leading_blocks_of_its_pod(clock: ManualClock) -> None:
     idx = SpeculativeIndex(clock=clock)
     assert idx.add("a", [1, 2, 3], ttl_s=10) == 3
     assert idx.lookup([1, 2, 3, 4], ["a", "b"]) == {"a": 3}
@@ -30,7 +23,7 @@ def test_a_routed_chain_is_held_as_leading_blocks_of_its_pod(clock: Clock) -> No
     assert idx.lookup([1, 2, 3], ["b"]) == {}  # not a candidate's entry
 
 
-def test_the_walk_continues_from_the_real_index_hits(clock: Clock) -> None:
+def test_the_walk_continues_from_the_real_index_hits(clock: ManualClock) -> None:
     idx = SpeculativeIndex(clock=clock)
     # the index shows blocks 0..1 on "a": only the tail needs entries
     assert idx.add("a", [1, 2, 3, 4], ttl_s=10, start=2) == 2
@@ -40,7 +33,7 @@ def test_the_walk_continues_from_the_real_index_hits(clock: Clock) -> None:
     assert idx.lookup([1, 2, 3, 4], ["a"], starts={"a": 4}) == {}
 
 
-def test_pods_joining_at_different_positions_are_walked_in_one_pass(clock: Clock) -> None:
+def test_pods_joining_at_different_positions_are_walked_in_one_pass(clock: ManualClock) -> None:
     idx = SpeculativeIndex(clock=clock)
     idx.add("a", [1, 2, 3, 4, 5], ttl_s=10)
     idx.add("b", [1, 2, 3, 4, 5, 6], ttl_s=10, start=3)
@@ -49,7 +42,7 @@ def test_pods_joining_at_different_positions_are_walked_in_one_pass(clock: Clock
     assert got == {"a": 5, "b": 6}
 
 
-def test_entries_expire_after_their_ttl_and_a_rewrite_rearms_them(clock: Clock) -> None:
+def test_entries_expire_after_their_ttl_and_a_rewrite_rearms_them(clock: ManualClock) -> None:
     idx = SpeculativeIndex(clock=clock)
     idx.add("a", [1, 2], ttl_s=10)
     clock.now += 6
@@ -63,7 +56,7 @@ def test_entries_expire_after_their_ttl_and_a_rewrite_rearms_them(clock: Clock) 
     assert len(idx) == 0 and idx.pod_entries() == {}
 
 
-def test_two_ttls_expire_each_on_time(clock: Clock) -> None:
+def test_two_ttls_expire_each_on_time(clock: ManualClock) -> None:
     idx = SpeculativeIndex(clock=clock)
     idx.add("a", [1, 2], ttl_s=120)
     idx.add("b", [1, 2], ttl_s=2)
@@ -76,7 +69,7 @@ def test_two_ttls_expire_each_on_time(clock: Clock) -> None:
     assert idx.lookup([1, 2], ["a"]) == {}
 
 
-def test_confirmed_entries_leave_and_are_counted(clock: Clock) -> None:
+def test_confirmed_entries_leave_and_are_counted(clock: ManualClock) -> None:
     idx = SpeculativeIndex(clock=clock)
     idx.add("a", [1, 2, 3], ttl_s=10)
     assert idx.confirm("a", [2, 3, 99]) == 2
@@ -85,7 +78,7 @@ def test_confirmed_entries_leave_and_are_counted(clock: Clock) -> None:
     assert idx.confirm("nobody", [1]) == 0
 
 
-def test_dropped_entries_leave_for_one_pod_only(clock: Clock) -> None:
+def test_dropped_entries_leave_for_one_pod_only(clock: ManualClock) -> None:
     idx = SpeculativeIndex(clock=clock)
     idx.add("a", [1, 2], ttl_s=10)
     idx.add("b", [1, 2], ttl_s=10)
@@ -100,7 +93,7 @@ def test_dropped_entries_leave_for_one_pod_only(clock: Clock) -> None:
     assert idx.lookup([1, 2], ["a", "b", "c"]) == {"a": 1, "c": 2}
 
 
-def test_the_size_bound_evicts_the_entries_nearest_to_expiry(clock: Clock) -> None:
+def test_the_size_bound_evicts_the_entries_nearest_to_expiry(clock: ManualClock) -> None:
     idx = SpeculativeIndex(max_entries=4, clock=clock)
     idx.add("a", [1, 2, 3], ttl_s=10)
     clock.now += 1
