@@ -280,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         "fitted": cal.report.fitted,
         "from_prior": cal.report.from_prior,
         "request_overhead_s": round(cal.spec.request_overhead_s, 5),
+        # what to set in the router for a fleet of this engine (policy: cost)
+        "router_policy_params": {k: float(f"{v:.6g}") for k, v in cal.spec.cost_params().items()},
         "rel_rms_error": round(cal.report.rel_rms_error, 4),
         "repeat_spread": cal.as_dict()["repeat_spread"],
         "probes": cal.as_dict()["probes"],

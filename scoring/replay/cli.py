@@ -197,10 +197,7 @@ def fleet_defaults(name: str, cfg: FleetConfig | VllmFleetConfig) -> dict[str, A
     else:
         prefill_rate = cfg.prefill_rate
     if name == "cost" and isinstance(cfg, VllmFleetConfig):
-        return {
-            "prefill_rate_tokens_per_s": prefill_rate,
-            "decode_slowdown_per_running": cfg.engine.decode_slowdown_per_running(),
-        }
+        return dict(cfg.engine.cost_params())
     if name == "cost" and isinstance(cfg, FleetConfig):
         return {
             "prefill_rate_tokens_per_s": prefill_rate,

@@ -152,6 +152,16 @@ class EngineSpec:
         c = self.cost
         return n / (c.base_s + c.prefill_token_s * n + c.prefill_pair_s * n * (n + 1) / 2)
 
+    def cost_params(self) -> dict[str, float]:
+        """``cost``'s two settings this engine implies: its prefill rate (a prior, which
+        ``cost`` then learns) and its slowdown per running request (which it does not:
+        left unset, ``cost`` counts none, and in the replay loses about 15% of TTFT p90,
+        README "Session 22").  ``kvroute calibrate`` prints them for a real engine."""
+        return {
+            "prefill_rate_tokens_per_s": self.prefill_rate_tokens_per_s(),
+            "decode_slowdown_per_running": self.decode_slowdown_per_running(),
+        }
+
     def decode_slowdown_per_running(self) -> float:
         """Fraction by which one running decode (of one chunk's worth of context)
         lengthens a step that prefills a full chunk."""

@@ -21,6 +21,7 @@ import pytest
 
 from router.sim import SimPod, SimSettings
 from router.sim.calibrate import calibrate, decode_row, prefill_row
+from scoring.policies import build_policy
 from scoring.replay.calibrate_fit import Sample, fastest, fit, repeat_spread, typical
 from scoring.replay.preset_file import load_preset_file, spec_to_dict, write_preset_file
 from scoring.replay.presets import PRESETS, EngineSpec, PresetError
@@ -233,6 +234,14 @@ def test_kvroute_calibrate_writes_a_loadable_preset_even_when_it_falls_back(
     assert "kept the priors" in proc.stderr
     spec = load_preset_file(out)
     assert spec.cost == PRESETS["cpu-tiny"].cost and not spec.calibrated
+    # the router's settings for such a fleet, ready for policy_params: cost
+    suggested = json.loads(proc.stdout)["router_policy_params"]
+    prior = PRESETS["cpu-tiny"]
+    assert suggested == {
+        "prefill_rate_tokens_per_s": pytest.approx(prior.prefill_rate_tokens_per_s(), rel=1e-5),
+        "decode_slowdown_per_running": pytest.approx(prior.decode_slowdown_per_running(), rel=1e-4),
+    }
+    assert build_policy("cost", suggested).params.decode_slowdown_per_running > 0
     report = json.loads(out.read_text())["calibration"]
     assert report["probes"]["answered"] == 0 and report["report"]["fell_back_to_priors"]
 
