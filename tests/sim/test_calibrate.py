@@ -22,6 +22,7 @@ import pytest
 from router.sim import SimPod, SimSettings
 from router.sim.calibrate import calibrate, decode_row, prefill_row
 from scoring.policies import build_policy
+from scoring.policies.cost_params import CostParams
 from scoring.replay.calibrate_fit import Sample, fastest, fit, repeat_spread, typical
 from scoring.replay.preset_file import load_preset_file, spec_to_dict, write_preset_file
 from scoring.replay.presets import PRESETS, EngineSpec, PresetError
@@ -241,7 +242,8 @@ def test_kvroute_calibrate_writes_a_loadable_preset_even_when_it_falls_back(
         "prefill_rate_tokens_per_s": pytest.approx(prior.prefill_rate_tokens_per_s(), rel=1e-5),
         "decode_slowdown_per_running": pytest.approx(prior.decode_slowdown_per_running(), rel=1e-4),
     }
-    assert build_policy("cost", suggested).params.decode_slowdown_per_running > 0
+    params = build_policy("cost", suggested).params
+    assert isinstance(params, CostParams) and params.decode_slowdown_per_running > 0
     report = json.loads(out.read_text())["calibration"]
     assert report["probes"]["answered"] == 0 and report["report"]["fell_back_to_priors"]
 
