@@ -12,7 +12,9 @@ leading blocks servable from tier ``t`` or faster (tiers fastest first)::
     uncached    = P - cached
     evicted     = clamp(hot + new - capacity_blocks, 0, new) * B      (below)
     slowdown    = 1 + decode_slowdown_per_running * running
-                  (running = scraped ``running``; router ``inflight`` when not scraped)
+                  (running = scraped ``running``; router ``inflight`` when not scraped;
+                  the per-running slowdown is the setting, or, unset (the default),
+                  learned from clean first tokens: scoring/policies/slowdown_fit.py)
     score(pod)  = (queued_tokens + w * (uncached + evicted)) / prefill_rate_tokens_per_s
                   * slowdown + transfer
 
@@ -174,6 +176,7 @@ from scoring.policies.hot_set import evicted_hot, most_room
 from scoring.policies.kv_admission import admission_wait
 from scoring.policies.queued import surviving
 from scoring.policies.select import require_candidates
+from scoring.policies.slowdown_fit import clean_running
 from scoring.policies.tiers import tier_hits
 
 _h64 = xxhash.xxh3_64_intdigest
@@ -199,7 +202,7 @@ def predict_ttft(
     cached, transfer = tier_hits(pod.hits, prompt, bs, p.tiers, p.tier_load_rates_tokens_per_s)
     cached = max(cached, min(inflight_blocks * bs, prompt))
     running = pod.running if pod.running is not None else pod.inflight
-    slowdown = 1.0 + p.decode_slowdown_per_running * running
+    slowdown = 1.0 + (p.decode_slowdown_per_running or 0.0) * running
     queued = pod.outstanding_prefill_tokens if queued_tokens is None else queued_tokens
     w = p.miss_weight if miss_weight is None else miss_weight
     work = queued + w * (prompt - cached)
@@ -224,7 +227,7 @@ class CostPolicy(CostLedger):
             p.discount_queued_hits,
             p.fleet_backlog_share,
             p.miss_weight,
-            p.decode_slowdown_per_running,
+            p.decode_slowdown_per_running or 0.0,
             p.tiers,
             p.tier_load_rates_tokens_per_s,
             p.tiers[0] if p.tiers else None,  # the fastest tier (alone: no transfer)
@@ -270,6 +273,9 @@ class CostPolicy(CostLedger):
         share_backlog = (1.0 / len(pods) if share is None else share) * backlog
         learned = self._models.get(request.model) or self._rates_of(request.model)
         rate = p.prefill_rate_tokens_per_s if learned.prefill is None else learned.prefill.rate
+        fit = learned.slowdown
+        if fit is not None:  # learned (the setting unset)
+            slowdown_per = fit.slowdown
         inflight = self._inflight if self._count_inflight and keys else None
         live_on = inflight.pods if inflight is not None else None  # pods with live chains
         # what survives of a cached prefix: its LRU distance in the hot set, or without
@@ -395,12 +401,16 @@ class CostPolicy(CostLedger):
         # the predicted uncached tokens per pod are prompt - cached (on_routed)
         scored = self._scored
         cap = None
-        if hot_set is not None:  # the chosen pod's cache bounds its hot set (on_routed)
+        clean = -1  # the chosen pod's running requests if it was clean for the slowdown fit
+        if hot_set is not None or fit is not None:
             for v in pods:
                 if v.pod == chosen:
-                    cap = v.capacity_blocks
+                    if hot_set is not None:  # its cache bounds its hot set (on_routed)
+                        cap = v.capacity_blocks
+                    if fit is not None:
+                        clean = clean_running(v, prompt_blocks)
                     break
-        scored[(request.request_id, id(request))] = (prompt, cached, chosen, cap, learned)
+        scored[(request.request_id, id(request))] = (prompt, cached, chosen, cap, learned, clean)
         if len(scored) > _MAX_SCORED:  # picks never routed must not pile up
             scored.popitem(last=False)
         return Decision(

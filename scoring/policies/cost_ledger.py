@@ -14,8 +14,9 @@ from scoring.policies.base import PodView, Policy, PolicyParams, RouteRequest
 from scoring.policies.cost_params import CostParams
 from scoring.policies.hot_set import HotBlocks
 from scoring.policies.inflight import InflightPrefixes
-from scoring.policies.learned_rate import ModelRates, PrefillRate
+from scoring.policies.learned_rate import MEMORY, PRIOR_WEIGHT, ModelRates, PrefillRate
 from scoring.policies.queued import QueuedPrompts
+from scoring.policies.slowdown_fit import SlowdownFit
 
 #: routings a pod's arrival rate remembers (``measured``'s default memory, not tuned)
 ARRIVAL_MEMORY = 64.0
@@ -34,7 +35,7 @@ class CostLedger(Policy):
         # key -> (prompt tokens, {pod: predicted cached tokens}, chosen pod, its
         # capacity in blocks, the model's rates), until routed
         self._scored: OrderedDict[
-            tuple[str, int], tuple[int, dict[str, int], str, int | None, ModelRates]
+            tuple[str, int], tuple[int, dict[str, int], str, int | None, ModelRates, int]
         ] = OrderedDict()
         # key -> [pod, prompt tokens, predicted uncached tokens, routed at, first token
         # at (-1: not yet), the model's rates], until complete
@@ -72,6 +73,8 @@ class CostLedger(Policy):
         for model, m in self._models.items():
             rate = self._p.prefill_rate_tokens_per_s if m.prefill is None else m.prefill.rate
             out["prefill_rate_tokens_per_s", model] = rate
+            if m.slowdown is not None:
+                out["decode_slowdown_per_running", model] = m.slowdown.slowdown
             if self._kv:
                 out["decode_seconds", model] = m.decode.mean_s
         return out
@@ -90,8 +93,12 @@ class CostLedger(Policy):
         m = self._models.get(model)
         if m is None:
             p = self._p
+            learn = p.learn_prefill_rate
             m = self._models[model] = ModelRates(
-                PrefillRate(p.prefill_rate_tokens_per_s) if p.learn_prefill_rate else None
+                PrefillRate(p.prefill_rate_tokens_per_s) if learn else None,
+                SlowdownFit(p.prefill_rate_tokens_per_s, MEMORY, PRIOR_WEIGHT)
+                if learn and p.decode_slowdown_per_running is None
+                else None,
             )
         return m
 
@@ -138,17 +145,20 @@ class CostLedger(Policy):
             prompt = request.prompt_tokens
             miss = prompt
             rates = self._rates_of(request.model)
+            clean = -1
         else:
-            prompt, cached, chosen, cap, rates = scored
+            prompt, cached, chosen, cap, rates, clean = scored
             c = cached.get(pod)
             miss = prompt if c is None else prompt - c
-            if cap is not None and pod == chosen:
+            if pod != chosen:  # (a fallback pod: not looked at)
+                clean = -1
+            elif cap is not None:
                 self._capacity[pod] = cap
         old = self._live.pop(key, None)
         if old is not None:  # routed again (retry): forget the first attempt
             self._unledger(old[0], old[1], old[2], request.block_keys)
         now = self.clock()
-        self._live[key] = [pod, prompt, miss, now, -1.0, rates]
+        self._live[key] = [pod, prompt, miss, now, -1.0, rates, clean]
         keys = request.block_keys
         if keys and self._count_inflight:
             self._inflight.add(pod, keys)
@@ -196,7 +206,7 @@ class CostLedger(Policy):
             now = live[4] = self.clock()
             prefill = live[5].prefill
             if prefill is not None:
-                prefill.first_token(pod, live[3], now, live[2])
+                prefill.first_token(pod, live[3], now, live[2], live[6], live[5].slowdown)
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
         key = (request.request_id, id(request))

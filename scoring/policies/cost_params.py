@@ -23,8 +23,12 @@ class CostParams(PolicyParams):
         description="tokens/s loaded from each slower tier into GPU memory",
     )
     tiers: tuple[str, ...] = DEFAULT_TIERS
-    decode_slowdown_per_running: float = Field(
-        default=0.0, ge=0.0, description="fractional prefill slowdown per running request"
+    decode_slowdown_per_running: float | None = Field(
+        default=None,
+        ge=0.0,
+        description="fractional prefill slowdown per running request (unset: learned from "
+        "clean first tokens with learn_prefill_rate, else 0; kvroute calibrate prints an "
+        "engine's)",
     )
     miss_weight: float = Field(
         default=1.0, ge=0.0, description="weight of uncached prompt tokens with no backlog"

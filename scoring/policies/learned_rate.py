@@ -44,6 +44,7 @@ import math
 from collections import Counter
 
 from scoring.policies.kv_admission import DecodeTimes
+from scoring.policies.slowdown_fit import SlowdownFit
 
 #: observations the sums remember (the same memory as the decode times of
 #: scoring/policies/kv_admission.py)
@@ -90,11 +91,23 @@ class PrefillRate:
         #: rejected observations, by reason
         self.rejected: Counter[str] = Counter()
 
-    def first_token(self, pod: str, routed_at: float, now: float, tokens: float) -> str | None:
+    def first_token(
+        self,
+        pod: str,
+        routed_at: float,
+        now: float,
+        tokens: float,
+        running: float = -1.0,
+        slowdown: SlowdownFit | None = None,
+    ) -> str | None:
         """A request routed to ``pod`` at ``routed_at`` with ``tokens`` predicted uncached
-        had its first token at ``now``; returns the reason it was rejected, else None."""
+        had its first token at ``now``; returns the reason it was rejected, else None.
+        With ``slowdown``, a request routed clean (``running`` >= 0: the pod's running
+        requests then) whose pod had no first token pending also feeds that fit."""
         if 0 <= tokens < _INF and -_INF < routed_at <= now < _INF:  # (NaN fails)
             last = self._last.get(pod)
+            if slowdown is not None and 0 <= running < _INF and (last is None or last <= routed_at):
+                slowdown.add(tokens, running, now - routed_at)
             start = routed_at if last is None or last < routed_at else last
             if last is None or now > last:
                 self._last[pod] = now
@@ -135,8 +148,10 @@ class ModelRates:
     its decode times (scoring/policies/kv_admission.py).  Per model: a router in front
     of an 8B and a 70B model learns each its own."""
 
-    __slots__ = ("decode", "prefill")
+    __slots__ = ("decode", "prefill", "slowdown")
 
-    def __init__(self, prefill: PrefillRate | None) -> None:
+    def __init__(self, prefill: PrefillRate | None, slowdown: SlowdownFit | None = None) -> None:
         self.prefill = prefill
         self.decode = DecodeTimes()
+        #: the learned slowdown per running request (None: the setting is used)
+        self.slowdown = slowdown

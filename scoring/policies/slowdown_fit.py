@@ -1,0 +1,105 @@
+"""How much each running request slows a pod's prefill, learned from clean first tokens.
+
+``cost`` multiplies a pod's prefill time by ``1 + slowdown x running``.  An operator can
+set the slowdown (``kvroute calibrate`` prints the engine's); unset, it is learned here.
+Only *clean* observations count: a request that found its pod with nothing queued (no
+prefill outstanding, nothing waiting, its previous first token before this routing)
+and with KV room for its prompt.  Its service, routing to first token, is then its own
+prefill beside the pod's running decodes, and::
+
+    service ~ c + a * tokens + b * tokens * running,    slowdown = b / a
+
+a least-squares fit of two slopes with an intercept, each slope's prior (``a``: 1 / the
+rate setting; ``b``: 0) weighing as ``prior_weight`` typical observations, forgetting
+like the prefill rate's.  A burst's queueing and the wait for KV room also grow with the
+running count; a fit over every first token read them as a slowdown of 2-4 per running
+request where the engine's was 0.0015 (README, "Session 22").  A fit that says a pod
+prefills faster the more it runs gives 0, and so does one whose slope is within two
+standard errors of 0 (a few early observations read a slowdown of 15 per running
+request on an idle fleet, and the placements it scattered never recovered).  The
+slowdown is always finite and >= 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+from scoring.policies.base import PodView
+
+_INF = math.inf
+#: 1 - (the two regressors' correlation)^2 below which the joint fit is rounding error
+_COLLINEAR = 1e-6
+#: a slope counts when it is this many standard errors squared from 0 (2 sigma: the
+#: usual 95% convention, not fitted)
+_T2 = 4.0
+
+
+class SlowdownFit:
+    """The fit of the module docstring, pooled over a model's pods."""
+
+    __slots__ = ("_a0", "_decay", "_n", "_pw", "_s", "slowdown")
+
+    def __init__(self, prior_rate: float, memory: float, prior_weight: float) -> None:
+        self._a0 = 1.0 / prior_rate
+        self._decay = 1.0 - 1.0 / memory
+        self._pw = prior_weight
+        self._n = 0.0
+        # forgetting sums: x1, x2, y, x1x1, x2x2, x1x2, x1y, x2y, yy
+        self._s = [0.0] * 9
+        #: fractional prefill slowdown per running request (the prior: 0)
+        self.slowdown = 0.0
+
+    def add(self, tokens: float, running: float, service: float) -> None:
+        """One clean observation (the caller checked it is finite and >= 0)."""
+        g = self._decay
+        x2 = tokens * running
+        s = self._s  # (unrolled: this runs on every clean first token)
+        s[0] = s0 = s[0] * g + tokens
+        s[1] = s1 = s[1] * g + x2
+        s[2] = s2 = s[2] * g + service
+        s[3] = s3 = s[3] * g + tokens * tokens
+        s[4] = s4 = s[4] * g + x2 * x2
+        s[5] = s5 = s[5] * g + tokens * x2
+        s[6] = s6 = s[6] * g + tokens * service
+        s[7] = s7 = s[7] * g + x2 * service
+        s[8] = s8 = s[8] * g + service * service
+        n = self._n = self._n * g + 1.0
+        pw = self._pw = self._pw * g
+        m1, m2 = s0 / n, s1 / n
+        c11 = s3 - m1 * s0
+        c22 = s4 - m2 * s1
+        c12 = s5 - m1 * s1
+        c1y = s6 - m1 * s2
+        c2y = s7 - m2 * s2
+        w1 = pw * (c11 / n + 1.0)
+        w2 = pw * (c22 / n + 1.0)
+        d11, d22 = c11 + w1, c22 + w2
+        e1, e2 = c1y + w1 * self._a0, c2y
+        det = d11 * d22 - c12 * c12
+        if d11 <= 0.0 or not det > _COLLINEAR * d11 * d22:
+            return  # nothing tells the slowdown apart: keep it
+        a = (e1 * d22 - c12 * e2) / det
+        b = (d11 * e2 - c12 * e1) / det
+        if not (0.0 < a < _INF and -_INF < b < _INF):
+            return
+        # a slowdown only where the observations tell one: b at least two standard
+        # errors above 0 (the residual variance over n - 3 degrees of freedom)
+        dof = n - 3.0
+        rss = (s8 - s2 * s2 / n) - a * c1y - b * c2y
+        if b <= 0.0 or dof <= 0.0:
+            self.slowdown = 0.0
+            return
+        var_b = (rss if rss > 0.0 else 0.0) / dof * d11 / det
+        self.slowdown = b / a if b * b >= _T2 * var_b else 0.0
+
+
+def clean_running(view: PodView, prompt_blocks: int) -> int:
+    """``view``'s running requests if a request of ``prompt_blocks`` routed there now is
+    a clean observation (nothing of its queued, nothing waiting, KV room for the prompt
+    where the pod says how much it has), else -1."""
+    if view.outstanding_prefill_tokens or view.waiting:
+        return -1
+    cap, usage = view.capacity_blocks, view.kv_usage
+    if cap and usage is not None and cap * (1.0 - usage) < prompt_blocks:
+        return -1
+    return view.running if view.running is not None else view.inflight

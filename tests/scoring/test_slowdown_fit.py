@@ -1,0 +1,117 @@
+"""The decode slowdown ``cost`` learns when it is not given one
+(scoring/policies/slowdown_fit.py): from clean first tokens only."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from scoring.policies import PodView, RouteRequest, build_policy
+from scoring.policies.learned_rate import PrefillRate
+from scoring.policies.slowdown_fit import SlowdownFit, clean_running
+from tests.support.clock import ManualClock
+
+BS = 16
+
+
+def fit() -> SlowdownFit:
+    return SlowdownFit(5000.0, memory=256.0, prior_weight=4.0)
+
+
+def feed(f: SlowdownFit, slowdown: float, running_of: object, n: int = 400) -> None:
+    """Prefills of 800-2,384 tokens at 1000 tokens/s, each slowed by ``slowdown`` per
+    request running beside it, plus 50 ms apiece."""
+    for i in range(n):
+        tokens = (50 + i % 100) * BS
+        running = running_of(i)  # type: ignore[operator]
+        f.add(tokens, running, 0.05 + tokens / 1000.0 * (1.0 + slowdown * running))
+
+
+def test_a_slowdown_is_recovered_from_running_counts_that_vary() -> None:
+    f = fit()
+    assert f.slowdown == 0.0  # the prior: none
+    feed(f, 0.1, lambda i: (i * 7) % 21)
+    assert f.slowdown == pytest.approx(0.1, rel=0.05)
+
+
+def test_a_speed_up_gives_no_slowdown_and_constant_counts_tell_nothing_new() -> None:
+    faster = fit()
+    feed(faster, -0.02, lambda i: (i * 7) % 21)
+    assert faster.slowdown == 0.0
+    constant = fit()
+    feed(constant, 0.1, lambda i: 10)
+    assert 0.0 <= constant.slowdown < 0.1 and math.isfinite(constant.slowdown)
+
+
+def test_a_few_noisy_observations_do_not_make_a_slowdown() -> None:
+    """Eight prefills on an idle fleet, two of them beside a running request and slow
+    for another reason: the slope is not two standard errors from 0, so no slowdown."""
+    f = fit()
+    for i, (tokens, running, service) in enumerate(
+        [(800, 0, 0.85), (1600, 0, 1.62), (1200, 1, 3.9), (400, 0, 0.46), (2000, 0, 2.04),
+         (900, 1, 0.2), (1500, 0, 1.55), (700, 0, 0.74)]
+    ):  # fmt: skip
+        f.add(tokens, running, service)
+        assert f.slowdown == 0.0, i
+
+
+def test_only_a_pod_with_nothing_queued_waiting_or_short_of_room_is_clean() -> None:
+    idle = PodView(pod="a", running=3, capacity_blocks=100, kv_usage=0.5)
+    assert clean_running(idle, prompt_blocks=10) == 3
+    assert clean_running(PodView(pod="a", inflight=2), prompt_blocks=10) == 2
+    assert clean_running(PodView(pod="a", outstanding_prefill_tokens=5), 10) == -1
+    assert clean_running(PodView(pod="a", waiting=1), 10) == -1
+    full = PodView(pod="a", running=3, capacity_blocks=100, kv_usage=0.95)
+    assert clean_running(full, prompt_blocks=10) == -1  # 5 free blocks, 10 needed
+
+
+def test_a_first_token_behind_another_pending_one_is_not_fed_to_the_slowdown() -> None:
+    """Routed at 1.0 while the pod's previous request had its first token at 2.0: the
+    service is partly that request's, so the slowdown fit does not see it."""
+    rate, f = PrefillRate(5000.0), fit()
+    assert rate.first_token("p", 0.0, 2.0, 100.0, running=0, slowdown=f) is None
+    before = list(f._s)
+    assert rate.first_token("p", 1.0, 3.0, 100.0, running=5, slowdown=f) is None
+    assert f._s == before
+    assert rate.first_token("p", 4.0, 4.5, 100.0, running=5, slowdown=f) is None
+    assert f._s != before
+
+
+def req(rid: str, blocks: int) -> RouteRequest:
+    return RouteRequest(
+        request_id=rid,
+        model="m",
+        prompt_tokens=blocks * BS,
+        block_keys=[hash((rid, k)) for k in range(blocks)],
+        block_size=BS,
+    )
+
+
+def test_cost_learns_the_slowdown_it_is_not_given_and_scores_with_it() -> None:
+    policy = build_policy("cost", {"decode_slowdown_per_running": None, "kv_admission": False})
+    clock = ManualClock()
+    policy.clock = clock
+    for i in range(400):
+        running = (i * 7) % 21
+        r = req(f"r{i}", 50 + i % 100)
+        policy.pick(r, [PodView(pod="p0", running=running)])
+        policy.on_routed(r, "p0")
+        clock.now += 0.05 + r.prompt_tokens / 1000.0 * (1.0 + 0.1 * running)
+        policy.on_first_token(r, "p0", 0.0)
+        policy.on_complete(r, "p0")
+        clock.now += 1.0
+    assert policy.learned()["decode_slowdown_per_running", "m"] == pytest.approx(0.1, rel=0.05)
+    scores = policy.pick(
+        req("next", 100), [PodView(pod="idle", running=0), PodView(pod="busy", running=10)]
+    ).scores
+    assert scores["busy"] > 1.8 * scores["idle"]
+
+
+def test_cost_keeps_a_slowdown_it_is_given() -> None:
+    policy = build_policy("cost", {"decode_slowdown_per_running": 0.5})
+    r = req("a", 100)
+    policy.pick(r, [PodView(pod="p0", running=4)])
+    policy.on_routed(r, "p0")
+    policy.on_first_token(r, "p0", 0.0)
+    assert ("decode_slowdown_per_running", "m") not in policy.learned()
