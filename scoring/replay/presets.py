@@ -154,9 +154,10 @@ class EngineSpec:
 
     def cost_params(self) -> dict[str, float]:
         """``cost``'s two settings this engine implies: its prefill rate (a prior, which
-        ``cost`` then learns) and its slowdown per running request (which it does not:
-        left unset, ``cost`` counts none, and in the replay loses about 15% of TTFT p90,
-        README "Session 22").  ``kvroute calibrate`` prints them for a real engine."""
+        ``cost`` then learns) and its slowdown per running request (left unset, ``cost``
+        learns one from clean first tokens, which in the replay gets a third of the way
+        to what setting it gives, README "Session 22").  ``kvroute calibrate`` prints
+        them for a real engine."""
         return {
             "prefill_rate_tokens_per_s": self.prefill_rate_tokens_per_s(),
             "decode_slowdown_per_running": self.decode_slowdown_per_running(),
