@@ -33,12 +33,13 @@ class CostLedger(Policy):
         # Requests are keyed by (request_id, id(request)): a client may reuse an id, and
         # the router hands the same RouteRequest object to pick / on_routed / on_complete.
         # key -> (prompt tokens, {pod: predicted cached tokens}, chosen pod, its
-        # capacity in blocks, the model's rates), until routed
+        # capacity in blocks, the model's rates, its running requests if it was clean
+        # for the slowdown fit, else -1), until routed
         self._scored: OrderedDict[
             tuple[str, int], tuple[int, dict[str, int], str, int | None, ModelRates, int]
         ] = OrderedDict()
         # key -> [pod, prompt tokens, predicted uncached tokens, routed at, first token
-        # at (-1: not yet), the model's rates], until complete
+        # at (-1: not yet), the model's rates, clean running count or -1], until complete
         self._live: dict[tuple[str, int], list[Any]] = {}
         # pod -> the block-key chains of the live requests routed there
         self._inflight = InflightPrefixes()
@@ -216,17 +217,7 @@ class CostLedger(Policy):
         if old is not None:
             if old[4] >= 0.0 and self._kv:
                 old[5].decode.add(self.clock() - old[4])
-            # _unledger inlined (this runs on every completion)
-            at, miss, keys = old[0], old[2], request.block_keys
-            if keys and self._count_inflight:
-                self._inflight.remove(at, keys)
-            entry = self._ledger.get(at)
-            if entry is not None:
-                entry[0] -= old[1]
-                entry[1] -= miss
-            total = self._live_total
-            total[0] -= miss
-            total[1] -= 1
+            self._unledger(old[0], old[1], old[2], request.block_keys)
 
     def on_pod_removed(self, pod: str) -> None:
         self._ledger.pop(pod, None)
