@@ -26,6 +26,7 @@ HOT_MODULES = (
     "scoring/policies/kv_admission.py",
     "scoring/policies/learned_rate.py",
     "scoring/policies/queued.py",
+    "scoring/policies/slowdown_fit.py",
     "scoring/policies/tiers.py",
 )
 

@@ -37,15 +37,32 @@ _T2 = 4.0
 class SlowdownFit:
     """The fit of the module docstring, pooled over a model's pods."""
 
-    __slots__ = ("_a0", "_decay", "_n", "_pw", "_s", "slowdown")
+    __slots__ = (
+        "_a0",
+        "_decay",
+        "_n",
+        "_pw",
+        "_x1",
+        "_x1x1",
+        "_x1x2",
+        "_x1y",
+        "_x2",
+        "_x2x2",
+        "_x2y",
+        "_y",
+        "_yy",
+        "slowdown",
+    )
 
     def __init__(self, prior_rate: float, memory: float, prior_weight: float) -> None:
         self._a0 = 1.0 / prior_rate
         self._decay = 1.0 - 1.0 / memory
-        self._pw = prior_weight
+        self._pw = float(prior_weight)
         self._n = 0.0
-        # forgetting sums: x1, x2, y, x1x1, x2x2, x1x2, x1y, x2y, yy
-        self._s = [0.0] * 9
+        # forgetting sums of the regressors (x1 tokens, x2 tokens x running), the
+        # service y and their products (floats, not a list: unboxed when compiled)
+        self._x1 = self._x2 = self._y = 0.0
+        self._x1x1 = self._x2x2 = self._x1x2 = self._x1y = self._x2y = self._yy = 0.0
         #: fractional prefill slowdown per running request (the prior: 0)
         self.slowdown = 0.0
 
@@ -53,16 +70,15 @@ class SlowdownFit:
         """One clean observation (the caller checked it is finite and >= 0)."""
         g = self._decay
         x2 = tokens * running
-        s = self._s  # (unrolled: this runs on every clean first token)
-        s[0] = s0 = s[0] * g + tokens
-        s[1] = s1 = s[1] * g + x2
-        s[2] = s2 = s[2] * g + service
-        s[3] = s3 = s[3] * g + tokens * tokens
-        s[4] = s4 = s[4] * g + x2 * x2
-        s[5] = s5 = s[5] * g + tokens * x2
-        s[6] = s6 = s[6] * g + tokens * service
-        s[7] = s7 = s[7] * g + x2 * service
-        s[8] = s8 = s[8] * g + service * service
+        self._x1 = s0 = self._x1 * g + tokens
+        self._x2 = s1 = self._x2 * g + x2
+        self._y = s2 = self._y * g + service
+        self._x1x1 = s3 = self._x1x1 * g + tokens * tokens
+        self._x2x2 = s4 = self._x2x2 * g + x2 * x2
+        self._x1x2 = s5 = self._x1x2 * g + tokens * x2
+        self._x1y = s6 = self._x1y * g + tokens * service
+        self._x2y = s7 = self._x2y * g + x2 * service
+        self._yy = s8 = self._yy * g + service * service
         n = self._n = self._n * g + 1.0
         pw = self._pw = self._pw * g
         m1, m2 = s0 / n, s1 / n
