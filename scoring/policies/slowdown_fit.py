@@ -7,15 +7,21 @@ prefill outstanding, nothing waiting, its previous first token before this routi
 and with KV room for its prompt.  Its service, routing to first token, is then its own
 prefill beside the pod's running decodes, and::
 
-    service ~ c + a * tokens + b * tokens * running,    slowdown = b / a
+    service ~ c + a * tokens + b * tokens * running + d * running,    slowdown = b / a
 
-a least-squares fit of two slopes with an intercept, each slope's prior (``a``: 1 / the
-rate setting; ``b``: 0) weighing as ``prior_weight`` typical observations, forgetting
-like the prefill rate's.  A burst's queueing and the wait for KV room also grow with the
-running count; a fit over every first token read them as a slowdown of 2-4 per running
-request where the engine's was 0.0015 (README, "Session 22").  A fit that says a pod
-prefills faster the more it runs gives 0, and so does one whose slope is within two
-standard errors of 0 (a few early observations read a slowdown of 15 per running
+a least-squares fit of three slopes with an intercept, each slope's prior (``a``: 1 /
+the rate setting; ``b``, ``d``: 0) weighing as ``prior_weight`` typical observations,
+forgetting like the prefill rate's.  ``d`` is there because a first token needs at least
+one engine step and every running request's decode lengthens every step, however short
+the prompt: in the replay's vLLM pods, 427 tokens beside 121 running requests took 0.39 s
+and 8,017 tokens 0.37 s (README, "Session 23").  A fit without it read that floor as a
+slowdown of the prompt's tokens, and the floor's spread as noise that kept the real
+slowdown under its test.  ``d`` is not used further: the per-token slowdown is what
+scales the work queued on a pod.  A burst's queueing and the wait for KV room also grow
+with the running count; a fit over every first token read them as a slowdown of 2-4 per
+running request where the engine's was 0.0015 (README, "Session 22").  A fit that says
+a pod prefills faster the more it runs gives 0, and so does one whose slope is within
+two standard errors of 0 (a few early observations read a slowdown of 15 per running
 request on an idle fleet, and the placements it scattered never recovered).  The
 slowdown is always finite and >= 0.
 """
@@ -42,11 +48,16 @@ class SlowdownFit:
         "_decay",
         "_n",
         "_pw",
+        "_r",
+        "_rr",
+        "_ry",
         "_x1",
+        "_x1r",
         "_x1x1",
         "_x1x2",
         "_x1y",
         "_x2",
+        "_x2r",
         "_x2x2",
         "_x2y",
         "_y",
@@ -59,10 +70,11 @@ class SlowdownFit:
         self._decay = 1.0 - 1.0 / memory
         self._pw = float(prior_weight)
         self._n = 0.0
-        # forgetting sums of the regressors (x1 tokens, x2 tokens x running), the
-        # service y and their products (floats, not a list: unboxed when compiled)
-        self._x1 = self._x2 = self._y = 0.0
-        self._x1x1 = self._x2x2 = self._x1x2 = self._x1y = self._x2y = self._yy = 0.0
+        # forgetting sums of the regressors (x1 tokens, x2 tokens x running, r running),
+        # the service y and their products (floats, not a list: unboxed when compiled)
+        self._x1 = self._x2 = self._r = self._y = 0.0
+        self._x1x1 = self._x2x2 = self._rr = self._x1x2 = self._x1r = self._x2r = 0.0
+        self._x1y = self._x2y = self._ry = self._yy = 0.0
         #: fractional prefill slowdown per running request (the prior: 0)
         self.slowdown = 0.0
 
@@ -70,42 +82,60 @@ class SlowdownFit:
         """One clean observation (the caller checked it is finite and >= 0)."""
         g = self._decay
         x2 = tokens * running
-        self._x1 = s0 = self._x1 * g + tokens
-        self._x2 = s1 = self._x2 * g + x2
-        self._y = s2 = self._y * g + service
-        self._x1x1 = s3 = self._x1x1 * g + tokens * tokens
-        self._x2x2 = s4 = self._x2x2 * g + x2 * x2
-        self._x1x2 = s5 = self._x1x2 * g + tokens * x2
-        self._x1y = s6 = self._x1y * g + tokens * service
-        self._x2y = s7 = self._x2y * g + x2 * service
-        self._yy = s8 = self._yy * g + service * service
+        self._x1 = s1 = self._x1 * g + tokens
+        self._x2 = s2 = self._x2 * g + x2
+        self._r = s3 = self._r * g + running
+        self._y = sy = self._y * g + service
+        self._x1x1 = s11 = self._x1x1 * g + tokens * tokens
+        self._x2x2 = s22 = self._x2x2 * g + x2 * x2
+        self._rr = s33 = self._rr * g + running * running
+        self._x1x2 = s12 = self._x1x2 * g + tokens * x2
+        self._x1r = s13 = self._x1r * g + tokens * running
+        self._x2r = s23 = self._x2r * g + x2 * running
+        self._x1y = s1y = self._x1y * g + tokens * service
+        self._x2y = s2y = self._x2y * g + x2 * service
+        self._ry = s3y = self._ry * g + running * service
+        self._yy = syy = self._yy * g + service * service
         n = self._n = self._n * g + 1.0
         pw = self._pw = self._pw * g
-        m1, m2 = s0 / n, s1 / n
-        c11 = s3 - m1 * s0
-        c22 = s4 - m2 * s1
-        c12 = s5 - m1 * s1
-        c1y = s6 - m1 * s2
-        c2y = s7 - m2 * s2
+        m1, m2, m3 = s1 / n, s2 / n, s3 / n
+        c11 = s11 - m1 * s1
+        c22 = s22 - m2 * s2
+        c33 = s33 - m3 * s3
+        c12 = s12 - m1 * s2
+        c13 = s13 - m1 * s3
+        c23 = s23 - m2 * s3
+        c1y = s1y - m1 * sy
+        c2y = s2y - m2 * sy
+        c3y = s3y - m3 * sy
         w1 = pw * (c11 / n + 1.0)
-        w2 = pw * (c22 / n + 1.0)
-        d11, d22 = c11 + w1, c22 + w2
-        e1, e2 = c1y + w1 * self._a0, c2y
-        det = d11 * d22 - c12 * c12
-        if d11 <= 0.0 or not det > _COLLINEAR * d11 * d22:
-            return  # nothing tells the slowdown apart: keep it
-        a = (e1 * d22 - c12 * e2) / det
-        b = (d11 * e2 - c12 * e1) / det
-        if not (0.0 < a < _INF and -_INF < b < _INF):
+        d11 = c11 + w1
+        d22 = c22 + pw * (c22 / n + 1.0)
+        d33 = c33 + pw * (c33 / n + 1.0)
+        e1 = c1y + w1 * self._a0
+        # the inverse of the symmetric 3 x 3 system, by cofactors
+        i11 = d22 * d33 - c23 * c23
+        i12 = c13 * c23 - c12 * d33
+        i13 = c12 * c23 - c13 * d22
+        i22 = d11 * d33 - c13 * c13
+        i23 = c12 * c13 - d11 * c23
+        i33 = d11 * d22 - c12 * c12
+        det = d11 * i11 + c12 * i12 + c13 * i13
+        if d11 <= 0.0 or not det > _COLLINEAR * d11 * d22 * d33:
+            return  # nothing tells the slopes apart: keep the slowdown
+        a = (i11 * e1 + i12 * c2y + i13 * c3y) / det
+        b = (i12 * e1 + i22 * c2y + i23 * c3y) / det
+        d = (i13 * e1 + i23 * c2y + i33 * c3y) / det
+        if not (0.0 < a < _INF and -_INF < b < _INF and -_INF < d < _INF):
             return
         # a slowdown only where the observations tell one: b at least two standard
-        # errors above 0 (the residual variance over n - 3 degrees of freedom)
-        dof = n - 3.0
-        rss = (s8 - s2 * s2 / n) - a * c1y - b * c2y
+        # errors above 0 (the residual variance over n - 4 degrees of freedom)
+        dof = n - 4.0
         if b <= 0.0 or dof <= 0.0:
             self.slowdown = 0.0
             return
-        var_b = (rss if rss > 0.0 else 0.0) / dof * d11 / det
+        rss = (syy - sy * sy / n) - a * c1y - b * c2y - d * c3y
+        var_b = (rss if rss > 0.0 else 0.0) / dof * i22 / det
         self.slowdown = b / a if b * b >= _T2 * var_b else 0.0
 
 
