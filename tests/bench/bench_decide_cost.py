@@ -51,8 +51,8 @@ try:
     from router.decision.request import parse_body
     from router.proxy.app import create_app
 except ImportError:  # a tree from before the layout move
-    from router.app import create_app  # type: ignore[no-redef]
-    from router.routing import parse_body  # type: ignore[no-redef]
+    from router.app import create_app
+    from router.routing import parse_body
 from router.config import Settings
 
 HEADERS = {"host": "127.0.0.1", "content-type": "application/json"}
@@ -70,7 +70,7 @@ async def loops(
     inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
-    lifespan = asyncio.create_task(app(scope, inbox.get, outbox.put))  # type: ignore[arg-type]
+    lifespan = asyncio.create_task(app(scope, inbox.get, outbox.put))
     await inbox.put({"type": "lifespan.startup"})
     started = await outbox.get()
     if started["type"] != "lifespan.startup.complete":

@@ -71,7 +71,8 @@ def publisher(pods: int, history: int, burst: int, conn: Any) -> None:
 
     ctx = zmq.Context()
     enc = msgspec.msgpack.Encoder()
-    pubs, routers, buffers, seqs, eps = [], [], [], [], []
+    pubs, routers, seqs, eps = [], [], [], []
+    buffers: list[deque[tuple[int, bytes]]] = []
     for _ in range(pods):
         pub = ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, 100_000)

@@ -110,7 +110,7 @@ async def run_once(index: Any, n: int, blocks: int, rate: float) -> dict[str, fl
             first_last.append(time.perf_counter())
         return out
 
-    sink.apply_checked = timed_apply  # type: ignore[method-assign]
+    sink.apply_checked = timed_apply
     sub = KVEventSubscriber(
         EventsSettings(mode="dial", queue_size=max(n, 1)), PodRegistry(), sink, context=ctx
     )
@@ -130,7 +130,7 @@ async def run_once(index: Any, n: int, blocks: int, rate: float) -> dict[str, fl
             del resumed[:-1]
         return out
 
-    sub._pause = probed_pause  # type: ignore[method-assign]
+    sub._pause = probed_pause
     await sub.start()
     stalls: list[float] = []
     done = False

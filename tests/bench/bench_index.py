@@ -139,7 +139,7 @@ def make_payloads(
         n_store += 64
         rem = [BlockRemoved([h], "GPU") for h in reversed(hashes)]
         for i in range(0, len(rem), 32):
-            removes.append((pod, encode_batch(rem[i : i + 32], float(r))))  # type: ignore[arg-type]
+            removes.append((pod, encode_batch(rem[i : i + 32], float(r))))
         n_remove += 64
     return stores, removes, n_store, n_remove
 

@@ -68,6 +68,7 @@ from bench_router_overhead import (
     wait_completion,
     wait_http,
 )
+from peer_routers import peer_tools
 from source_tree import tree_cwd
 from unwind import unwind_on_sigterm
 
@@ -274,16 +275,18 @@ def start_kvroute(
 
 
 def start_target(
-    name: str, pods: list[Pod], tokenizer: Path, logdir: Path
+    name: str, pods: list[Pod], tokenizer: Path, logdir: Path, peer_python: str
 ) -> tuple[Proc, int] | None:
+    """``name``'s router in front of ``pods``; None for a peer that is not installed."""
     kind, policy = name.split(" ")
     urls = [p.url for p in pods]
     if kind == "kvroute":
         return start_kvroute(pods, policy, tokenizer, logdir)
+    sglang, vllm = peer_tools(peer_python)
     if kind == "sglang":
-        return start_sglang(urls, policy)
+        return start_sglang(sglang, urls, policy)
     if kind == "vllm-router":
-        return start_vllm_router(urls, policy)
+        return start_vllm_router(vllm, urls, policy)
     raise ValueError(name)
 
 
@@ -344,7 +347,7 @@ def run_one(
             pods.append(pod)
         for pod in pods:
             wait_http(int(pod.url.rsplit(":", 1)[1]))
-        started = start_target(name, pods, tokenizer, logdir)
+        started = start_target(name, pods, tokenizer, logdir, args.peer_python)
         if started is None:
             return None
         router, port = started
@@ -484,6 +487,11 @@ def main() -> int:
         help="tokenizer directory for aiperf, the pods and kvroute (built if not given)",
     )
     ap.add_argument("--workdir", type=Path, default=None, help="artifacts (default: a temp dir)")
+    ap.add_argument(
+        "--peer-python",
+        default=sys.executable,
+        help="python with sglang_router; vllm-router beside it, else on PATH (default: this one)",
+    )
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--targets", nargs="+", default=TARGETS, choices=CHOICES, metavar="TARGET")
     ap.add_argument("--json-out", type=Path, default=None, help="write every run as JSON")

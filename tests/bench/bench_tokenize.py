@@ -126,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "  hash only": time_ms(lambda i=ids: hasher.keys(i), args.repeat),
         }
-        for name, samples in rows.items():
+        for name, times in rows.items():
             print(
-                f"{name:<26}{len(ids):>8}{min(samples):>10.2f}"
-                f"{statistics.median(samples):>10.2f}{pct(samples, 0.99):>10.2f}"
+                f"{name:<26}{len(ids):>8}{min(times):>10.2f}"
+                f"{statistics.median(times):>10.2f}{pct(times, 0.99):>10.2f}"
             )
         gc.collect()
 

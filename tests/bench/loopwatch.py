@@ -50,7 +50,7 @@ class LoopWatch:
                             for f in reversed(stack[-4:])
                         )
 
-        asyncio.events.Handle._run = timed  # type: ignore[method-assign]
+        asyncio.events.Handle._run = timed  # type: ignore[assignment]
         #: the longest garbage collection while on (it lands in whichever step allocates)
         self.gc_max = 0.0
         self._gc_t0 = 0.0
