@@ -161,7 +161,10 @@ async def test_the_served_endpoint_carries_the_load_ttft_and_status() -> None:
         answer, _ = await stream.read_request_pick()
         first, second = C.destination_metadata(answer).split(",")
         load = server.picker.load
-        assert load.snapshot_now([names[first]])[names[first]][0] == 1  # type: ignore[attr-defined]
+        await wait_until(  # (taken once the pick is on its way: after_send)
+            lambda: load.snapshot_now([names[first]])[names[first]][0] == 1,  # type: ignore[attr-defined]
+            "the picked endpoint's load taken",
+        )
         # the proxy's retry went down the list: the second endpoint answered
         await stream.send(C.response_headers(served=second, content_type="text/event-stream"))
         (headers_answer,) = await stream.read(1)
@@ -215,6 +218,10 @@ async def test_only_a_streamed_answer_s_first_byte_is_a_first_token(
         body = chat_body("a prompt of a few words " * 20, stream=streamed, max_tokens=max_tokens)
         stream = await pick(ch, body)
         await stream.read_request_pick()
+        await wait_until(  # (taken once the pick is on its way: after_send)
+            lambda: server.picker.load.snapshot_now([pod])[pod][1] > 0,  # type: ignore[attr-defined]
+            "the prefill load taken",
+        )
         prefill_before = server.picker.load.snapshot_now([pod])[pod][1]  # type: ignore[attr-defined]
         kind = "text/event-stream" if streamed and status == 200 else "application/json"
         await stream.send(C.response_headers(status, content_type=kind))
@@ -372,7 +379,12 @@ async def test_a_stream_that_ends_before_the_answer_releases_its_load_as_499() -
         stream = await pick(ch, chat_body("hello"))
         await stream.read_request_pick()
         load = server.picker.load
-        assert load.snapshot_now([pods[0].name])[pods[0].name][0] == 1  # type: ignore[attr-defined]
+        # the load is taken once the pick is on its way (after_send), so it may follow
+        # the client's read of the pick by a moment
+        await wait_until(
+            lambda: load.snapshot_now([pods[0].name])[pods[0].name][0] == 1,  # type: ignore[attr-defined]
+            "the picked pod's load taken",
+        )
         stream.call.cancel()  # the client went away: Envoy resets the stream
         await wait_until(
             lambda: metric(server, "kvroute_requests_total", status="499") == 1,
