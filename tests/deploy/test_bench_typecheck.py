@@ -21,8 +21,15 @@ def test_every_bench_script_type_checks_against_the_code_it_calls(tmp_path: Path
     # the scripts import each other as top-level modules (their directory is sys.path[0]),
     # so mypy runs there; the project's code is analysed, its errors reported elsewhere
     done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--follow-imports=silent", "--cache-dir", str(tmp_path)]
-        + scripts,
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--follow-imports=silent",
+            "--cache-dir",
+            str(tmp_path),
+            *scripts,
+        ],
         cwd=BENCH,
         capture_output=True,
         text=True,
