@@ -4,7 +4,7 @@ decision's hot modules into C extensions, and they decide exactly as the sources
 The build test needs a C compiler, Python's headers and mypyc (in the test extras); it
 is skipped, saying which is missing, on a machine without them.  It takes about a
 minute on 2 cores (mypyc and the C compiler), and runs the app's tests
-(tests/router/test_app.py) on the build too."""
+(tests/router/test_app*.py, :data:`APP_TESTS`) on the build too."""
 
 from __future__ import annotations
 
@@ -23,6 +23,11 @@ from scoring.compiled import HOT_MODULES, build_kind, compiled_modules, module_n
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).resolve().parent / "compiled_probe.py"
+#: the router's API tests (the rig: tests/router/app_rig.py), run on the compiled build too
+APP_TESTS = [
+    f"tests/router/test_app{part}.py"
+    for part in ("", "_bad_requests", "_passthrough", "_metrics", "_fleet")
+]
 
 
 def _missing_toolchain() -> str | None:
@@ -131,8 +136,6 @@ def test_a_compiled_build_decides_exactly_as_the_sources(tmp_path: Path) -> None
     assert compiled["speculative"] == source["speculative"]
     assert compiled["keys"] == source["keys"]
     # the router around the compiled policy: the app's own tests, run on the build
-    app_tests = _python(
-        build, build, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/router/test_app.py"
-    )
+    app_tests = _python(build, build, "-m", "pytest", "-q", "-p", "no:cacheprovider", *APP_TESTS)
     assert app_tests.returncode == 0, app_tests.stdout[-3000:]
     assert " passed" in app_tests.stdout.strip().splitlines()[-1]

@@ -13,7 +13,7 @@ import pytest
 
 from router.config import Settings
 from router.proxy.access_log import LOGGER, AccessLog, format_line
-from tests.router.test_app import MODEL, running, sim
+from tests.router.app_rig import MODEL, running, sim
 from tests.router.test_proxy import CHAT, make_rig, ok
 
 __all__ = ["make_rig"]  # the fixture, shared with test_proxy

@@ -13,7 +13,7 @@ from router.decision.request import Routed
 from router.metrics import RouterMetrics
 from router.proxy import answers
 from scoring.policies.base import Decision, PodView, RouteRequest
-from tests.router.test_app import MODEL, running, sim
+from tests.router.app_rig import MODEL, running, sim
 from tests.support.aio import wait_until
 
 SYSTEM = "You answer in one line. " * 40  # several blocks every request shares

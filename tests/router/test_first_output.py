@@ -17,7 +17,7 @@ import pytest
 from router.proxy.first_output import FirstOutput
 from router.proxy.sse import event_name
 from router.sim.wire import sse_event
-from tests.router.test_app import MODEL, running, sim
+from tests.router.app_rig import MODEL, running, sim
 from tests.router.test_json_answers import Heard, _read_request, beside_a_sim_pod, metric
 
 CREATED = sse_event({"type": "response.created", "response": {"id": "resp_1"}})

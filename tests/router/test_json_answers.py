@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.router.test_app import MODEL, Rig, chat, running, sim
+from tests.router.app_rig import MODEL, Rig, chat, running, sim
 from tests.support.aio import wait_until
 from tests.support.one_pod import one_pod_router
 

@@ -27,7 +27,7 @@ from router.tokenize import ChatEncoder, load_tokenizer
 from router.tokenize.hf import HFTokenizer
 from scoring.blocks import BlockHasher
 from tests.fixtures.tokenizers.build import fixture_dirs
-from tests.router.test_app import MODEL, running, sim
+from tests.router.app_rig import MODEL, running, sim
 
 THREE = [sim(0), sim(1), sim(2)]
 

@@ -15,7 +15,7 @@ from router.decision.request import Routed
 from router.proxy.assemble import StreamFailed, StreamUnreadable, assemblable, streamed_body
 from router.proxy.responses_answer import ResponsesAssembler
 from router.sim.wire import sse_event
-from tests.router.test_app import MODEL, running, sim
+from tests.router.app_rig import MODEL, running, sim
 from tests.router.test_assemble import routed_of
 from tests.router.test_json_answers import Heard, metric
 

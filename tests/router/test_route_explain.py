@@ -5,7 +5,7 @@ so a GPU-only engine does not read as if it had offload tiers (docs/route.md).""
 from __future__ import annotations
 
 from router.decision.explain import shown_tiers
-from tests.router.test_app import chat, running, sim
+from tests.router.app_rig import chat, running, sim
 from tests.support.aio import wait_until
 
 
