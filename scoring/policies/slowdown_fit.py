@@ -33,7 +33,8 @@ import math
 from scoring.policies.base import PodView
 
 _INF = math.inf
-#: 1 - (the two regressors' correlation)^2 below which the joint fit is rounding error
+#: the system's determinant over the product of its diagonal below which the regressors
+#: are too collinear to tell apart (the joint fit is rounding error)
 _COLLINEAR = 1e-6
 #: a slope counts when it is this many standard errors squared from 0 (2 sigma: the
 #: usual 95% convention, not fitted)

@@ -275,14 +275,19 @@ def start_kvroute(
 
 
 def start_target(
-    name: str, pods: list[Pod], tokenizer: Path, logdir: Path, peer_python: str
+    name: str,
+    pods: list[Pod],
+    tokenizer: Path,
+    logdir: Path,
+    peers: tuple[str | None, str | None],
 ) -> tuple[Proc, int] | None:
-    """``name``'s router in front of ``pods``; None for a peer that is not installed."""
+    """``name``'s router in front of ``pods``; None for a peer that is not installed
+    (``peers``: :func:`peer_routers.peer_tools`' answer)."""
     kind, policy = name.split(" ")
     urls = [p.url for p in pods]
     if kind == "kvroute":
         return start_kvroute(pods, policy, tokenizer, logdir)
-    sglang, vllm = peer_tools(peer_python)
+    sglang, vllm = peers
     if kind == "sglang":
         return start_sglang(sglang, urls, policy)
     if kind == "vllm-router":
@@ -334,7 +339,12 @@ def aiperf_argv(
 
 
 def run_one(
-    args: argparse.Namespace, name: str, rnd: int, tokenizer: Path, workdir: Path
+    args: argparse.Namespace,
+    name: str,
+    rnd: int,
+    tokenizer: Path,
+    workdir: Path,
+    peers: tuple[str | None, str | None],
 ) -> Run | None:
     logdir = workdir / "logs"
     logdir.mkdir(parents=True, exist_ok=True)
@@ -347,7 +357,7 @@ def run_one(
             pods.append(pod)
         for pod in pods:
             wait_http(int(pod.url.rsplit(":", 1)[1]))
-        started = start_target(name, pods, tokenizer, logdir, args.peer_python)
+        started = start_target(name, pods, tokenizer, logdir, peers)
         if started is None:
             return None
         router, port = started
@@ -524,6 +534,7 @@ def main() -> int:
     tokenizer = args.tokenizer or build_tokenizer(workdir / "tokenizer")
     print(f"# workdir {workdir}, tokenizer {tokenizer}", file=sys.stderr)
 
+    peers = peer_tools(args.peer_python)  # (a subprocess: once, not per run)
     runs: list[Run] = []
     skipped: set[str] = set()
     for rnd in range(args.rounds):
@@ -531,7 +542,7 @@ def main() -> int:
         for name in order:
             if name in skipped:
                 continue
-            run = run_one(args, name, rnd, tokenizer, workdir)
+            run = run_one(args, name, rnd, tokenizer, workdir, peers)
             if run is None:
                 print(f"# skipped {name}: not installed", file=sys.stderr)
                 skipped.add(name)
