@@ -24,6 +24,12 @@ a pod prefills faster the more it runs gives 0, and so does one whose slope is w
 two standard errors of 0 (a few early observations read a slowdown of 15 per running
 request on an idle fleet, and the placements it scattered never recovered).  The
 slowdown is always finite and >= 0.
+
+The sums take every observation; the solve runs on each of the first
+:data:`REFIT_EVERY`, then on every :data:`REFIT_EVERY`-th (as ``measured``'s fits do,
+scoring/policies/pod_rates.py).  It is most of the fit's cost (two thirds of about
+16,000 CPU instructions an observation in the pure-Python build, README "Session 24"),
+and the slowdown drifts over tens of observations, not one.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ _COLLINEAR = 1e-6
 #: a slope counts when it is this many standard errors squared from 0 (2 sigma: the
 #: usual 95% convention, not fitted)
 _T2 = 4.0
+#: solve once per this many observations after the first ones (the module docstring)
+REFIT_EVERY = 4
 
 
 class SlowdownFit:
@@ -46,6 +54,7 @@ class SlowdownFit:
 
     __slots__ = (
         "_a0",
+        "_count",
         "_decay",
         "_n",
         "_pw",
@@ -70,6 +79,7 @@ class SlowdownFit:
         self._a0 = 1.0 / prior_rate
         self._decay = 1.0 - 1.0 / memory
         self._pw = float(prior_weight)
+        self._count = 0
         self._n = 0.0
         # forgetting sums of the regressors (x1 tokens, x2 tokens x running, r running),
         # the service y and their products (floats, not a list: unboxed when compiled)
@@ -99,6 +109,9 @@ class SlowdownFit:
         self._yy = syy = self._yy * g + service * service
         n = self._n = self._n * g + 1.0
         pw = self._pw = self._pw * g
+        count = self._count = self._count + 1
+        if count > REFIT_EVERY and count % REFIT_EVERY:
+            return  # summed; solved on the next REFIT_EVERY-th
         m1, m2, m3 = s1 / n, s2 / n, s3 / n
         c11 = s11 - m1 * s1
         c22 = s22 - m2 * s2

@@ -9,7 +9,7 @@ import pytest
 
 from scoring.policies import PodView, RouteRequest, build_policy
 from scoring.policies.learned_rate import PrefillRate
-from scoring.policies.slowdown_fit import SlowdownFit, clean_running
+from scoring.policies.slowdown_fit import REFIT_EVERY, SlowdownFit, clean_running
 from tests.support.clock import ManualClock
 
 BS = 16
@@ -133,3 +133,20 @@ def test_cost_keeps_a_slowdown_it_is_given() -> None:
     policy.on_routed(r, "p0")
     policy.on_first_token(r, "p0", 0.0)
     assert ("decode_slowdown_per_running", "m") not in policy.learned()
+
+
+def test_between_refits_the_slowdown_holds_and_each_refit_sees_every_observation() -> None:
+    """The sums take every observation; the slope is solved on each of the first
+    REFIT_EVERY and then on every REFIT_EVERY-th, from all of them."""
+    every = fit()
+    feed(every, 0.1, lambda i: (i * 7) % 21, n=1000)
+    held = every.slowdown
+    assert held == pytest.approx(0.1, rel=0.01)
+    slower = [(800 + 16 * i, (7 * i) % 21) for i in range(1000, 1000 + REFIT_EVERY)]
+    for tokens, running in slower[:-1]:  # slowed by 0.3 each: no solve, the slowdown holds
+        every.add(tokens, running, 0.05 + tokens / 1000.0 * (1.0 + 0.3 * running))
+        assert every.slowdown == held
+    tokens, running = slower[-1]  # the REFIT_EVERY-th: solved, with all of them
+    every.add(tokens, running, 0.05 + tokens / 1000.0 * (1.0 + 0.3 * running))
+    assert every.slowdown > held
+    assert REFIT_EVERY == 4 and 1000 % REFIT_EVERY == 0
