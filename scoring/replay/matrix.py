@@ -290,6 +290,8 @@ def run_cell(
             / capacity_s,
             "mean_utilisation": m["mean_utilisation"],
             "replay_wall_s": m["replay_wall_s"],
+            # running requests vLLM pods preempted for lack of KV blocks (0 for simpod)
+            "preemptions": m["preemptions"],
         }
     add_ratios(out)
     out["wall_s"] = time.perf_counter() - wall0

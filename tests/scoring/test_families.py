@@ -281,6 +281,7 @@ def test_a_tiny_matrix_reports_ratios_to_the_best_policy_in_the_cell() -> None:
     assert table[0] == "| " + " | ".join(CELL_COLUMNS) + " |"
     assert len(table) == 2 + 2
     assert all(row.count("|") == len(CELL_COLUMNS) + 1 for row in table)
+    assert all(m["preemptions"] == 0 for m in pols.values())  # simpod: nothing preempts
 
     other = dataclasses.replace(cell, load=1.1)
     r2 = run_cell(other, 0, policies=["round_robin", "cost"], limit=300, block_size=64)

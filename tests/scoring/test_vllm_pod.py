@@ -508,3 +508,17 @@ def test_a_vllm_cell_at_80_percent_load_keeps_its_engines_busy_about_that_share(
     out = matrix.run_cell(cell, 0, policies=["cost"], limit=300, block_size=16, pod_model="vllm")
     busy = out["policies"]["cost"]["busy_vs_capacity"]
     assert 0.4 < busy < 1.25
+
+
+def test_a_matrix_cell_records_the_running_requests_its_vllm_pods_preempted() -> None:
+    """Small caches at 110% load: running requests outgrow the KV blocks they were
+    admitted into, vLLM preempts them (recomputed later), and each policy's row counts
+    it, in the JSON and in the cell table's last column."""
+    from scoring.replay import matrix
+    from scoring.replay.matrix_report import cell_table
+
+    cell = matrix.Cell("chat", 4, "unequal", "small", 1.1)
+    out = matrix.run_cell(cell, 0, policies=["cost"], limit=400, block_size=16, pod_model="vllm")
+    preempted = out["policies"]["cost"]["preemptions"]
+    assert preempted > 0
+    assert cell_table([out]).splitlines()[-1].endswith(f"| {preempted:,} |")
