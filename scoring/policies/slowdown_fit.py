@@ -27,8 +27,8 @@ slowdown is always finite and >= 0.
 
 The sums take every observation; the solve runs on each of the first
 :data:`REFIT_EVERY`, then on every :data:`REFIT_EVERY`-th (as ``measured``'s fits do,
-scoring/policies/pod_rates.py).  It is most of the fit's cost (two thirds of about
-16,000 CPU instructions an observation in the pure-Python build, README "Session 24"),
+scoring/policies/pod_rates.py).  It is over half of the fit's cost (about 9,000 of
+16,500 CPU instructions an observation in the pure-Python build, README "Session 24"),
 and the slowdown drifts over tens of observations, not one.
 """
 

@@ -138,6 +138,7 @@ def test_cost_keeps_a_slowdown_it_is_given() -> None:
 def test_between_refits_the_slowdown_holds_and_each_refit_sees_every_observation() -> None:
     """The sums take every observation; the slope is solved on each of the first
     REFIT_EVERY and then on every REFIT_EVERY-th, from all of them."""
+    assert 1000 % REFIT_EVERY == 0  # the 1,000th observation is solved
     every = fit()
     feed(every, 0.1, lambda i: (i * 7) % 21, n=1000)
     held = every.slowdown
@@ -149,4 +150,3 @@ def test_between_refits_the_slowdown_holds_and_each_refit_sees_every_observation
     tokens, running = slower[-1]  # the REFIT_EVERY-th: solved, with all of them
     every.add(tokens, running, 0.05 + tokens / 1000.0 * (1.0 + 0.3 * running))
     assert every.slowdown > held
-    assert REFIT_EVERY == 4 and 1000 % REFIT_EVERY == 0
