@@ -127,7 +127,9 @@ class ProxySettings(_Section):
         "in the background, is asked of its pod as a stream and assembled into the JSON "
         "answer at the router, so its first token is seen as a stream's: TTFT, the "
         "prefill part of its load, the policy's learned rates and the first-byte deadline "
-        "(router/proxy/assemble.py, responses_answer.py); false: sent as it came",
+        "(router/proxy/assemble.py, responses_answer.py); `kvroute epp` too, the pod's "
+        "response headers held until the answer is whole (router/epp/assembled.py); "
+        "false: sent as it came",
     )
     ejected_stream_idle_s: float = Field(
         default=10.0,

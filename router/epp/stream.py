@@ -11,10 +11,15 @@ the same way here), headers and trailers ``SEND``:
    beyond).  At the end of the body (or at the request trailers) the body is parsed
    once and decided on; the answers are then, in order: the request-headers answer
    naming the endpoints (header and metadata) with the body's Content-Length, and
-   the body's chunks sent back byte for byte (split at 62,000 bytes).
+   the body's chunks sent back byte for byte (split at 62,000 bytes) — unless the
+   client asked for a JSON answer that `kvroute serve` would assemble: then the body
+   sent on asks for a stream (``proxy.stream_json_answers``,
+   :mod:`router.epp.assembled`).
 3. **response headers** — the served endpoint (metadata), the status; answered with
    the pod's name in ``pod_header`` (``x-kvroute-pod``).
-4. **response body chunks** — an event stream's sent back as each arrives (a stream
+4. **response body chunks** — of a JSON answer asked as a stream: assembled, the
+   response headers held until the answer is whole (:mod:`router.epp.assembled`);
+   else an event stream's sent back as each arrives (a stream
    is never held); a JSON answer's held until its end (or 62,000 bytes) and sent back
    as one chunk: one message fewer per answer (the pod's HTTP/1.1 answer reaches the
    picker as its body, then an empty end of stream).  The first chunk is the time to
@@ -51,9 +56,17 @@ from typing import Any
 from router.decision.request import Routed
 from router.epp import protocol as P
 from router.epp.accounting import Accounting
+from router.epp.assembled import HeldAnswer
 from router.epp.picker import EndpointPicker, route_path
 from router.errors import RouterError, error_body
 from router.logs import RateLimitedLog
+from router.proxy.assemble import (
+    StreamFailed,
+    StreamUnreadable,
+    assemblable,
+    streamed_body,
+    unassembled,
+)
 from router.proxy.hidden_usage import HiddenUsage
 from router.proxy.response_ids import CreatedSniffer, id_from_body
 from router.tenants.auth import TenantContext
@@ -95,6 +108,9 @@ class ExtProcStream:
         #: instead of two (the body, then Envoy's empty end of stream) is one message
         #: fewer through the picker's gRPC server
         self._hold = False
+        #: a JSON answer asked of its pod as a stream, assembled here
+        #: (:mod:`router.epp.assembled`)
+        self._whole: HeldAnswer | None = None
         self._held: list[bytes] = []
         self._held_size = 0
         #: the request's tenant (None: tenancy off, or not yet known)
@@ -122,6 +138,10 @@ class ExtProcStream:
             out = [] if self._decided else await self._decide(end_of_stream=False)
             return out if self.finished else [*out, P.trailers_response(request=True)]
         if which == "response_trailers":  # the answer's end: what was held goes first
+            if self._whole is not None and self._whole.held:
+                self._complete_pending = True
+                out = self._assembled(end_of_stream=False)
+                return out if self.finished else [*out, P.trailers_response(request=False)]
             held = self._flush_held()
             if self._hidden is not None:
                 held += self._hidden.flush()
@@ -147,6 +167,8 @@ class ExtProcStream:
         """The stream ended: a request still open is completed (as 499 when its
         answer did not end)."""
         await self.after_send()
+        if self.accounting is not None:  # the answer did not end: the client went away
+            self.accounting.status = 499
         await self._complete()
 
     # -- request -----------------------------------------------------------------------
@@ -195,6 +217,10 @@ class ExtProcStream:
             ranking = decision.ranking
             accounting = self.accounting = Accounting(picker, decision, self.started)
             self._responses = decision.kind == "responses"
+            if picker.settings.proxy.stream_json_answers and assemblable(decision):
+                body = streamed_body(body, decision.body, decision.kind)
+                self._chunks, self._size = [body], len(body)
+                self._whole = HeldAnswer(decision.kind)
         else:
             ranking, accounting = decision, None
         endpoints = picker.endpoint_list(ranking)
@@ -255,6 +281,11 @@ class ExtProcStream:
                 self._reader = UsageReader(event_stream)
             if self._responses and 200 <= status < 300 and event_stream:
                 self._sniffer = CreatedSniffer()
+        if self._whole is not None:
+            if event_stream and 200 <= status < 300 and not req.response_headers.end_of_stream:
+                self._whole.held = True  # answered with the whole answer (_assembled)
+                return []
+            self._whole = None  # not a stream: it goes as it came
         if (
             accounting is not None
             and status >= 500
@@ -297,6 +328,13 @@ class ExtProcStream:
                 if self._sniffer.done:
                     self._sniffer = None
         eos: bool = body.end_of_stream
+        whole = self._whole
+        if whole is not None and whole.held:
+            whole.feed(chunk)
+            if not eos:
+                return []
+            self._complete_pending = True
+            return self._assembled()
         hidden = self._hidden
         if hidden is not None:
             chunk = hidden.feed(chunk) + (hidden.flush() if eos else b"")
@@ -323,6 +361,30 @@ class ExtProcStream:
         if eos:
             self._complete_pending = True
         return out
+
+    def _assembled(self, end_of_stream: bool = True) -> list[P.ProcessingResponse]:
+        """The held response headers and the assembled JSON answer, or a 502 for a stream
+        that could not be assembled (counted and logged as `kvroute serve` does)."""
+        whole, accounting, picker = self._whole, self.accounting, self.picker
+        self._whole = None
+        assert whole is not None and accounting is not None
+        pod = accounting.pod
+        try:
+            answer = whole.answer()
+        except (StreamUnreadable, StreamFailed) as exc:
+            err = unassembled(pod, exc)
+            m = picker.metrics
+            m.child(m.upstream_errors, pod, err.reason).inc()
+            _LOG.warning((err.reason, pod), "pod %s: the stream of a JSON answer: %s", pod, exc)
+            accounting.status = err.status
+            self.finished = True
+            public = picker.tenants.public(err)
+            named = () if picker.tenants.enabled else ((picker.settings.pod_header, pod),)
+            error = P.json_bytes(error_body(public.message, public.type, None, public.reason))
+            return [P.immediate_response(err.status, error, [*_JSON_ERROR, *named])]
+        headers = {"content-type": "application/json", "content-length": str(len(answer))}
+        headers[picker.settings.pod_header] = pod
+        return [P.headers_response(False, headers), *P.body_responses(False, answer, end_of_stream)]
 
     def _flush_held(self) -> bytes:
         """The held chunks of a JSON answer, as one (emptied)."""

@@ -42,6 +42,7 @@ from typing import Any
 import msgspec
 
 from router.decision.request import Routed
+from router.errors import RouterError
 from router.proxy.sse import EventFeed, data_of
 from router.rewrite import rewrite_body
 
@@ -70,6 +71,14 @@ class StreamUnreadable(ValueError):
 
 class StreamFailed(Exception):
     """The pod's stream ended with an ``error`` event (its message)."""
+
+
+def unassembled(pod: str, exc: Exception) -> RouterError:
+    """The 502 a client gets for a JSON answer whose stream ``pod`` sent could not be
+    assembled (``exc``: :class:`StreamUnreadable` or :class:`StreamFailed`), in either
+    front; its reason (``stream_error`` / ``stream_unreadable``) is the metric's."""
+    reason = "stream_error" if isinstance(exc, StreamFailed) else "stream_unreadable"
+    return RouterError(502, f"pod {pod} answered no whole completion: {exc}", reason=reason)
 
 
 def one_token(routed: Routed) -> bool:

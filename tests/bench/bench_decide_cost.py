@@ -17,10 +17,11 @@ turn; the median CPU microseconds per request of each:
 
 ``--instructions``: instead of CPU time, the CPU instructions per request of each loop,
 which do not move with the machine's load: the bench re-runs itself under ``valgrind
---tool=callgrind`` (Debian: ``valgrind``) once per loop with ``--requests`` and once with
-three times as many, and divides the difference by the extra requests (start-up, warm-up
-and the pods' start cancel out).  About a minute per loop.  CPU time and instructions
-need not move together (a change can lose or gain cache locality): quote both.
+--tool=callgrind`` (Debian: ``valgrind``) once per loop (``--only``: that loop alone)
+with ``--requests`` and once with three times as many, and divides the difference by
+the extra requests (start-up, warm-up and the pods' start cancel out).  About a minute
+per loop.  CPU time and instructions need not move together (a change can lose or gain
+cache locality): quote both.
 
 It imports the app from ``router.proxy.app`` or, in a tree from before the layout move
 (issue #9's ``eb283af``), from ``router.app``.  Run the trees in turn, several times: the
@@ -106,8 +107,9 @@ async def loops(
         await lifespan
 
 
-def instructions(requests: int) -> dict[str, float]:
-    """Instructions per request of each loop (``--instructions``, module docstring)."""
+def instructions(requests: int, only: str | None = None) -> dict[str, float]:
+    """Instructions per request of each loop, or of ``only`` (``--instructions``, module
+    docstring)."""
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         raise SystemExit(
@@ -115,7 +117,7 @@ def instructions(requests: int) -> dict[str, float]:
         )
     out: dict[str, float] = {}
     env = {**os.environ, "PYTHONHASHSEED": "0"}
-    for loop in LOOPS:
+    for loop in LOOPS if only is None else (only,):
         counts = []
         for n in (requests, 3 * requests):
             cmd = [valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null"]
@@ -147,7 +149,7 @@ def main() -> int:
         print("bench_decide_cost: --requests and --repeat must be >= 1", file=sys.stderr)
         return 2
     if a.instructions:
-        print(json.dumps(instructions(a.requests)))
+        print(json.dumps(instructions(a.requests, a.only)))
         return 0
     sims = [overhead.start_sim(i) for i in range(4)]
     try:

@@ -112,12 +112,14 @@ def envoy_config(
     *,
     failure_mode_allow: bool = False,
     fallback_list: bool = False,
+    message_timeout: str = "30s",
 ) -> dict[str, Any]:
     """Envoy's bootstrap: the gateway listener in front of ``pods`` (host, port), with
     the EPP at ``epp`` (None: no ext_proc filter, round robin only — the benchmark's
     baseline).  ``fallback_list``: picked requests go instead to a cluster of the pods
     with Envoy's ``override_host`` policy, which walks the EPP's ``ip:port,...`` list
-    on retries (one retry on a refused or reset connection)."""
+    on retries (one retry on a refused or reset connection).  ``message_timeout``:
+    ext_proc's per-message deadline (docs/gateway.md shows 30 s)."""
     filters: list[dict[str, Any]] = [
         {
             "name": "envoy.filters.http.header_mutation",
@@ -145,7 +147,7 @@ def envoy_config(
                         "request_trailer_mode": "SEND",
                         "response_trailer_mode": "SEND",
                     },
-                    "message_timeout": "30s",
+                    "message_timeout": message_timeout,
                     "metadata_options": {
                         "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
                         "receiving_namespaces": {"untyped": ["envoy.lb"]},

@@ -50,7 +50,9 @@ async def pick(channel: grpc.aio.Channel, body: bytes, **headers_kw: object) -> 
 
 async def test_a_chat_body_is_picked_at_its_end_and_sent_back_byte_for_byte() -> None:
     async with sim_pods(3) as pods, running_epp(settings_for(pods)) as (_server, channel):
-        body = chat_body("a long document " * 9000)  # ~150 KB
+        # (a stream: a request for a JSON answer is asked of its pod as a stream,
+        # test_a_json_answer_request_is_sent_on_asking_for_a_stream_with_its_usage)
+        body = chat_body("a long document " * 9000, stream=True)  # ~150 KB
         parts = [body[:50_000], body[50_000:120_000], body[120_000:]]  # one part > 62,000
         stream = C.Stream(channel)
         await stream.send(
@@ -195,15 +197,17 @@ async def test_the_served_endpoint_carries_the_load_ttft_and_status() -> None:
         (False, 1, 200, True),
         (True, 8, 400, False),
     ],
-    ids=["stream", "json", "json of one token", "error to a stream"],
+    ids=["stream", "json sent whole", "json of one token", "error to a stream"],
 )
 async def test_only_a_streamed_answer_s_first_byte_is_a_first_token(
     streamed: bool, max_tokens: int, status: int, first: bool
 ) -> None:
-    """vLLM sends a JSON answer whole, after its last token: its first byte says nothing
-    of the prefill, so it neither ends the request's prefill load nor times a TTFT, and
-    the policy's learned prefill rate is not fed the decode time (the proxy front does
-    the same).  Unless it is of one token: then its last token is its first."""
+    """vLLM sends a JSON answer whole, after its last token: when the pod answers JSON
+    (to the stream asked of it, tests/epp/test_assembled.py, or with
+    ``proxy.stream_json_answers`` off), its first byte says nothing of the prefill, so
+    it neither ends the request's prefill load nor times a TTFT, and the policy's
+    learned prefill rate is not fed the decode time (the proxy front does the same).
+    Unless it is of one token: then its last token is its first."""
     async with sim_pods(1) as pods, running_epp(settings_for(pods)) as (server, ch):
         pod = pods[0].name
         policy = server.picker.policy
@@ -440,7 +444,7 @@ async def test_a_stored_response_is_fetched_from_the_pod_that_created_it() -> No
 
 async def test_request_trailers_end_the_body_and_are_answered_after_it() -> None:
     async with sim_pods(1) as pods, running_epp(settings_for(pods)) as (_server, ch):
-        body = chat_body("hello")
+        body = chat_body("hello", stream=True)
         stream = C.Stream(ch)
         await stream.send(
             C.request_headers(CHAT),
@@ -459,9 +463,9 @@ async def test_concurrent_streams_each_get_their_own_pick() -> None:
     async with sim_pods(2) as pods, running_epp(settings_for(pods)) as (_server, ch):
 
         async def one(i: int) -> str:
-            stream = await pick(ch, chat_body(f"conversation {i}"))
+            stream = await pick(ch, chat_body(f"conversation {i}", stream=True))
             answer, echoed = await stream.read_request_pick()
-            assert echoed == chat_body(f"conversation {i}")
+            assert echoed == chat_body(f"conversation {i}", stream=True)
             await stream.close()
             return C.destination_metadata(answer)
 

@@ -25,11 +25,12 @@ async def test_a_failing_bookkeeping_step_loses_the_accounting_not_the_request(
 
     monkeypatch.setattr(Accounting, "begin", broken)
     async with sim_pods(2) as pods, running_epp(settings_for(pods)) as (server, ch):
-        stream = await pick(ch, chat_body("hello"))
+        # (one token: a JSON answer that goes as it came, router/proxy/assemble.py)
+        stream = await pick(ch, chat_body("hello", max_tokens=1))
         answer, echoed = await stream.read_request_pick()
         # the pick and the body were sent before the step that failed
         assert C.set_headers(answer)[P.DESTINATION_KEY] in {endpoint(p) for p in pods}
-        assert echoed == chat_body("hello")
+        assert echoed == chat_body("hello", max_tokens=1)
         await wait_until(
             lambda: metric(server, "kvroute_epp_streams_total", outcome="bookkeeping_error") == 1,
             "the failure counted",
