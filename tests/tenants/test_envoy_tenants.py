@@ -4,6 +4,8 @@ tenants: the response bodies the EPP changes are what the client receives.
 * a tenant's stream without ``include_usage`` reaches the client as the pod sends it to
   such a client (the usage event the EPP asked for taken back out), and its completion
   tokens are counted for the tenant;
+* a tenant's request for a JSON answer is assembled from a stream (its first token
+  timed for the tenant) and its completion tokens are counted;
 * a pod's 5xx body is replaced by the tenant-facing error, with its Content-Length.
 """
 
@@ -57,6 +59,27 @@ async def test_a_tenant_stream_through_envoy_hides_the_usage_and_is_charged() ->
         await wait_until(charged, timeout=10)
     assert b'"usage"' not in got
     assert _VOLATILE.sub(b"", got) == _VOLATILE.sub(b"", expected)
+
+
+async def test_a_tenant_json_answer_through_envoy_is_assembled_timed_and_charged() -> None:
+    async with (
+        sim_pods(1) as pods,
+        epp_envoy(pods, settings_for(pods, **two_tenants())) as (server, client, _),
+    ):
+        r = await client.post(CHAT, json=chat(), headers=auth(KEY_A))
+        registry = server.picker.metrics.registry
+
+        async def charged() -> bool:
+            labels = {"tenant": "a", "kind": "completion"}
+            return registry.get_sample_value("kvroute_tenant_tokens_total", labels) == 24
+
+        await wait_until(charged, timeout=10)
+        timed = registry.get_sample_value("kvroute_tenant_ttft_seconds_count", {"tenant": "a"})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/json"
+    assert r.json()["object"] == "chat.completion"
+    assert r.json()["usage"]["completion_tokens"] == 24
+    assert timed == 1  # the first token of its stream, seen by the picker
 
 
 async def test_a_pods_5xx_body_through_envoy_is_the_tenant_facing_error() -> None:
