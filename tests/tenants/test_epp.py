@@ -134,15 +134,21 @@ async def test_a_tenant_stream_without_include_usage_is_charged_and_relayed_as_i
     assert volatile.sub(b"", relayed) == volatile.sub(b"", plain.content)
 
 
+async def picked(channel: grpc.aio.Channel) -> C.Stream:
+    """Tenant A's chat request, picked: the stream, its response to come."""
+    stream = C.Stream(channel)
+    extra = [("authorization", f"Bearer {KEY_A}")]
+    await stream.send(C.request_headers(CHAT, extra=extra), C.request_body(body(), True))
+    await stream.read_request_pick()
+    return stream
+
+
 async def test_a_pods_5xx_body_is_replaced_by_an_error_that_names_no_pod_address() -> None:
     async with (
         sim_pods(1) as pods,
         running_epp(settings_for(pods, **two_tenants())) as (_server, channel),
     ):
-        stream = C.Stream(channel)
-        extra = [("authorization", f"Bearer {KEY_A}")]
-        await stream.send(C.request_headers(CHAT, extra=extra), C.request_body(body(), True))
-        await stream.read_request_pick()
+        stream = await picked(channel)
         pod_body = json.dumps({"error": f"engine at {pods[0].url} crashed"}).encode()
         await stream.send(C.response_headers(500, "application/json"))
         [head] = await stream.read(1)
@@ -159,3 +165,22 @@ async def test_a_pods_5xx_body_is_replaced_by_an_error_that_names_no_pod_address
     error = json.loads(relayed)["error"]
     assert error["code"] == "status_500"
     assert "127.0.0.1:" not in relayed.decode() and "crashed" not in relayed.decode()
+
+
+async def test_a_tenant_s_json_answer_with_no_whole_stream_is_a_502_that_names_no_pod() -> None:
+    async with (
+        sim_pods(1) as pods,
+        running_epp(settings_for(pods, **two_tenants())) as (_server, channel),
+    ):
+        stream = await picked(channel)
+        await stream.send(C.response_headers(200, "text/event-stream"))
+        failed = f'data: {{"error": {{"message": "engine at {pods[0].url} died"}}}}\n\n'
+        await stream.send(C.response_body(failed.encode(), True))
+        [answer] = await stream.read(1)
+        await stream.close()
+    immediate = answer.immediate_response
+    headers = {h.header.key for h in immediate.headers.set_headers}
+    assert immediate.status.code == 502
+    assert "x-kvroute-pod" not in headers  # an error names no pod
+    assert json.loads(immediate.body)["error"]["code"] == "stream_error"
+    assert b"127.0.0.1:" not in immediate.body and b"died" not in immediate.body

@@ -8,8 +8,9 @@ The pods here are real sockets on 127.0.0.1 that fail in one way each: a closed 
 (connect refused), a server that answers 500 with its own address in the body, one
 that accepts and never answers (first-byte deadline for a stream and for a JSON answer
 the router assembles from one, read timeout for a JSON answer sent as it came), one
-that closes the connection without a response, and a pod ejected by health checks (no
-healthy pod).  The pods are named by their address, as DNS discovery
+that closes the connection without a response, one whose stream ends in an error event
+or is not a completion's (a JSON answer the router assembles gets none), and a pod
+ejected by health checks (no healthy pod).  The pods are named by their address, as DNS discovery
 names them, so that a pod name in a message would be an address too.
 """
 
@@ -42,19 +43,38 @@ async def _read_request(reader: asyncio.StreamReader) -> bytes:
     return head
 
 
-def answers_500(url: str) -> Handler:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(Exception):
-            await _read_request(reader)
-            body = json.dumps({"error": {"message": f"engine at {url} crashed"}}).encode()
-            writer.write(
-                b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
-                b"content-length: %d\r\n\r\n%s" % (len(body), body)
-            )
-            await writer.drain()
-        writer.close()
+def answers(head: bytes, body: Callable[[str], bytes]) -> Callable[[str], Handler]:
+    """A pod that answers every request with ``head`` (status line and headers) and
+    ``body(its URL)``."""
 
-    return handle
+    def make(url: str) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                await _read_request(reader)
+                data = body(url)
+                writer.write(head + b"content-length: %d\r\n\r\n%s" % (len(data), data))
+                await writer.drain()
+            writer.close()
+
+        return handle
+
+    return make
+
+
+#: a pod that answers 500 with its own address in the body
+answers_500 = answers(
+    b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n",
+    lambda url: json.dumps({"error": {"message": f"engine at {url} crashed"}}).encode(),
+)
+
+
+def streams(event: bytes) -> Callable[[str], Handler]:
+    """A pod that answers 200 with an event stream of one ``event`` (``{url}`` in it
+    replaced by its address): a JSON answer the router assembles gets no whole answer."""
+    return answers(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n",
+        lambda url: event.replace(b"{url}", url.encode()),
+    )
 
 
 def never_answers(url: str) -> Handler:
@@ -136,6 +156,18 @@ FAILURES: dict[str, tuple[Callable[[str], Handler] | None, bool | None, int, str
     "first-byte timeout, JSON answer": (never_answers, False, 504, "first_byte_timeout"),
     "read timeout": (never_answers, None, 504, "upstream_timeout"),
     "connection closed without an answer": (hangs_up, False, 502, "transport"),
+    "an error event, JSON answer": (
+        streams(b'data: {"error": {"message": "engine at {url} died"}}\n\n'),
+        False,
+        502,
+        "stream_error",
+    ),
+    "not a completion's stream, JSON answer": (
+        streams(b"data: engine at {url} is confused\n\n"),
+        False,
+        502,
+        "stream_unreadable",
+    ),
 }
 
 
