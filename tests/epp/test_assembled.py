@@ -17,7 +17,7 @@ from router.epp.server import EppServer
 from router.proxy.assemble import streamed_body
 from router.sim.wire import sse_event
 from tests.epp import client as C
-from tests.epp.fleet import MODEL, running_epp, settings_for, sim_pods
+from tests.epp.fleet import MODEL, endpoint, running_epp, settings_for, sim_pods
 from tests.epp.test_stream import chat_body, metric, pick
 from tests.support.aio import wait_until
 
@@ -210,12 +210,12 @@ async def test_a_pod_that_does_not_answer_with_a_stream_is_passed_on_as_it_came(
 
 
 async def test_a_responses_answer_is_its_final_event_s_response_timed_at_its_first_output() -> None:
-    async with sim_pods(1) as pods, running_epp(settings_for(pods)) as (server, ch):
-        pod = pods[0].name
+    async with sim_pods(3) as pods, running_epp(settings_for(pods)) as (server, ch):
         raw = json.dumps({"model": MODEL, "input": "a few words " * 20}).encode()
         stream = C.Stream(ch)
         await stream.send(C.request_headers("/v1/responses"), C.request_body(raw, True))
-        _, echoed = await stream.read_request_pick()
+        pick_answer, echoed = await stream.read_request_pick()
+        pod = {endpoint(p): p.name for p in pods}[C.destination_metadata(pick_answer)]
         await stream.send(C.response_headers(content_type="text/event-stream"))
         final = {"id": "resp_9", "status": "completed", "output": [{"type": "message"}]}
         opening = [
@@ -234,6 +234,12 @@ async def test_a_responses_answer_is_its_final_event_s_response_timed_at_its_fir
         await stream.send(C.response_body(done, True))
         answers = await stream.read(2)
         await stream.close()
+        # the response's pod was recorded from the stream: a later GET goes there
+        get = C.Stream(ch)
+        await get.send(C.request_headers("/v1/responses/resp_9", method="GET", end_of_stream=True))
+        (got,) = await get.read(1)
+        await get.close()
+    assert C.destination_metadata(got) == C.destination_metadata(pick_answer)
     assert json.loads(echoed) == {**json.loads(raw), "stream": True}
     assert opened == 0
     assert kinds(answers) == ["response_headers", "response_body"]
