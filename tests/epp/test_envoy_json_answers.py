@@ -4,7 +4,8 @@ serve` assembles, and the picker times its first token (router/epp/assembled.py)
 The picker holds the pod's response headers until the answer is whole.  Envoy runs no
 ext_proc message timer in ``FULL_DUPLEX_STREAMED`` mode, so an answer that takes longer
 than ``message_timeout`` still comes back whole; a stream that gives no whole answer is
-the 502 `kvroute serve` answers."""
+the 502 `kvroute serve` answers; a pod that breaks mid-answer gets the client Envoy's
+own 502, never half an answer."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.epp.envoy_proxy import envoy_binary
 from tests.epp.fleet import MODEL, epp_envoy, settings_for, sim_pods
 from tests.epp.test_stream import metric
 from tests.router.test_json_answers import ERROR_EVENT, first_chunk, raw_pod, sse_pod
+from tests.support.aio import wait_until
 from tests.support.one_pod import one_pod_router
 
 pytestmark = pytest.mark.skipif(
@@ -79,18 +81,21 @@ async def test_an_answer_longer_than_the_message_timeout_comes_back_whole() -> N
     assert r.json()["usage"]["completion_tokens"] == 8
 
 
+def one_raw_pod(url: str) -> Settings:
+    return Settings.model_validate(
+        {
+            "discovery": {"static": [{"name": "bad", "url": url, "models": [MODEL]}]},
+            "fleet": {"enabled": False},
+            "health": {"enabled": False},
+            "events": {"enabled": False},
+        }
+    )
+
+
 async def test_a_stream_ending_in_an_error_event_is_a_502_through_envoy() -> None:
     async with raw_pod(sse_pod([first_chunk(), ERROR_EVENT], "end")) as url:
-        settings = Settings.model_validate(
-            {
-                "discovery": {"static": [{"name": "bad", "url": url, "models": [MODEL]}]},
-                "fleet": {"enabled": False},
-                "health": {"enabled": False},
-                "events": {"enabled": False},
-            }
-        )
         pods = [SimpleNamespace(url=url)]
-        async with epp_envoy(pods, settings) as (server, client, _proxy):
+        async with epp_envoy(pods, one_raw_pod(url)) as (server, client, _proxy):
             r = await client.post(CHAT, json=BODY)
             errors = metric(server, "kvroute_upstream_errors_total", reason="stream_error")
     assert r.status_code == 502
@@ -98,3 +103,20 @@ async def test_a_stream_ending_in_an_error_event_is_a_502_through_envoy() -> Non
     assert r.json()["error"]["code"] == "stream_error"
     assert "engine died" in r.json()["error"]["message"]
     assert errors == 1
+
+
+async def test_a_pod_that_breaks_mid_answer_is_envoys_own_502_never_half_an_answer() -> None:
+    """The headers were held, so nothing reached the client: Envoy answers it itself.
+    The picker's stream ends without the answer's end, which it counts as 499 (it cannot
+    tell a broken pod from a client that left)."""
+    async with raw_pod(sse_pod([first_chunk()], "close")) as url:
+        pods = [SimpleNamespace(url=url)]
+        async with epp_envoy(pods, one_raw_pod(url)) as (server, client, _proxy):
+            r = await client.post(CHAT, json=BODY)
+            await wait_until(
+                lambda: metric(server, "kvroute_requests_total", status="499") == 1,
+                "the broken answer counted",
+            )
+    assert r.status_code == 502
+    assert "x-kvroute-pod" not in r.headers  # (Envoy's answer, not a held one)
+    assert not r.text.startswith("{")  # no part of the pod's answer
