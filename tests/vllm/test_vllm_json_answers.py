@@ -11,18 +11,15 @@ counts are equal, and only what vLLM fills per request differs (``id``, ``create
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
-from router.config import Settings
 from tests.epp.envoy_proxy import envoy_binary
-from tests.epp.fleet import epp_envoy
 from tests.epp.test_stream import metric
 from tests.vllm.conftest import EngineFactory
-from tests.vllm.test_vllm_routing import BLOCK, MODEL, VLLM_ROOT, _pods, running_router
+from tests.vllm.test_vllm_routing import MODEL, _pods, picker_behind_envoy, running_router
 from tools.capture_vllm_events import EngineProcess
 
 pytestmark = pytest.mark.vllm
@@ -66,17 +63,7 @@ async def test_the_assembled_answer_is_the_engines_own_json_answer(
 async def test_through_envoy_the_picker_assembles_the_engines_own_json_answer(
     engines: list[EngineProcess], path: str
 ) -> None:
-    settings = Settings.model_validate(
-        {
-            "discovery": {"static": _pods(engines)},
-            "events": {"enabled": True, "mode": "dial"},
-            "fleet": {"enabled": False},
-            "tokenizers": {MODEL: str(VLLM_ROOT / "tiny-llama")},
-            "block_size": BLOCK,
-        }
-    )
-    pods = [SimpleNamespace(url=e.base_url) for e in engines]
-    async with epp_envoy(pods, settings) as (server, client, _proxy):
+    async with picker_behind_envoy(engines) as (server, client):
         through = await client.post(path, json=_body(path), timeout=120)
         ttft_count = metric(server, "kvroute_ttft_seconds_count", pod="vllm-0")
     assert through.headers["content-type"] == "application/json"

@@ -19,23 +19,19 @@ Opt-in (``pytest -m vllm tests/vllm -k responses``):
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
-from router.config import Settings
 from tests.epp.envoy_proxy import envoy_binary
-from tests.epp.fleet import epp_envoy
 from tests.epp.test_stream import metric
 from tests.vllm.conftest import EngineFactory
 from tests.vllm.test_vllm_routing import (
-    BLOCK,
     MODEL,
-    VLLM_ROOT,
     _pods,
     _wait_indexed,
+    picker_behind_envoy,
     running_router,
 )
 from tools.capture_vllm_events import EngineProcess
@@ -219,18 +215,8 @@ async def test_a_json_response_assembled_from_the_stream_is_the_engine_s_own(
 async def test_through_envoy_the_picker_assembles_the_engine_s_own_json_response(
     engines: list[EngineProcess],
 ) -> None:
-    settings = Settings.model_validate(
-        {
-            "discovery": {"static": _pods(engines)},
-            "events": {"enabled": True, "mode": "dial"},
-            "fleet": {"enabled": False},
-            "tokenizers": {MODEL: str(VLLM_ROOT / "tiny-llama")},
-            "block_size": BLOCK,
-        }
-    )
-    pods = [SimpleNamespace(url=e.base_url) for e in engines]
     async with (
-        epp_envoy(pods, settings) as (server, client, _proxy),
+        picker_behind_envoy(engines) as (server, client),
         httpx.AsyncClient(timeout=60) as c,
     ):
         through = await client.post("/v1/responses", json=JSON_BODY, timeout=120)

@@ -112,6 +112,32 @@ async def running_router(
         await server.stop()
 
 
+@contextlib.asynccontextmanager
+async def picker_behind_envoy(
+    engines: list[EngineProcess],
+) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
+    """`kvroute epp` (in process: policy ``cost``, the engines' KV events, their
+    tokenizer) behind a real Envoy in front of ``engines``; yields the picker's
+    :class:`router.epp.server.EppServer` and a client of Envoy."""
+    from types import SimpleNamespace
+
+    from router.config import Settings
+    from tests.epp.fleet import epp_envoy
+
+    settings = Settings.model_validate(
+        {
+            "discovery": {"static": _pods(engines)},
+            "events": {"enabled": True, "mode": "dial"},
+            "fleet": {"enabled": False},
+            "tokenizers": {MODEL: str(VLLM_ROOT / "tiny-llama")},
+            "block_size": BLOCK,
+        }
+    )
+    pods = [SimpleNamespace(url=e.base_url) for e in engines]
+    async with epp_envoy(pods, settings) as (server, client, _proxy):
+        yield server, client
+
+
 @pytest.fixture
 async def router(engines: list[EngineProcess]) -> AsyncIterator[httpx.AsyncClient]:
     async with running_router(_pods(engines)) as client:
