@@ -83,10 +83,7 @@ def whole_answer(
     try:
         answer = whole.answer()
     except (StreamUnreadable, StreamFailed) as exc:
-        err = unassembled(pod, exc)
-        m = picker.metrics
-        m.child(m.upstream_errors, pod, err.reason).inc()
-        _LOG.warning((err.reason, pod), "pod %s: the stream of a JSON answer: %s", pod, exc)
+        err = unassembled(pod, exc, picker.metrics, _LOG)
         accounting.status = err.status
         public = picker.tenants.public(err)
         named = [] if picker.tenants.enabled or not pod else [(picker.settings.pod_header, pod)]

@@ -43,6 +43,8 @@ import msgspec
 
 from router.decision.request import Routed
 from router.errors import RouterError
+from router.logs import RateLimitedLog
+from router.metrics import RouterMetrics
 from router.proxy.sse import EventFeed, data_of
 from router.rewrite import rewrite_body
 
@@ -73,11 +75,16 @@ class StreamFailed(Exception):
     """The pod's stream ended with an ``error`` event (its message)."""
 
 
-def unassembled(pod: str, exc: Exception) -> RouterError:
+def unassembled(
+    pod: str, exc: Exception, metrics: RouterMetrics, log: RateLimitedLog
+) -> RouterError:
     """The 502 a client gets for a JSON answer whose stream ``pod`` sent could not be
     assembled (``exc``: :class:`StreamUnreadable` or :class:`StreamFailed`), in either
-    front; its reason (``stream_error`` / ``stream_unreadable``) is the metric's."""
+    front: counted in ``kvroute_upstream_errors_total`` by its reason (``stream_error`` /
+    ``stream_unreadable``) and logged on ``log``."""
     reason = "stream_error" if isinstance(exc, StreamFailed) else "stream_unreadable"
+    metrics.child(metrics.upstream_errors, pod, reason).inc()
+    log.warning((reason, pod), "pod %s: the stream of a JSON answer: %s", pod, exc)
     return RouterError(502, f"pod {pod} answered no whole completion: {exc}", reason=reason)
 
 

@@ -16,7 +16,6 @@ from router.config import ProxySettings
 from router.errors import RouterError
 from router.logs import RateLimitedLog
 from router.metrics import RouterMetrics
-from router.proxy.assemble import unassembled
 from router.proxy.attempts import FIRST_BYTE_TIMEOUT, POD_EJECTED, POD_REMOVED, AttemptWatch
 
 #: pod answers that move a request to the next pod of the ranking (before any byte)
@@ -84,15 +83,6 @@ class Failures:
                 "ejected" if cause == POD_EJECTED else "removed",
                 n,
             )
-
-    def _stream_error(self, pod: str, exc: Exception) -> RouterError:
-        """The 502 for a JSON answer whose stream could not be assembled (not JSON SSE,
-        or an ``error`` event: router/proxy/assemble.py), counted and logged."""
-        err = unassembled(pod, exc)
-        m = self.metrics
-        m.child(m.upstream_errors, pod, err.reason).inc()
-        self._log.warning((err.reason, pod), "pod %s: the stream of a JSON answer: %s", pod, exc)
-        return err
 
     def _upstream_error(self, pod: str, exc: httpx.HTTPError) -> RouterError:
         """The OpenAI error for a failed exchange with ``pod`` (counted by reason):

@@ -101,6 +101,7 @@ from router.proxy.assemble import (
     assemblable,
     one_token,
     streamed_body,
+    unassembled,
 )
 from router.proxy.attempts import CLIENT_DISCONNECTED, AttemptWatch, Disconnected
 from router.proxy.failures import RETRYABLE_STATUS, Stalled
@@ -344,7 +345,7 @@ class Proxy(StreamRelay):
                 return self.public(last_error).response({self.pod_header: pod, **extra})
             except (StreamUnreadable, StreamFailed) as exc:
                 await self._finish(load, gauge, routed, pod)
-                err = self._stream_error(pod, exc)
+                err = unassembled(pod, exc, self.metrics, self._log)
                 self._served(routed, pod, pm)
                 pm.requests(err.status).inc()
                 return self.public(err).response({self.pod_header: pod})
