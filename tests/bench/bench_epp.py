@@ -223,16 +223,26 @@ def start_sim(i: int) -> tuple[Proc, str]:
 
 
 def start_epp(
-    urls: list[str], config_dir: Path, root: Path = ROOT, server: str | None = None
+    urls: list[str],
+    config_dir: Path,
+    root: Path = ROOT,
+    server: str | None = None,
+    *,
+    static: list[dict[str, Any]] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[Proc, int]:
     """`kvroute epp` from the checkout ``root`` as a user runs it (its own event loop),
     on the gRPC server ``server`` (None: its default; ``SERVER/LOOP``, e.g.
-    ``h2/asyncio``: on that event loop)."""
-    static = [{"name": f"sim-{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)]
+    ``h2/asyncio``: on that event loop).  ``static``: the pods' entries instead of
+    ``urls`` (with KV event endpoints, say); ``extra``: more top-level settings."""
+    if static is None:
+        static = [{"name": f"sim-{i}", "url": u, "models": [MODEL]} for i, u in enumerate(urls)]
     config = config_dir / f"epp-{free_port()}.json"  # JSON is YAML
-    config.write_text(json.dumps({"discovery": {"static": static}, "fleet": {"enabled": False}}))
-    # no KV events (blank pods publish none; the sims' endpoints are not passed): the
-    # index stays empty, the decision still tokenizes, hashes and looks up every prompt
+    settings = {"discovery": {"static": static}, "fleet": {"enabled": False}, **(extra or {})}
+    config.write_text(json.dumps(settings))
+    # with ``urls``, no KV events (blank pods publish none; the sims' endpoints are not
+    # passed): the index stays empty, the decision still tokenizes, hashes and looks up
+    # every prompt
     grpc_port = free_port()
     args = ["epp", "--grpc-port", str(grpc_port), "--metrics-port", str(free_port())]
     if server is not None:

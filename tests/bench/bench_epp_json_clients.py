@@ -32,7 +32,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -43,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_epp import start_epp  # noqa: E402
 from bench_live_quality import (  # noqa: E402
-    Pod,
     reset_cache,
     start_pod,
     static_pods,
@@ -55,8 +54,10 @@ from bench_live_vs_replay import (  # noqa: E402
     pod_argv,
     workspace,
 )
-from bench_router_overhead import Proc, free_port, wait_http  # noqa: E402
+from bench_router_overhead import Proc, wait_http  # noqa: E402
 from chat_workload import ChatShape, TimedRequest, generate, send_all  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.samples import Sample  # noqa: E402
 from unwind import unwind_on_sigterm  # noqa: E402
 
 from tests.epp.envoy_proxy import Envoy, envoy_binary, envoy_config  # noqa: E402
@@ -84,23 +85,19 @@ class JsonRun:
     load_avg: float
 
 
-def histogram(text: str, name: str) -> Histogram:
-    """The histogram ``name`` of a pod's /metrics ``text``: cumulative counts by upper
-    bound, the sum, the count."""
+def histogram(samples: list[Sample], name: str) -> Histogram:
+    """The histogram ``name`` among a pod's /metrics ``samples``: cumulative counts by
+    upper bound, the sum, the count."""
     buckets: dict[float, float] = {}
     total = count = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        value = float(line.rsplit(" ", 1)[1])
-        if line.startswith(name + "_bucket"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            bound = float("inf") if le == "+Inf" else float(le)
-            buckets[bound] = buckets.get(bound, 0.0) + value
-        elif line.startswith(name + "_sum"):
-            total += value
-        elif line.startswith(name + "_count"):
-            count += value
+    for smp in samples:
+        if smp.name == name + "_bucket":
+            bound = float(smp.labels["le"])  # ("+Inf" reads as inf)
+            buckets[bound] = buckets.get(bound, 0.0) + smp.value
+        elif smp.name == name + "_sum":
+            total += smp.value
+        elif smp.name == name + "_count":
+            count += smp.value
     return buckets, total, count
 
 
@@ -145,54 +142,19 @@ class PodReading:
 
 def read_pod(url: str) -> PodReading:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    sums = dict.fromkeys(
-        ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"), 0.0
-    ) | {"vllm:request_success_total": 0.0}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in sums:
-            sums[name] += float(line.rsplit(" ", 1)[1])
+        families = text_string_to_metric_families(r.read().decode())
+    samples = [smp for family in families for smp in family.samples]
+
+    def total(name: str) -> float:
+        return sum(smp.value for smp in samples if smp.name == name)
+
     return PodReading(
-        sums["vllm:prefix_cache_hits_total"],
-        sums["vllm:prefix_cache_queries_total"],
-        sums["vllm:request_success_total"],
-        histogram(text, TTFT),
-        histogram(text, E2E),
+        total("vllm:prefix_cache_hits_total"),
+        total("vllm:prefix_cache_queries_total"),
+        total("vllm:request_success_total"),
+        histogram(samples, TTFT),
+        histogram(samples, E2E),
     )
-
-
-def start_epp(pods: list[Pod], tokenizer: Path, logdir: Path, assemble: bool) -> tuple[Proc, int]:
-    """`kvroute epp` (its own process, defaults) over ``pods`` with their KV events."""
-    static = static_pods(pods)
-    config = logdir / f"epp-{free_port()}.json"  # JSON is YAML
-    config.write_text(
-        json.dumps(
-            {
-                "discovery": {"static": static},
-                "fleet": {"enabled": False},
-                "tokenizer": str(tokenizer),
-                "proxy": {"stream_json_answers": assemble},
-            }
-        )
-    )
-    grpc_port = free_port()
-    argv = ["epp", "--grpc-port", str(grpc_port), "--metrics-port", str(free_port())]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
-    with open(logdir / "epp.log", "ab") as err:
-        p = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", *argv, "--config", str(config)],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            env=env,
-            cwd=ROOT,
-        )
-    assert p.stdout is not None
-    line = p.stdout.readline().decode()
-    if "ext_proc on" not in line:
-        p.kill()
-        raise RuntimeError(f"kvroute epp did not start: {line!r} (see {logdir / 'epp.log'})")
-    return Proc("epp", p), grpc_port
 
 
 def run_one(
@@ -212,7 +174,8 @@ def run_one(
         procs += [p.proc for p in pods]
         for pod in pods:
             wait_http(int(pod.url.rsplit(":", 1)[1]))
-        epp, grpc_port = start_epp(pods, tokenizer, logdir, MODES[mode])
+        config = {"tokenizer": str(tokenizer), "proxy": {"stream_json_answers": MODES[mode]}}
+        epp, grpc_port = start_epp([], logdir, static=static_pods(pods), extra=config)
         procs.append(epp)
         hosts = [("127.0.0.1", int(p.url.rsplit(":", 1)[1])) for p in pods]
         envoy = Envoy(envoy_config(hosts, ("127.0.0.1", grpc_port)), binary).start()
