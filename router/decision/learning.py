@@ -84,7 +84,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from scoring.index.speculative import SpeculativeIndex
 
 if TYPE_CHECKING:
-    from router.config import SpeculativeSettings
+    from router.config_sections import SpeculativeSettings
     from router.decision.request import Routed
     from router.fleet.scrape import Scraped
 

@@ -16,7 +16,8 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from router.config import FleetSettings, Settings
+from router.config import Settings
+from router.config_sections import FleetSettings
 from router.fleet.discovery import StaticPod
 from router.sim.pod import SimPod
 from router.sim.settings import SimSettings

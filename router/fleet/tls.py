@@ -11,7 +11,7 @@ import ssl
 
 import httpx
 
-from router.config import ProxySettings
+from router.proxy.settings import ProxySettings
 
 
 class PodTLS:

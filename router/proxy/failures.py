@@ -12,11 +12,11 @@ from typing import Any
 
 import httpx
 
-from router.config import ProxySettings
 from router.errors import RouterError
 from router.logs import RateLimitedLog
 from router.metrics import RouterMetrics
 from router.proxy.attempts import FIRST_BYTE_TIMEOUT, POD_EJECTED, POD_REMOVED, AttemptWatch
+from router.proxy.settings import ProxySettings
 
 #: pod answers that move a request to the next pod of the ranking (before any byte)
 RETRYABLE_STATUS = frozenset({502, 503})

@@ -84,7 +84,6 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive
 
-from router.config import ProxySettings
 from router.decision.owners import OwnerStore
 from router.decision.request import Routed
 from router.errors import RouterError
@@ -109,6 +108,7 @@ from router.proxy.first_output import opening_watch
 from router.proxy.head import DROP_REQUEST_B, head_tail
 from router.proxy.relay import RawResponse, pod_5xx_error
 from router.proxy.response_ids import id_from_body
+from router.proxy.settings import ProxySettings
 from router.proxy.streaming import StreamRelay
 from scoring.policies.base import Policy
 

@@ -22,7 +22,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from router.config import PASSTHROUGH_PATHS
+from router.proxy.settings import PASSTHROUGH_PATHS
 from tests.support.sim_process import sim_processes
 
 MODEL = "fuzz-model"
