@@ -566,7 +566,8 @@ async def test_transport_reads_chunked_and_close_delimited_bodies_whole() -> Non
 async def test_transport_reads_a_body_larger_than_the_pause_threshold_whole() -> None:
     """Reading from the pod pauses above PAUSE_ABOVE buffered bytes; a whole-body read
     takes what is buffered and reads on (it used to wait for the read timeout)."""
-    from router.fleet.transport import PAUSE_ABOVE, PodTransport
+    from router.fleet.pod_connection import PAUSE_ABOVE
+    from router.fleet.transport import PodTransport
 
     body = bytes(range(256)) * ((3 * PAUSE_ABOVE) // 256)
     head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body)

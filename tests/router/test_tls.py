@@ -28,9 +28,10 @@ from starlette.routing import Route
 
 from router.config import Settings
 from router.fleet.discovery import K8sDiscovery
+from router.fleet.pod_connection import PAUSE_ABOVE
 from router.fleet.pods import PodRegistry
 from router.fleet.tls import PodTLS
-from router.fleet.transport import PAUSE_ABOVE, PodTransport
+from router.fleet.transport import PodTransport
 from router.proxy.gateway import Gateway
 from router.sim.pod import SimPod
 from router.sim.settings import SimSettings
