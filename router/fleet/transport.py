@@ -3,7 +3,8 @@ keep-alive transport (also an httpx transport, for scrapes and health checks).
 
 Hand-written instead of httpcore because httpcore's pool cost grew with concurrency (see
 :class:`PodTransport`); it stays small, isolated and covered by tests/router/test_proxy.py
-and tests/router/test_tls.py.  A pod endpoint is parsed once into a :class:`PodTarget`.
+and tests/router/test_tls.py.  A pod endpoint is parsed once into a :class:`PodTarget`; each
+keep-alive socket is a :class:`router.fleet.pod_connection.PodConnection`.
 """
 
 from __future__ import annotations
