@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from router.metrics import HotFamily
+from router.metric_families import HotFamily
 
 
 class EppMetrics:

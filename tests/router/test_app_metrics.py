@@ -129,7 +129,7 @@ def test_a_departed_pod_leaves_no_series_behind() -> None:
 def test_hot_path_metrics_render_exactly_as_prometheus_client_would() -> None:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-    from router.metrics import HotFamily
+    from router.metric_families import HotFamily
 
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     buckets = (0.001, 0.01, 0.1)
