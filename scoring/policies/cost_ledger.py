@@ -69,13 +69,17 @@ class CostLedger(Policy):
 
     def learned(self) -> dict[tuple[str, str], float]:
         """Per model routed so far: the prefill rate the scores use (learned, else the
-        setting) and, with ``kv_admission``, the mean decode time (0 until the first)."""
+        setting), the learned slowdown and step time per running request (when the
+        slowdown is learned) and, with ``kv_admission``, the mean decode time (0 until
+        the first)."""
         out: dict[tuple[str, str], float] = {}
         for model, m in self._models.items():
             rate = self._p.prefill_rate_tokens_per_s if m.prefill is None else m.prefill.rate
             out["prefill_rate_tokens_per_s", model] = rate
             if m.slowdown is not None:
                 out["decode_slowdown_per_running", model] = m.slowdown.slowdown
+                if self._p.charge_decode_steps:
+                    out["step_seconds_per_running", model] = m.slowdown.per_running_s
             if self._kv:
                 out["decode_seconds", model] = m.decode.mean_s
         return out

@@ -84,6 +84,12 @@ class CostParams(PolicyParams):
         description="add the wait for KV room on a pod whose free blocks cannot hold the "
         "request and the queue ahead (scoring/policies/kv_admission.py)",
     )
+    charge_decode_steps: bool = Field(
+        default=True,
+        description="with the slowdown learned: charge (waiting + 1) x running x the seconds "
+        "a running request adds to an engine step, learned from clean first tokens "
+        "(scoring/policies/slowdown_fit.py)",
+    )
     count_arrivals: bool = Field(
         default=False,
         description="count as followers of a miss the requests bound to the pod by its cache "

@@ -16,14 +16,18 @@ one engine step and every running request's decode lengthens every step, however
 the prompt: in the replay's vLLM pods, 427 tokens beside 121 running requests took 0.39 s
 and 8,017 tokens 0.37 s (README, "Session 23").  A fit without it read that floor as a
 slowdown of the prompt's tokens, and the floor's spread as noise that kept the real
-slowdown under its test.  ``d`` is not used further: the per-token slowdown is what
-scales the work queued on a pod.  A burst's queueing and the wait for KV room also grow
-with the running count; a fit over every first token read them as a slowdown of 2-4 per
-running request where the engine's was 0.0015 (README, "Session 22").  A fit that says
-a pod prefills faster the more it runs gives 0, and so does one whose slope is within
-two standard errors of 0 (a few early observations read a slowdown of 15 per running
-request on an idle fleet, and the placements it scattered never recovered).  The
-slowdown is always finite and >= 0.
+slowdown under its test.  ``d`` (:attr:`SlowdownFit.per_running_s`, kept >= 0, no
+test) is that step's floor: since session 26 ``cost`` charges it once for each request
+waiting on a pod and once for the newcomer (``charge_decode_steps``,
+scoring/policies/cost.py).  On overloaded pods the clean first tokens show ``d`` and no
+``b`` (``python tests/bench/bench_slowdown_signal.py``: ``b / a`` within +-0.02, ``d``
+0.4-3.5 ms a running request, README "Session 26").  A burst's queueing and the wait
+for KV room also grow with the running count; a fit over every first token read them as
+a slowdown of 2-4 per running request where the engine's was 0.0015 (README, "Session
+22").  A fit that says a pod prefills faster the more it runs gives 0, and so does one
+whose slope is within two standard errors of 0 (a few early observations read a
+slowdown of 15 per running request on an idle fleet, and the placements it scattered
+never recovered).  The slowdown is always finite and >= 0.
 
 The sums take every observation; the solve runs on each of the first
 :data:`REFIT_EVERY`, then on every :data:`REFIT_EVERY`-th (as ``measured``'s fits do,
@@ -72,6 +76,7 @@ class SlowdownFit:
         "_x2y",
         "_y",
         "_yy",
+        "per_running_s",
         "slowdown",
     )
 
@@ -88,6 +93,8 @@ class SlowdownFit:
         self._x1y = self._x2y = self._ry = self._yy = 0.0
         #: fractional prefill slowdown per running request (the prior: 0)
         self.slowdown = 0.0
+        #: seconds each running request adds to an engine step (``d``, >= 0; the prior: 0)
+        self.per_running_s = 0.0
 
     def add(self, tokens: float, running: float, service: float) -> None:
         """One clean observation (the caller checked it is finite and >= 0)."""
@@ -142,6 +149,7 @@ class SlowdownFit:
         d = (i13 * e1 + i23 * c2y + i33 * c3y) / det
         if not (0.0 < a < _INF and -_INF < b < _INF and -_INF < d < _INF):
             return
+        self.per_running_s = d if d > 0.0 else 0.0
         # a slowdown only where the observations tell one: b at least two standard
         # errors above 0 (the residual variance over n - 4 degrees of freedom)
         dof = n - 4.0

@@ -53,6 +53,23 @@ def test_the_longer_step_every_running_request_makes_is_not_read_as_a_slowdown()
     assert both.slowdown == pytest.approx(0.1, rel=0.01)
 
 
+def test_the_seconds_each_running_request_adds_to_a_step_are_learned_too() -> None:
+    """The same 10 ms per running request: kept as the step time a running request
+    adds (the prior: 0), beside a slowdown or without one; a floor that falls as more
+    requests run is not a step time (0)."""
+    f = fit()
+    assert f.per_running_s == 0.0
+    feed(f, 0.0, lambda i: (i * 7) % 21, step_s=0.01)
+    assert f.per_running_s == pytest.approx(0.01, rel=0.02)  # (the prior's last pull)
+    both = fit()
+    feed(both, 0.1, lambda i: (i * 7) % 21, step_s=0.01)
+    # (within 10%: the prior's pull on three correlated slopes, as for the slowdown)
+    assert both.per_running_s == pytest.approx(0.01, rel=0.1)
+    falling = fit()
+    feed(falling, 0.0, lambda i: (i * 7) % 21, step_s=-0.001)
+    assert falling.per_running_s == 0.0
+
+
 def test_a_speed_up_gives_no_slowdown_and_constant_counts_tell_nothing_new() -> None:
     faster = fit()
     feed(faster, -0.02, lambda i: (i * 7) % 21)
@@ -124,6 +141,55 @@ def test_cost_learns_the_slowdown_it_is_not_given_and_scores_with_it() -> None:
         req("next", 100), [PodView(pod="idle", running=0), PodView(pod="busy", running=10)]
     ).scores
     assert scores["busy"] > 1.8 * scores["idle"]
+
+
+def learn_steps(policy: object, step_s: float) -> None:
+    """Clean first tokens whose service grows by ``step_s`` per running request and
+    not with the prompt's tokens times the running count (no slowdown)."""
+    clock = ManualClock()
+    policy.clock = clock  # type: ignore[attr-defined]
+    for i in range(1000):
+        running = (i * 7) % 21
+        r = req(f"r{i}", 50 + i % 100)
+        policy.pick(r, [PodView(pod="p0", running=running)])  # type: ignore[attr-defined]
+        policy.on_routed(r, "p0")  # type: ignore[attr-defined]
+        clock.now += 0.05 + step_s * running + r.prompt_tokens / 1000.0
+        policy.on_first_token(r, "p0", 0.0)  # type: ignore[attr-defined]
+        policy.on_complete(r, "p0")  # type: ignore[attr-defined]
+        clock.now += 1.0
+
+
+def test_cost_charges_a_step_of_the_running_decodes_per_waiting_request_and_its_own() -> None:
+    """A pod with 10 running and 3 waiting requests pays 4 steps x 10 running x the
+    learned 10 ms beside an idle pod: the newcomer's own prefill step and one for each
+    request ahead of it, every one lengthened by the running decodes."""
+    policy = build_policy("cost", {"decode_slowdown_per_running": None, "kv_admission": False})
+    learn_steps(policy, 0.01)
+    learned = policy.learned()
+    step = learned["step_seconds_per_running", "m"]
+    assert step == pytest.approx(0.01, rel=0.02)
+    assert learned["decode_slowdown_per_running", "m"] == 0.0
+    idle, busy = PodView(pod="idle"), PodView(pod="busy", running=10, waiting=3)
+    scores = policy.pick(req("next", 100), [idle, busy]).scores
+    assert scores["busy"] - scores["idle"] == pytest.approx(4 * 10 * step)
+    # unscraped: the router's in-flight count stands for the running requests
+    guessed = policy.pick(req("n2", 100), [idle, PodView(pod="b", inflight=5)]).scores
+    assert guessed["b"] - guessed["idle"] == pytest.approx(5 * step)
+
+
+def test_the_step_charge_is_off_when_switched_off_or_the_slowdown_is_told() -> None:
+    off = build_policy(
+        "cost",
+        {"decode_slowdown_per_running": None, "kv_admission": False, "charge_decode_steps": False},
+    )
+    told = build_policy("cost", {"decode_slowdown_per_running": 0.0, "kv_admission": False})
+    for policy in (off, told):
+        learn_steps(policy, 0.01)
+        assert ("step_seconds_per_running", "m") not in policy.learned()
+        scores = policy.pick(
+            req("next", 100), [PodView(pod="idle"), PodView(pod="busy", running=10, waiting=3)]
+        ).scores
+        assert scores["busy"] == scores["idle"]
 
 
 def test_cost_keeps_a_slowdown_it_is_given() -> None:
