@@ -41,6 +41,20 @@ class Scraped:
     prefix_hits: float | None = None
 
 
+_INF = float("inf")
+#: the series a policy reads as counts or shares: a negative or non-finite sample of one
+#: fails the scrape (counted, and the pod's scraped view goes unknown when it is stale)
+_COUNTS = frozenset(
+    {
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:prefix_cache_hits_total",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+    }
+)
+
+
 def parse_vllm_metrics(text: str) -> Scraped:
     """Pick the routing-relevant series out of a Prometheus text exposition.
 
@@ -48,7 +62,8 @@ def parse_vllm_metrics(text: str) -> Scraped:
     averages ``kv_cache_usage_perc`` (older engines call it ``gpu_cache_usage_perc``),
     takes ``block_size`` and ``num_gpu_blocks`` (the cache's capacity) from the labels of
     ``vllm:cache_config_info`` (summed over engines: data-parallel engines each have
-    their own cache).
+    their own cache).  Raises ValueError on a negative or non-finite sample of those
+    series: a publisher that says -3 requests wait must not make its pod look idle.
     """
     waiting = running = 0.0
     seen_w = seen_r = False
@@ -77,6 +92,8 @@ def parse_vllm_metrics(text: str) -> Scraped:
             value = float(parts[0])
         except ValueError:
             continue
+        if name in _COUNTS and not 0.0 <= value < _INF:  # (NaN fails too)
+            raise ValueError(f"{name} is {parts[0]}: not a count")
         if name == "vllm:num_requests_waiting":
             waiting += value
             seen_w = True

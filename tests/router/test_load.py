@@ -62,6 +62,23 @@ def test_missing_series_are_unknown_not_zero() -> None:
     assert s.block_size is None and s.capacity_blocks is None
 
 
+@pytest.mark.parametrize(
+    "line",
+    [
+        'vllm:num_requests_waiting{engine="0"} -3',
+        'vllm:num_requests_running{engine="0"} NaN',
+        'vllm:kv_cache_usage_perc{engine="0"} +Inf',
+        "vllm:prefix_cache_hits_total -1",
+    ],
+)
+def test_a_negative_or_non_finite_count_fails_the_scrape_by_name(line: str) -> None:
+    """A bad publisher's count is not taken (a negative waiting count would make its
+    pod look idler than idle): the scrape fails, naming the series and the value."""
+    name = line.split("{")[0].split(" ")[0]
+    with pytest.raises(ValueError, match=f"{name} is .*not a count"):
+        parse_vllm_metrics(VLLM_METRICS + line + "\n")
+
+
 def test_older_gpu_cache_usage_name_is_understood() -> None:
     s = parse_vllm_metrics('vllm:gpu_cache_usage_perc{model_name="m"} 0.9\n')
     assert s.kv_usage == pytest.approx(0.9)
