@@ -5,12 +5,9 @@ deadline (:class:`Deadlines`).  :class:`router.fleet.transport.PodTransport` poo
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import httptools
 import httpx
-
-log = logging.getLogger(__name__)
 
 #: response headers not passed back
 DROP_RESPONSE = frozenset(
