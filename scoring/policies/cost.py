@@ -368,17 +368,15 @@ class CostPolicy(CostLedger):
                 lam = self.bound_arrival_rate(name, now)
                 if lam > 0.0:
                     w = weights[name] = w + backlog_weight * lam * miss / rate
+            running = 0  # (scraped; router in-flight when not scraped), read when used
+            if slowdown_per or step_s:
+                scraped_running = pod.running
+                running = pod.inflight if scraped_running is None else scraped_running
             if slowdown_per:
-                running = pod.running
-                if running is None:
-                    running = pod.inflight
                 t = (q + w * miss) / rate * (1.0 + slowdown_per * running) + transfer
             else:  # (the same float: x * 1.0 is x)
                 t = (q + w * miss) / rate + transfer
             if step_s:  # one step of the running decodes per request queued, and its own
-                running = pod.running
-                if running is None:
-                    running = pod.inflight
                 waiting = pod.waiting
                 t += ((waiting if waiting else 0) + 1) * step_s * running
             if decode_s and cap_b:
