@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from scoring.policies import PodView, RouteRequest, build_policy
+from scoring.policies import PodView, Policy, RouteRequest, build_policy
 from scoring.policies.kv_admission import WINDOW, DecodeTimes, admission_wait
 
 
@@ -52,19 +52,26 @@ def req(rid: str, keys: list[int]) -> RouteRequest:
     return RouteRequest(rid, "m", len(keys) * 16, keys, 16)
 
 
+def learned_decode_time(decode_s: float, now: list[float], **params: object) -> Policy:
+    """A ``cost`` policy (no room tie-break) on clock ``now`` that has learned a decode
+    time of ``decode_s`` from one streamed request."""
+    policy = build_policy("cost", {"tie_break_by_room": False, **params})
+    policy.clock = lambda: now[0]
+    now[0] = 0.0
+    warm = req("w", [9, 9, 9])
+    policy.on_routed(warm, "a")
+    policy.on_first_token(warm, "a", 0.1)
+    now[0] = decode_s
+    policy.on_complete(warm, "a")
+    return policy
+
+
 def test_cost_sends_a_miss_past_a_pod_whose_kv_is_held_by_running_requests() -> None:
     """Two pods with empty queues, one with its cache held by long decodes: with a
     learned decode time, a cold prompt goes to the pod with room; with the rule off,
     both look equal."""
     now = [0.0]
-    policy = build_policy("cost", {"tie_break_by_room": False})  # kv_admission: the default
-    policy.clock = lambda: now[0]
-    # learn a decode time of 4 s from one streamed request
-    warm = req("w", [9, 9, 9])
-    policy.on_routed(warm, "a")
-    policy.on_first_token(warm, "a", 0.1)
-    now[0] = 4.0
-    policy.on_complete(warm, "a")
+    policy = learned_decode_time(4.0, now)  # kv_admission: the default
     held = view(capacity_blocks=100, kv_usage=0.95, running=2)
     held.pod = "held"
     free = view(capacity_blocks=100, kv_usage=0.10, running=2)
@@ -73,11 +80,7 @@ def test_cost_sends_a_miss_past_a_pod_whose_kv_is_held_by_running_requests() -> 
     decision = policy.pick(cold, [held, free])
     assert decision.pod == "free"
     assert decision.scores["held"] - decision.scores["free"] == pytest.approx(4.0 / 3)
-    off = build_policy("cost", {"kv_admission": False, "tie_break_by_room": False})
-    off.clock = policy.clock
-    off.on_routed(warm, "a")
-    off.on_first_token(warm, "a", 0.1)
-    off.on_complete(warm, "a")
+    off = learned_decode_time(4.0, now, kv_admission=False)
     scores = off.pick(cold, [held, free]).scores
     assert scores["held"] == scores["free"]
 
@@ -104,14 +107,7 @@ def test_a_cached_prefix_no_live_request_holds_needs_room_too() -> None:
     (an evictable computed block counts as a block to allocate): on a pod whose free
     blocks hold the new block but not the 40 cached ones, the request waits, unless a
     live request routed there holds that prefix already."""
-    now = [0.0]
-    policy = build_policy("cost", {"tie_break_by_room": False})
-    policy.clock = lambda: now[0]
-    warm = req("w", [9, 9, 9])  # a decode time of 3 s
-    policy.on_routed(warm, "a")
-    policy.on_first_token(warm, "a", 0.1)
-    now[0] = 3.0
-    policy.on_complete(warm, "a")
+    policy = learned_decode_time(3.0, [0.0])
     prefix = list(range(100, 140))
     holder = req("h", prefix)  # live on "shared": it holds the 40 blocks
     policy.on_routed(holder, "shared")
