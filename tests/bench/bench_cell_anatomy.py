@@ -1,0 +1,152 @@
+"""Where one matrix cell's slow requests come from: its TTFT and hit rate per time
+window, and per pod over a stretch of the trace, for several policies side by side.
+
+    python tests/bench/bench_cell_anatomy.py --cell rag_bursty/p8-equal/medium/load80 \\
+        --seed 107 --policy cost --policy precise_prefix \\
+        --variant learned=cost:decode_slowdown_per_running=null --pods-from 40 --pods-to 120
+
+The matrix (``bench_quality_matrix.py``) says *that* a policy's p90 lost in a cell; this
+says *when* and *where*.  It replays the cell as the matrix does (same trace, fleet and
+load; vLLM pod model unless ``--pod-model simpod``; block size 16 as the matrix's default)
+and prints:
+
+* per ``--window`` seconds of arrivals: requests, then per policy the window's TTFT p90,
+  its hit rate and the pods it used;
+* per pod, for arrivals between ``--pods-from`` and ``--pods-to`` seconds (default: the
+  window with the largest spread of p90 between the policies): requests, mean prompt,
+  hit rate, median and largest TTFT.
+
+A policy that piles a burst onto the pods holding a shared prefix shows as one pod with
+many requests, a high hit rate and a TTFT median many times the others'.  Session 27 found
+the learned ``cost``'s rag_bursty miss that way (README "Session 27").  Replay time is
+virtual: the numbers do not depend on the machine.  About 10-60 s a policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from scoring.policies.registry import available_policies, build_policy
+from scoring.replay.cli import fleet_defaults
+from scoring.replay.engine import PolicyRun, replay_policy
+from scoring.replay.matrix import (
+    POD_MODELS,
+    TRACES_DIR,
+    fleet_for,
+    full_matrix,
+    load_workload,
+    parse_variant,
+    pod_fleet,
+    quick_matrix,
+)
+from scoring.replay.offered_load import scale_to_load
+
+
+def p90(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(len(s) * 0.9))] if s else float("nan")
+
+
+def hit_rate(run: PolicyRun, idx: Sequence[int]) -> float:
+    prompt = sum(run.prompt_tokens[i] for i in idx)
+    return sum(run.hit_tokens[i] for i in idx) / prompt if prompt else 0.0
+
+
+def windows(arrivals: Sequence[float], width: float) -> list[tuple[float, list[int]]]:
+    """``(start, request indices)`` per ``width`` seconds of arrivals, empty ones left out."""
+    t0 = arrivals[0] if arrivals else 0.0
+    out: dict[int, list[int]] = defaultdict(list)
+    for i, a in enumerate(arrivals):
+        out[int((a - t0) // width)].append(i)
+    return [(k * width, out[k]) for k in sorted(out)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--cell", required=True, help="a matrix cell id, e.g. rag/p8-equal/medium/load80"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policy", action="append", default=[], choices=available_policies())
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=POLICY:K=V,...")
+    ap.add_argument("--pod-model", default="vllm", choices=POD_MODELS)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--window", type=float, default=20.0, help="seconds of arrivals a row")
+    ap.add_argument("--pods-from", type=float, default=None, metavar="S")
+    ap.add_argument("--pods-to", type=float, default=None, metavar="S")
+    a = ap.parse_args()
+    cells = {c.id: c for c in (*full_matrix(), *quick_matrix())}
+    cell = cells.get(a.cell)
+    if cell is None:
+        print(f"bench_cell_anatomy: no matrix cell {a.cell!r}", file=sys.stderr)
+        return 2
+    if not a.window > 0:
+        print("bench_cell_anatomy: --window must be > 0", file=sys.stderr)
+        return 2
+    runs_of: list[tuple[str, str, dict[str, Any]]] = [(p, p, {}) for p in a.policy]
+    runs_of += [parse_variant(v) for v in a.variant]
+    if not runs_of:
+        runs_of = [(p, p, {}) for p in ("cost", "precise_prefix", "llmd")]
+    trace = load_workload(
+        cell.workload, a.seed, limit=None, block_size=a.block_size, traces_dir=str(TRACES_DIR)
+    )
+    cfg = pod_fleet(fleet_for(cell, trace), a.pod_model)
+    scaled, _ = scale_to_load(trace, cfg, cell.load)
+    arrivals = [r.arrival_s for r in scaled.requests]
+    runs = {
+        label: replay_policy(
+            scaled, build_policy(policy, {**fleet_defaults(policy, cfg), **params}), cfg
+        )
+        for label, policy, params in runs_of
+    }
+    print(f"{cell.id} seed {a.seed}, {len(arrivals)} requests, pod model {a.pod_model}")
+    for label, run in runs.items():
+        print(
+            f"  {label}: TTFT p90 {p90(run.ttft_s):.2f} s, hit rate "
+            f"{hit_rate(run, range(len(arrivals))):.3f}, preemptions {run.preemptions}"
+        )
+    print()
+    print("| from (s) | requests | " + " | ".join(f"{x} p90 / hit / pods" for x in runs) + " |")
+    print("|---:|---:|" + "---:|" * len(runs))
+    spread: list[tuple[float, float]] = []
+    for start, idx in windows(arrivals, a.window):
+        cols = []
+        p90s = []
+        for run in runs.values():
+            q = p90([run.ttft_s[i] for i in idx])
+            p90s.append(q)
+            cols.append(f"{q:.1f} / {hit_rate(run, idx):.2f} / {len({run.pod_of[i] for i in idx})}")
+        spread.append((max(p90s) / max(min(p90s), 1e-9), start))
+        print(f"| {start:.0f} | {len(idx)} | " + " | ".join(cols) + " |")
+    lo = a.pods_from if a.pods_from is not None else max(spread)[1]
+    hi = a.pods_to if a.pods_to is not None else lo + a.window
+    t0 = arrivals[0] if arrivals else 0.0
+    idx = [i for i, x in enumerate(arrivals) if lo <= x - t0 < hi]
+    print()
+    print(f"Per pod, arrivals {lo:.0f}-{hi:.0f} s ({len(idx)} requests)")
+    for label, run in runs.items():
+        print()
+        print(f"`{label}`:")
+        print()
+        print("| pod | requests | mean prompt | hit rate | TTFT median / max (s) |")
+        print("|---|---:|---:|---:|---:|")
+        by_pod: dict[int, list[int]] = defaultdict(list)
+        for i in idx:
+            by_pod[run.pod_of[i]].append(i)
+        for pod in sorted(by_pod):
+            mine = by_pod[pod]
+            ttft = sorted(run.ttft_s[i] for i in mine)
+            prompt = sum(run.prompt_tokens[i] for i in mine) / len(mine)
+            print(
+                f"| {run.pods[pod]} | {len(mine)} | {prompt:.0f} | {hit_rate(run, mine):.2f} "
+                f"| {ttft[len(ttft) // 2]:.1f} / {ttft[-1]:.1f} |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
