@@ -44,10 +44,12 @@ from scoring.replay.matrix import (
     quick_matrix,
 )
 from scoring.replay.offered_load import scale_to_load
+from scoring.replay.simpod import ReplayConfigError
 
 
 def p90(xs: Sequence[float]) -> float:
-    s = sorted(xs)
+    """The 90th percentile of the answered requests' TTFT (a refused request's is NaN)."""
+    s = sorted(x for x in xs if x == x)
     return s[min(len(s) - 1, int(len(s) * 0.9))] if s else float("nan")
 
 
@@ -88,7 +90,11 @@ def main() -> int:
         print("bench_cell_anatomy: --window must be > 0", file=sys.stderr)
         return 2
     runs_of: list[tuple[str, str, dict[str, Any]]] = [(p, p, {}) for p in a.policy]
-    runs_of += [parse_variant(v) for v in a.variant]
+    try:
+        runs_of += [parse_variant(v) for v in a.variant]
+    except ReplayConfigError as exc:
+        print(f"bench_cell_anatomy: {exc}", file=sys.stderr)
+        return 2
     if not runs_of:
         runs_of = [(p, p, {}) for p in ("cost", "precise_prefix", "llmd")]
     trace = load_workload(
@@ -139,7 +145,7 @@ def main() -> int:
             by_pod[run.pod_of[i]].append(i)
         for pod in sorted(by_pod):
             mine = by_pod[pod]
-            ttft = sorted(run.ttft_s[i] for i in mine)
+            ttft = sorted(x for x in (run.ttft_s[i] for i in mine) if x == x) or [float("nan")]
             prompt = sum(run.prompt_tokens[i] for i in mine) / len(mine)
             print(
                 f"| {run.pods[pod]} | {len(mine)} | {prompt:.0f} | {hit_rate(run, mine):.2f} "
