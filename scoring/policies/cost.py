@@ -235,6 +235,7 @@ class CostPolicy(CostLedger):
         self._backlog_weight = default_weight if p.backlog_weight is None else p.backlog_weight
         self._charge = self._hot_on and p.charge_hot_evictions
         self._room_ties = p.tie_break_by_room
+        self._charge_steps = p.charge_decode_steps
         self._settings = (
             p.discount_queued_hits,
             p.fleet_backlog_share,
@@ -307,7 +308,7 @@ class CostPolicy(CostLedger):
         charge = self._charge
         decode_s = learned.decode.mean_s if self._kv else 0.0
         # the seconds a running request adds to each engine step (learned: 0 when told)
-        step_s = fit.per_running_s if fit is not None and p.charge_decode_steps else 0.0
+        step_s = fit.per_running_s if fit is not None and self._charge_steps else 0.0
         unit = -1.0  # blocks of one queued request, computed when first needed
         prompt_blocks = -(-prompt // bs)
         best = None

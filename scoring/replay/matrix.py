@@ -190,6 +190,25 @@ def pod_fleet(cfg: FleetConfig, pod_model: str) -> FleetConfig | VllmFleetConfig
     )
 
 
+def cell_replay_input(
+    cell: Cell,
+    seed: int,
+    *,
+    limit: int | None = None,
+    block_size: int = 64,
+    traces_dir: str | Path = TRACES_DIR,
+    pod_model: str = "simpod",
+) -> tuple[Trace, FleetConfig | VllmFleetConfig, float]:
+    """What :func:`run_cell` replays on ``cell`` for ``seed``: the workload's trace scaled
+    to the cell's offered load, the fleet in ``pod_model``, and the time scale applied."""
+    trace = load_workload(
+        cell.workload, seed, limit=limit, block_size=block_size, traces_dir=str(traces_dir)
+    )
+    cfg = pod_fleet(fleet_for(cell, trace), pod_model)
+    scaled, factor = scale_to_load(trace, cfg, cell.load)
+    return scaled, cfg, factor
+
+
 def _replay(
     trace: Trace,
     name: str,
@@ -241,11 +260,9 @@ def run_cell(
     import time
 
     wall0 = time.perf_counter()
-    trace = load_workload(
-        cell.workload, seed, limit=limit, block_size=block_size, traces_dir=str(traces_dir)
+    scaled, cfg, factor = cell_replay_input(
+        cell, seed, limit=limit, block_size=block_size, traces_dir=traces_dir, pod_model=pod_model
     )
-    cfg = pod_fleet(fleet_for(cell, trace), pod_model)
-    scaled, factor = scale_to_load(trace, cfg, cell.load)
     pooled = pooled_ceiling(scaled, cfg.total_capacity_tokens)
     speeds = [cfg.speed(i) for i in range(cfg.pods)]
     out: dict[str, Any] = {

@@ -35,15 +35,11 @@ from scoring.replay.cli import fleet_defaults
 from scoring.replay.engine import PolicyRun, replay_policy
 from scoring.replay.matrix import (
     POD_MODELS,
-    TRACES_DIR,
-    fleet_for,
+    cell_replay_input,
     full_matrix,
-    load_workload,
     parse_variant,
-    pod_fleet,
     quick_matrix,
 )
-from scoring.replay.offered_load import scale_to_load
 from scoring.replay.simpod import ReplayConfigError
 
 
@@ -97,11 +93,7 @@ def main() -> int:
         return 2
     if not runs_of:
         runs_of = [(p, p, {}) for p in ("cost", "precise_prefix", "llmd")]
-    trace = load_workload(
-        cell.workload, a.seed, limit=None, block_size=a.block_size, traces_dir=str(TRACES_DIR)
-    )
-    cfg = pod_fleet(fleet_for(cell, trace), a.pod_model)
-    scaled, _ = scale_to_load(trace, cfg, cell.load)
+    scaled, cfg, _ = cell_replay_input(cell, a.seed, block_size=a.block_size, pod_model=a.pod_model)
     arrivals = [r.arrival_s for r in scaled.requests]
     runs = {
         label: replay_policy(

@@ -32,9 +32,8 @@ from scoring.policies.registry import build_policy
 from scoring.policies.slowdown_fit import SlowdownFit
 from scoring.replay.cli import fleet_defaults
 from scoring.replay.engine import replay_policy
-from scoring.replay.matrix import TRACES_DIR, fleet_for, load_workload, pod_fleet, quick_matrix
+from scoring.replay.matrix import cell_replay_input, quick_matrix
 from scoring.replay.matrix import select as select_cells
-from scoring.replay.offered_load import scale_to_load
 from scoring.replay.vllm_pod import VllmFleetConfig
 
 #: every clean observation given to a fit in this process: (tokens, running, seconds)
@@ -97,12 +96,8 @@ def main() -> int:
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for cell in cells:
-        trace = load_workload(
-            cell.workload, a.seed, limit=None, block_size=64, traces_dir=str(TRACES_DIR)
-        )
-        cfg = pod_fleet(fleet_for(cell, trace), "vllm")
+        scaled, cfg, _ = cell_replay_input(cell, a.seed, block_size=64, pod_model="vllm")
         assert isinstance(cfg, VllmFleetConfig)
-        scaled, _ = scale_to_load(trace, cfg, cell.load)
         params = {
             **fleet_defaults("cost", cfg),
             "decode_slowdown_per_running": None,
