@@ -4,6 +4,7 @@ Prints a table (default) or exactly one JSON object on stdout (``--json``)::
 
     {"ceilings": {"infinite": h, "pooled": h},
      "policies": {NAME: {"hit_rate": h, "ttft_p50_s": x, "ttft_p90_s": x, "ttft_p99_s": x,
+                         "e2e_p90_s": x, "json_e2e_p90_s": x | null,
                          "throughput_rps": x, "imbalance": x, ...}},
      "workload": {...}, "trace": {...}, "fleet": {...}}
 

@@ -61,6 +61,11 @@ class PolicyRun:
     policy: str
     pods: list[str]
     ttft_s: list[float] = field(default_factory=list)  # per request, trace order
+    #: per request: arrival to its last token (what a client of a JSON answer waits);
+    #: NaN for a request a pod refused
+    e2e_s: list[float] = field(default_factory=list)
+    #: per request: whether its client asked for a JSON answer (``json_share``)
+    json_answer: list[bool] = field(default_factory=list)
     hit_tokens: list[int] = field(default_factory=list)
     gpu_hit_tokens: list[int] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
@@ -101,6 +106,7 @@ def replay_policy(
             run = _replay_simple(trace, policy, cfg, on_progress, scrapes, json_of)
     finally:
         policy.clock = clock
+    run.json_answer = json_of
     run.wall_s = time.perf_counter() - wall0
     return run
 
@@ -124,6 +130,7 @@ def _new_run(policy: Policy, pods: Sequence[str], reqs: Sequence[TraceRequest]) 
     n = len(reqs)
     run = PolicyRun(policy=policy.name, pods=list(pods))
     run.ttft_s = [0.0] * n
+    run.e2e_s = [0.0] * n
     run.hit_tokens = [0] * n
     run.gpu_hit_tokens = [0] * n
     run.prompt_tokens = [r.prompt_tokens for r in reqs]
@@ -200,6 +207,7 @@ def _replay_simple(
             if r.answer_keys:
                 pod.cache_answer(r.cached_keys())
             last_finish = max(last_finish, now)
+            run.e2e_s[ri] = now - r.arrival_s
             if json_of[ri]:  # the answer ends: the router's load sees its prefill done
                 pod.outstanding -= r.prompt_tokens
             policy.on_finished(r.route, pod.name, r.output_tokens)
@@ -273,6 +281,7 @@ def _replay_vllm(
             run.hit_tokens[s.rid] = run.gpu_hit_tokens[s.rid] = s.hit_tokens
             pod.inflight -= 1
             last_finish = max(last_finish, now)
+            run.e2e_s[s.rid] = now - r.arrival_s + overhead
             if json_of[s.rid]:  # the answer ends: the router's load sees its prefill done
                 pod.outstanding -= r.prompt_tokens
             policy.on_finished(r.route, pod.name, s.num_output)
@@ -291,7 +300,7 @@ def _replay_vllm(
         run.pod_of[ri] = pod_i
         if pod.admit(ri, r) is None:
             run.rejected += 1
-            run.ttft_s[ri] = math.nan
+            run.ttft_s[ri] = run.e2e_s[ri] = math.nan
             policy.on_complete(r.route, pod.name)
         else:
             pod.inflight += 1

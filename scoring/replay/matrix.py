@@ -299,6 +299,10 @@ def run_cell(
             "ttft_p50_s": m["ttft_p50_s"],
             "ttft_p90_s": m["ttft_p90_s"],
             "ttft_p99_s": m["ttft_p99_s"],
+            # arrival to last token: what a client of a JSON answer waits (all requests,
+            # and those asking for one with --json-share; None without)
+            "e2e_p90_s": m["e2e_p90_s"],
+            "json_e2e_p90_s": m["json_e2e_p90_s"],
             "imbalance": m["imbalance"],
             # prefill busy time / capacity over the arrival span: the load this policy
             # actually put on the fleet, comparable to offered_load
@@ -316,13 +320,19 @@ def run_cell(
 
 
 def add_ratios(cell_result: dict[str, Any]) -> None:
-    """Each policy's TTFT percentiles over the cell's best (lowest) for that percentile."""
+    """Each policy's TTFT percentiles over the cell's best (lowest) for that percentile,
+    and its end-to-end p90 over the best one (``e2e_p90_vs_best``) where every policy
+    has one (a run from before session 28 has none)."""
     pols = cell_result["policies"]
     for q in ("p50", "p90", "p99"):
         key = f"ttft_{q}_s"
         best = min(m[key] for m in pols.values())
         for m in pols.values():
             m[f"{q}_vs_best"] = m[key] / best if best > 0 else 1.0
+    if all(m.get("e2e_p90_s") is not None for m in pols.values()):
+        best = min(m["e2e_p90_s"] for m in pols.values())
+        for m in pols.values():
+            m["e2e_p90_vs_best"] = m["e2e_p90_s"] / best if best > 0 else 1.0
 
 
 # --- the whole matrix ---------------------------------------------------------------
@@ -378,7 +388,8 @@ def geomean(xs: Sequence[float]) -> float:
 def summarize(results: Sequence[dict[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
     """Per policy, for the tuning seed (``seeds[0]``), the held-out seeds (the rest) and
     all: cells, geometric mean of TTFT p90 / best, cells within 1.05x of the best, the
-    worst ratio and its cell, mean hit rate / pooled ceiling.  A result repeated from
+    worst ratio and its cell, mean hit rate / pooled ceiling, geometric mean of the
+    end-to-end p90 / best.  A result repeated from
     the tuning seed (``same_as_seed``: a Mooncake cell) counts once, for the tuning
     seed: held-out groups hold only traces the tuning seed did not see."""
     groups = {"tuning": list(seeds[:1]), "held_out": list(seeds[1:]), "all": list(seeds)}
@@ -400,6 +411,7 @@ def summarize(results: Sequence[dict[str, Any]], seeds: Sequence[int]) -> dict[s
             ratios = [m["p90_vs_best"] for _, _, m in rows]
             worst = max(rows, key=lambda x: x[2]["p90_vs_best"])
             pooled = [m["of_pooled"] for _, _, m in rows if m["of_pooled"] is not None]
+            e2e = [m["e2e_p90_vs_best"] for _, _, m in rows if "e2e_p90_vs_best" in m]
             row[group] = {
                 "cells": len(rows),
                 "p90_vs_best_geomean": geomean(ratios),
@@ -407,6 +419,8 @@ def summarize(results: Sequence[dict[str, Any]], seeds: Sequence[int]) -> dict[s
                 "worst_p90_vs_best": worst[2]["p90_vs_best"],
                 "worst_cell": f"{worst[0]} (seed {worst[1]})",
                 "of_pooled_mean": sum(pooled) / len(pooled) if pooled else None,
+                # end to end (what JSON clients wait), over the cells that measured it
+                "e2e_p90_vs_best_geomean": geomean(e2e) if e2e else None,
             }
         out["policies"][pol] = row
     return out

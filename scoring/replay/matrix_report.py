@@ -60,6 +60,7 @@ CELL_COLUMNS = (
     "TTFT p90 / best",
     "TTFT p99 / best",
     "TTFT p90 (s)",
+    "e2e p90 (s)",
     "prefill busy / capacity",
     "imbalance",
     "preemptions",
@@ -69,6 +70,11 @@ CELL_COLUMNS = (
 def _count(n: int | None) -> str:
     """A count, or blank where the run did not record it (an older run's JSON)."""
     return "" if n is None else f"{n:,}"
+
+
+def _seconds(x: float | None) -> str:
+    """Seconds, or blank where the run did not record them (an older run's JSON)."""
+    return "" if x is None else f"{x:.2f}"
 
 
 def cell_table(results: Sequence[dict[str, Any]]) -> str:
@@ -85,7 +91,8 @@ def cell_table(results: Sequence[dict[str, Any]]) -> str:
                 f"| {r['cell']} | {seed} | {r['requests']:,} | {pooled} "
                 f"| {pol} | {m['hit_rate']:.1%} | {_pct(m['of_pooled'])} "
                 f"| {m['p50_vs_best']:.2f} | {m['p90_vs_best']:.2f} | {m['p99_vs_best']:.2f} "
-                f"| {m['ttft_p90_s']:.2f} | {m['busy_vs_capacity']:.2f} | {m['imbalance']:.2f} "
+                f"| {m['ttft_p90_s']:.2f} | {_seconds(m.get('e2e_p90_s'))} "
+                f"| {m['busy_vs_capacity']:.2f} | {m['imbalance']:.2f} "
                 f"| {_count(m.get('preemptions'))} |"
             )
     return "\n".join(lines)

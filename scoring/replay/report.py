@@ -3,6 +3,9 @@
 * ``hit_rate`` — prompt tokens served from cache (GPU or CPU tier) / prompt tokens.
 * ``ttft_p50_s`` / ``p90`` / ``p99`` — nearest-rank percentiles of TTFT (arrival to first
   token, queueing included).
+* ``e2e_p50_s`` / ``p90`` / ``p99`` — the same of the end-to-end time (arrival to the
+  last token: what a client waits for a JSON answer); ``json_e2e_p90_s`` — its p90 over
+  the requests whose clients asked for a JSON answer (``--json-share``; None without).
 * ``throughput_rps`` — requests / (last completion - first arrival).
 * ``imbalance`` — max / mean of per-pod busy time (simple pods: seconds spent
   prefilling; vLLM pods: seconds running engine steps); 1.0 is perfectly even.
@@ -25,6 +28,10 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
     prompt = sum(run.prompt_tokens)
     n = len(run.ttft_s)
     ttft = [x for x in run.ttft_s if not math.isnan(x)] if run.rejected else run.ttft_s
+    e2e = [x for x in run.e2e_s if not math.isnan(x)] if run.rejected else run.e2e_s
+    # (a run built without the replay's json_answer list has no JSON clients)
+    answers = zip(run.e2e_s, run.json_answer, strict=False)
+    json_e2e = [x for x, j in answers if j and not math.isnan(x)]
     span = max(run.last_finish_s - run.first_arrival_s, 1e-9)
     busy = run.busy_s
     mean_busy = sum(busy) / len(busy) if busy else 0.0
@@ -38,6 +45,10 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
         "ttft_p90_s": percentile(ttft, 90),
         "ttft_p99_s": percentile(ttft, 99),
         "ttft_mean_s": sum(ttft) / len(ttft) if ttft else 0.0,
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p90_s": percentile(e2e, 90),
+        "e2e_p99_s": percentile(e2e, 99),
+        "json_e2e_p90_s": percentile(json_e2e, 90) if json_e2e else None,
         "throughput_rps": n / span,
         "imbalance": max(busy) / mean_busy if mean_busy > 0 else 1.0,
         "max_utilisation": max(busy) / span if busy else 0.0,

@@ -276,6 +276,10 @@ def test_a_tiny_matrix_reports_ratios_to_the_best_policy_in_the_cell() -> None:
             assert m[f"{q}_vs_best"] == pytest.approx(m[f"ttft_{q}_s"] / best)
     for m in pols.values():
         assert m["of_pooled"] == pytest.approx(m["hit_rate"] / r["ceilings"]["pooled"])
+        # end to end: after the first token; the same ratio to the best as TTFT's
+        assert m["e2e_p90_s"] > m["ttft_p90_s"] and m["json_e2e_p90_s"] is None
+        best_e2e = min(x["e2e_p90_s"] for x in pols.values())
+        assert m["e2e_p90_vs_best"] == pytest.approx(m["e2e_p90_s"] / best_e2e)
 
     table = cell_table([r]).splitlines()
     assert table[0] == "| " + " | ".join(CELL_COLUMNS) + " |"
@@ -289,6 +293,7 @@ def test_a_tiny_matrix_reports_ratios_to_the_best_policy_in_the_cell() -> None:
     best = "round_robin" if pols["round_robin"]["p90_vs_best"] == 1.0 else "cost"
     assert summary["policies"][best]["tuning"]["within_1_05"] >= 1
     assert "held_out" not in summary["policies"][best]
+    assert summary["policies"][best]["tuning"]["e2e_p90_vs_best_geomean"] >= 1.0
     assert summary_table(summary).splitlines()[0].startswith("| policy | p90/best geomean")
 
 
@@ -320,6 +325,8 @@ def test_the_summary_separates_the_tuning_seed_from_held_out_ones() -> None:
     assert b["held_out"]["worst_p90_vs_best"] == pytest.approx(4.0)
     assert b["held_out"]["worst_cell"] == "x/p4-equal/small/load50 (seed 1)"
     assert b["all"]["cells"] == 3
+    # runs from before the replay timed answers' ends have no end-to-end figures
+    assert b["all"]["e2e_p90_vs_best_geomean"] is None
 
 
 def test_a_variant_is_a_policy_under_other_parameters_reported_as_its_own_row() -> None:

@@ -149,3 +149,38 @@ def test_the_cli_rejects_a_bad_json_share_in_one_line(
     assert main([str(path), "--capacity-tokens", "4096", *extra]) == 2
     err = capsys.readouterr().err
     assert named in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("cfg", one_pod_fleets(), ids=["simple", "vllm"])
+def test_each_request_s_end_to_end_time_runs_from_arrival_to_its_last_token(
+    tmp_path: Path, cfg: object
+) -> None:
+    trace = two_requests(tmp_path)
+    run = replay_policy(trace, Heard(), cfg)  # type: ignore[arg-type]
+    assert all(e > t > 0 for e, t in zip(run.e2e_s, run.ttft_s, strict=True))
+    # the last answer to end ends the replay (a vLLM pod's TTFT and end both carry the
+    # engine's per-request overhead, outside its steps)
+    engine = getattr(cfg, "engine", None)
+    overhead = engine.request_overhead_s if engine is not None else 0.0
+    ends = [r.arrival_s + e for r, e in zip(trace.requests, run.e2e_s, strict=True)]
+    assert max(ends) == pytest.approx(run.last_finish_s + overhead)
+    # 400 tokens of answer after the first one's first token, 10 after the second's
+    assert run.e2e_s[0] - run.ttft_s[0] > 10 * (run.e2e_s[1] - run.ttft_s[1]) > 0
+
+
+@pytest.mark.parametrize("cfg", one_pod_fleets(), ids=["simple", "vllm"])
+def test_the_summary_gives_the_json_clients_end_to_end_p90_only_when_there_are_some(
+    tmp_path: Path, cfg: object
+) -> None:
+    from scoring.replay.report import summarize
+
+    trace = load_trace(write_mooncake(tmp_path, busy_rows(n_conv=3, turns=2)))
+    streamed = summarize(replay_policy(trace, Heard(), cfg))  # type: ignore[arg-type]
+    assert streamed["json_e2e_p90_s"] is None
+    assert streamed["e2e_p90_s"] > streamed["ttft_p90_s"] > 0
+    run = replay_policy(trace, Heard(), cfg, json_share=0.5)  # type: ignore[arg-type]
+    half = summarize(run)
+    json_e2e = sorted(e for e, j in zip(run.e2e_s, run.json_answer, strict=True) if j)
+    assert len(json_e2e) == len(trace.requests) // 2
+    assert half["json_e2e_p90_s"] in json_e2e
+    assert half["json_e2e_p90_s"] >= json_e2e[len(json_e2e) // 2]

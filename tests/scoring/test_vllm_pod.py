@@ -415,8 +415,9 @@ def test_a_prompt_as_long_as_max_model_len_is_rejected_and_left_out_of_ttft(
     rows = [(0, [1], 400, 3), (10, [2, 3], 1024, 3)]
     trace = load_trace(write_mooncake(tmp_path, rows))
     out = replay_policy(trace, build_policy("round_robin"), fleet(spec(max_model_len=1024), pods=1))
-    assert out.rejected == 1 and math.isnan(out.ttft_s[1])
+    assert out.rejected == 1 and math.isnan(out.ttft_s[1]) and math.isnan(out.e2e_s[1])
     assert summarize(out)["ttft_p99_s"] == out.ttft_s[0]
+    assert summarize(out)["e2e_p99_s"] == out.e2e_s[0]
 
 
 # --- presets and the CLI ------------------------------------------------------------
