@@ -383,6 +383,8 @@ def print_report(summary: dict[str, Any], rows: list[Row], runs: list[LiveRun]) 
                 f" {', '.join(f'{x.ttft_p90_ms:.0f}' for x in mine)} |"
                 f" {', '.join(f'{x.hit_rate:.3f}' for x in mine)} |"
             )
+        if not runs:  # --rounds 0: the replay alone, nothing live to agree with
+            continue
         for metric, a in s["agreement"].items():
             sep = a["pairs_separated"]
             if metric == "ttft_p90_calm":
@@ -400,6 +402,8 @@ def print_report(summary: dict[str, Any], rows: list[Row], runs: list[LiveRun]) 
                 f" live round vs round {', '.join(f'{t:.2f}' for t in a['tau_between_rounds'])};"
                 f" pairs the replay separates: {sep['agree']}/{sep['pairs']} agree live"
             )
+    if not runs:
+        return
     loads = [r.load_avg for r in runs]
     lags = [r.send_lag_p99_ms for r in runs]
     print(
