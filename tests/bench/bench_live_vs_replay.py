@@ -33,6 +33,11 @@ answer, which it appends), so its requests depend on timing and on the pod's out
 this client sends fixed bodies at fixed times, which a trace reproduces token for token.
 ``bench_live_quality.py`` runs aiperf against the same kvroute policies for the headline.
 
+``--param POLICY.KEY=VALUE`` (repeatable) is passed to the replay, whose printed
+parameter set the live router takes: with ``--pod-model vllm`` the replay tells ``cost``
+the preset's slowdown, as ``kvroute calibrate`` tells an operator, and
+``--param cost.decode_slowdown_per_running=null`` runs the default as shipped instead.
+
 ``--variant NAME@LABEL=PATH`` adds a row: policy NAME run with ``PYTHONPATH=PATH`` (both
 the replay and the live router; the pods stay this checkout's), e.g. another branch's
 ``cost``.
@@ -136,6 +141,10 @@ def run_replay(
         argv = replay_argv(args, trace, tokenizer)
         for r in group:
             argv += ["--policy", r.policy]
+        named = {r.policy for r in group}
+        for item in args.param:  # each policy's own, in every group that runs it
+            if item.split(".", 1)[0] in named:
+                argv += ["--param", item]
         done = subprocess.run(
             argv,
             env=tree_env(path),
@@ -430,6 +439,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3, help="live runs per policy and seed")
     ap.add_argument("--policies", nargs="+", default=POLICIES)
     ap.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="P@L=DIR")
+    ap.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="POLICY.KEY=VALUE",
+        help="a policy parameter for the replay (YAML value), which the live router then "
+        "runs with too, e.g. cost.decode_slowdown_per_running=null: cost as shipped, "
+        "learning its slowdown, where the preset would tell it one",
+    )
     ap.add_argument("--margin", type=float, default=0.10, help="relative gap that separates a pair")
     ap.add_argument(
         "--calm-lag-ms",
