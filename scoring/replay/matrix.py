@@ -324,15 +324,13 @@ def add_ratios(cell_result: dict[str, Any]) -> None:
     and its end-to-end p90 over the best one (``e2e_p90_vs_best``) where every policy
     has one (a run from before session 28 has none)."""
     pols = cell_result["policies"]
-    for q in ("p50", "p90", "p99"):
-        key = f"ttft_{q}_s"
+    keys = [(f"ttft_{q}_s", f"{q}_vs_best") for q in ("p50", "p90", "p99")]
+    if all(m.get("e2e_p90_s") is not None for m in pols.values()):
+        keys.append(("e2e_p90_s", "e2e_p90_vs_best"))
+    for key, ratio in keys:
         best = min(m[key] for m in pols.values())
         for m in pols.values():
-            m[f"{q}_vs_best"] = m[key] / best if best > 0 else 1.0
-    if all(m.get("e2e_p90_s") is not None for m in pols.values()):
-        best = min(m["e2e_p90_s"] for m in pols.values())
-        for m in pols.values():
-            m["e2e_p90_vs_best"] = m["e2e_p90_s"] / best if best > 0 else 1.0
+            m[ratio] = m[key] / best if best > 0 else 1.0
 
 
 # --- the whole matrix ---------------------------------------------------------------
@@ -389,9 +387,9 @@ def summarize(results: Sequence[dict[str, Any]], seeds: Sequence[int]) -> dict[s
     """Per policy, for the tuning seed (``seeds[0]``), the held-out seeds (the rest) and
     all: cells, geometric mean of TTFT p90 / best, cells within 1.05x of the best, the
     worst ratio and its cell, mean hit rate / pooled ceiling, geometric mean of the
-    end-to-end p90 / best.  A result repeated from
-    the tuning seed (``same_as_seed``: a Mooncake cell) counts once, for the tuning
-    seed: held-out groups hold only traces the tuning seed did not see."""
+    end-to-end p90 / best.  A result repeated from the tuning seed (``same_as_seed``: a
+    Mooncake cell) counts once, for the tuning seed: held-out groups hold only traces
+    the tuning seed did not see."""
     groups = {"tuning": list(seeds[:1]), "held_out": list(seeds[1:]), "all": list(seeds)}
     policies = list(dict.fromkeys(p for r in results for p in r["policies"]))
     out: dict[str, Any] = {
