@@ -191,14 +191,18 @@ def fleet_defaults(name: str, cfg: FleetConfig | VllmFleetConfig) -> dict[str, A
     The peers get what their own docs tell an operator to set: llm-d's affinity filter
     says to retune ``peakPrefillThroughput`` to the deployment's prefill rate; Dynamo's
     router asks only for the block size, which every request carries.  vLLM pods'
-    rates come from their preset (:meth:`EngineSpec.prefill_rate_tokens_per_s`,
-    :meth:`EngineSpec.decode_slowdown_per_running`); they have no CPU tier."""
+    prefill rate comes from their preset (:meth:`EngineSpec.prefill_rate_tokens_per_s`:
+    ``cost``'s prior, which it then learns); they have no CPU tier.  ``cost``'s slowdown per
+    running request is left unset, as `kvroute serve` ships it, so it is learned from
+    clean first tokens here as it is live; ``--param
+    cost.decode_slowdown_per_running=X`` tells it one (``kvroute calibrate`` prints an
+    engine's: :meth:`EngineSpec.decode_slowdown_per_running`)."""
     if isinstance(cfg, VllmFleetConfig):
         prefill_rate = cfg.engine.prefill_rate_tokens_per_s()
     else:
         prefill_rate = cfg.prefill_rate
     if name == "cost" and isinstance(cfg, VllmFleetConfig):
-        return dict(cfg.engine.cost_params())
+        return {"prefill_rate_tokens_per_s": prefill_rate}
     if name == "cost" and isinstance(cfg, FleetConfig):
         return {
             "prefill_rate_tokens_per_s": prefill_rate,

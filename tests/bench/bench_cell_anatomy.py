@@ -2,8 +2,7 @@
 window, and per pod over a stretch of the trace, for several policies side by side.
 
     python tests/bench/bench_cell_anatomy.py --cell rag_bursty/p8-equal/medium/load80 \\
-        --seed 107 --policy cost --policy precise_prefix \\
-        --variant learned=cost:decode_slowdown_per_running=null --pods-from 40 --pods-to 120
+        --seed 107 --policy cost --policy precise_prefix --pods-from 40 --pods-to 120
 
 The matrix (``bench_quality_matrix.py``) says *that* a policy's p90 lost in a cell; this
 says *when* and *where*.  It replays the cell as the matrix does (same trace, fleet and

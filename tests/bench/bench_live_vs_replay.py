@@ -34,9 +34,10 @@ this client sends fixed bodies at fixed times, which a trace reproduces token fo
 ``bench_live_quality.py`` runs aiperf against the same kvroute policies for the headline.
 
 ``--param POLICY.KEY=VALUE`` (repeatable) is passed to the replay, whose printed
-parameter set the live router takes: with ``--pod-model vllm`` the replay tells ``cost``
-the preset's slowdown, as ``kvroute calibrate`` tells an operator, and
-``--param cost.decode_slowdown_per_running=null`` runs the default as shipped instead.
+parameter set the live router takes.  With ``--pod-model vllm`` the replay gives ``cost``
+the preset's prefill rate as its prior and leaves its slowdown unset, as shipped (learned
+from clean first tokens); ``--param cost.decode_slowdown_per_running=X`` tells it one, as
+``kvroute calibrate`` would tell an operator.
 
 ``--variant NAME@LABEL=PATH`` adds a row: policy NAME run with ``PYTHONPATH=PATH`` (both
 the replay and the live router; the pods stay this checkout's), e.g. another branch's
@@ -445,8 +446,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="POLICY.KEY=VALUE",
         help="a policy parameter for the replay (YAML value), which the live router then "
-        "runs with too, e.g. cost.decode_slowdown_per_running=null: cost as shipped, "
-        "learning its slowdown, where the preset would tell it one",
+        "runs with too, e.g. cost.decode_slowdown_per_running=0.0015: a slowdown told, "
+        "where cost as shipped learns one",
     )
     ap.add_argument("--margin", type=float, default=0.10, help="relative gap that separates a pair")
     ap.add_argument(

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from scoring.policies import build_policy
+from scoring.policies.cost_params import CostParams
 from scoring.policies.registry import available_policies
 from scoring.replay.cli import fleet_defaults, main
 from scoring.replay.engine import PolicyRun, replay_policy
@@ -375,6 +376,20 @@ def test_every_registered_policy_replays_on_vllm_pods(tmp_path: Path) -> None:
         assert sum(out["requests_per_pod"]) == n, name
         assert out["rejected"] == 0 and 0 < out["ttft_p50_s"] <= out["ttft_p99_s"], name
         assert 0 <= out["hit_rate"] < 1 and out["engine_steps"] > 0, name
+
+
+def test_the_replay_runs_cost_as_kvroute_serve_ships_it_on_vllm_pods() -> None:
+    """Only the prefill rate is handed over, as the prior an operator may set; the slowdown
+    per running request is left unset, so the replay learns it as a live router does."""
+    cfg = fleet(PRESETS["llama3-8b-h100"])
+    given = fleet_defaults("cost", cfg)
+    assert given == {"prefill_rate_tokens_per_s": cfg.engine.prefill_rate_tokens_per_s()}
+    shipped = CostParams().model_dump()
+    replayed = build_policy("cost", given).params.model_dump()
+    assert replayed["decode_slowdown_per_running"] is None
+    assert {k: v for k, v in replayed.items() if k != "prefill_rate_tokens_per_s"} == {
+        k: v for k, v in shipped.items() if k != "prefill_rate_tokens_per_s"
+    }
 
 
 def test_the_replay_is_deterministic(tmp_path: Path) -> None:
