@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from router.sim.pod import SimPod
 from router.sim.settings import SimSettings
-from scoring.replay.cli import parse_engine_params
+from scoring.replay.fleet_args import parse_engine_params
 from scoring.replay.preset_file import resolve_engine
 
 

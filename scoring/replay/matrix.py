@@ -37,10 +37,10 @@ from typing import Any
 
 from scoring.policies.registry import available_policies, build_policy
 from scoring.replay.ceilings import infinite_ceiling, pooled_ceiling
-from scoring.replay.cli import fleet_defaults
 from scoring.replay.engine import PolicyRun, replay_policy
 from scoring.replay.families import bursty, family_params, rag
 from scoring.replay.families import generate as generate_family
+from scoring.replay.fleet_args import fleet_defaults
 from scoring.replay.offered_load import load_rates, scale_to_load, span_s, working_set_tokens
 from scoring.replay.presets import resolve_preset
 from scoring.replay.report import summarize as summarize_run

@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from scoring.policies.registry import available_policies, build_policy
-from scoring.replay.cli import fleet_defaults
 from scoring.replay.engine import PolicyRun, replay_policy
+from scoring.replay.fleet_args import fleet_defaults
 from scoring.replay.matrix import (
     POD_MODELS,
     cell_replay_input,

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from scoring.policies import build_policy
-from scoring.replay.cli import build_parser, fleet_config, fleet_defaults, run
+from scoring.replay.cli import build_parser, run
 from scoring.replay.engine import replay_policy
+from scoring.replay.fleet_args import fleet_config, fleet_defaults
 from scoring.replay.trace import load_trace
 from scoring.replay.vllm_pod import VllmFleetConfig
 from scoring.replay.workload import percentile

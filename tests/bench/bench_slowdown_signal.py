@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from scoring.policies import cost_ledger
 from scoring.policies.registry import build_policy
 from scoring.policies.slowdown_fit import SlowdownFit
-from scoring.replay.cli import fleet_defaults
 from scoring.replay.engine import replay_policy
+from scoring.replay.fleet_args import fleet_defaults
 from scoring.replay.matrix import cell_replay_input, quick_matrix
 from scoring.replay.matrix import select as select_cells
 from scoring.replay.vllm_pod import VllmFleetConfig

@@ -12,8 +12,8 @@ from scoring.blocks import BlockHasher
 from scoring.compiled import build_kind
 from scoring.index.speculative import SpeculativeIndex
 from scoring.policies import build_policy
-from scoring.replay.cli import fleet_defaults
 from scoring.replay.engine import replay_policy
+from scoring.replay.fleet_args import fleet_defaults
 from scoring.replay.matrix import Cell, fleet_for, load_workload, pod_fleet
 from scoring.replay.offered_load import scale_to_load
 

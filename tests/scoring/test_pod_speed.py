@@ -13,8 +13,9 @@ import pytest
 
 from scoring.policies import build_policy
 from scoring.replay import matrix
-from scoring.replay.cli import fleet_defaults, main, parse_pod_speed
+from scoring.replay.cli import main
 from scoring.replay.engine import replay_policy
+from scoring.replay.fleet_args import fleet_defaults, parse_pod_speed
 from scoring.replay.offered_load import offered_load
 from scoring.replay.presets import PRESETS
 from scoring.replay.simpod import ReplayConfigError

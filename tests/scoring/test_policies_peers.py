@@ -16,8 +16,9 @@ from scoring.policies.dynamo import DynamoPolicy, softmax_pick
 from scoring.policies.llmd import LlmdPolicy
 from scoring.policies.prefill_load import ActivePrefill
 from scoring.policies.registry import PolicyConfigError
-from scoring.replay.cli import fleet_defaults, main
+from scoring.replay.cli import main
 from scoring.replay.engine import replay_policy
+from scoring.replay.fleet_args import fleet_defaults
 from scoring.replay.report import summarize
 from scoring.replay.trace import load_trace
 from tests.scoring.test_replay import conversations, fleet, write_jsonl

@@ -12,8 +12,9 @@ from scoring.policies import build_policy
 from scoring.policies.base import Decision, PodView, RouteRequest
 from scoring.policies.round_robin import RoundRobinPolicy
 from scoring.replay.ceilings import infinite_ceiling, pooled_ceiling
-from scoring.replay.cli import fleet_defaults, main
+from scoring.replay.cli import main
 from scoring.replay.engine import replay_policy
+from scoring.replay.fleet_args import fleet_defaults
 from scoring.replay.report import summarize
 from scoring.replay.simpod import FleetConfig, ReplayConfigError
 from scoring.replay.trace import load_trace, mooncake_keys

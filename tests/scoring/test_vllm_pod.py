@@ -13,8 +13,9 @@ import pytest
 from scoring.policies import build_policy
 from scoring.policies.cost_params import CostParams
 from scoring.policies.registry import available_policies
-from scoring.replay.cli import fleet_defaults, main
+from scoring.replay.cli import main
 from scoring.replay.engine import PolicyRun, replay_policy
+from scoring.replay.fleet_args import fleet_defaults
 from scoring.replay.kv_blocks import BlockPool
 from scoring.replay.presets import PRESETS, EngineSpec, PresetError, resolve_preset
 from scoring.replay.report import summarize
