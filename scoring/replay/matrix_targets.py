@@ -4,6 +4,8 @@ For the *tuning* seed (``seeds[0]``) and the *held-out* seeds (the rest), each c
 counted once (a Mooncake cell repeated from the tuning seed is left out of the held-out
 group, as :func:`scoring.replay.matrix.summarize` does):
 
+* ``cells`` — the cells the policy ran in; ``compared`` — those where another policy
+  ran too, the denominator of the counts below;
 * ``vs_best_peer`` — the geometric mean of TTFT p90 / the cell's best (every policy in
   the run) of the best *peer* (the lowest such geomean among ``peers``) over the
   policy's own: the target is >= 1.3;
@@ -45,7 +47,7 @@ def targets(
         if not rows:
             continue
         ratios: dict[str, list[float]] = {p: [] for p in (policy, *peers)}
-        p90_ok = hit_ok = bal_ok = bal_cells = 0
+        p90_ok = hit_ok = bal_ok = bal_cells = compared = 0
         misses: list[tuple[float, str, int]] = []
         for r in rows:
             pols = r["policies"]
@@ -57,6 +59,7 @@ def targets(
             others = [m for p, m in pols.items() if p != policy]
             if not others:
                 continue
+            compared += 1
             best_other = min(m["ttft_p90_s"] for m in others)
             ratio = me["ttft_p90_s"] / best_other if best_other > 0 else 1.0
             if ratio <= P90_WITHIN + 1e-9:
@@ -73,6 +76,7 @@ def targets(
         own = geomean(ratios[policy])
         out[group] = {
             "cells": len(rows),
+            "compared": compared,
             "geomean": own,
             "best_peer": best_peer,
             "best_peer_geomean": peer_means.get(best_peer) if best_peer else None,
@@ -93,7 +97,7 @@ def targets_table(policy: str, figures: dict[str, dict[str, Any]]) -> str:
 
     def col(g: str, row: str) -> str:
         f = figures[g]
-        n = f["cells"]
+        n = f["compared"]
         if row == "peer":
             return (
                 f"{f['vs_best_peer']:.2f}x ({f['best_peer']} {f['best_peer_geomean']:.2f} "
@@ -101,6 +105,8 @@ def targets_table(policy: str, figures: dict[str, dict[str, Any]]) -> str:
                 if f["best_peer"]
                 else "no peer in the run"
             )
+        if n == 0:
+            return "no other policy in the run"
         if row == "p90":
             worst = ", ".join(f"{c} s{s} {x:.2f}x" for x, c, s in f["misses"][:3])
             return f"{f['p90_within']} / {n}" + (f" (worst: {worst})" if worst else "")

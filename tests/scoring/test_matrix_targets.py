@@ -50,3 +50,12 @@ def test_targets_compare_with_the_best_other_policy_and_the_best_peer_per_seed_g
     assert held["vs_best_peer"] == pytest.approx((2.0 * 1.02) ** 0.5 / 3**0.5)
     table = targets_table("cost", f)
     assert "| 1 / 2 (worst: a s1 3.00x) |" in table
+
+
+def test_a_policy_run_alone_has_no_other_to_be_within_of() -> None:
+    f = targets([cell("a", 0, cost=(1.0, 0.9, 1.1))], [0], "cost")
+    assert (f["tuning"]["cells"], f["tuning"]["compared"], f["tuning"]["p90_within"]) == (1, 0, 0)
+    table = targets_table("cost", f)
+    assert "0 / 1" not in table
+    assert table.count("no other policy in the run") == 3
+    assert "no peer in the run" in table
