@@ -25,7 +25,7 @@ from router.fleet.pods import PodSpec
 from router.fleet.roles import Role, parse_role, parse_role_map, role_overrides
 
 if TYPE_CHECKING:
-    from router.fleet.discovery import K8sDiscoverySettings
+    from router.fleet.k8s import K8sDiscoverySettings
 
 
 #: GIE's annotation: the comma-separated target ports of a pod that take traffic

@@ -58,7 +58,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from router.config import Settings
 from router.events import IndexSink, KVEventSubscriber
 from router.events.sink import make_sink as _make_sink
-from router.fleet.discovery import DiscoveryError, build_discovery
+from router.fleet.discovery import build_discovery
+from router.fleet.k8s import DiscoveryError
 from router.fleet.pods import PodRegistry, PodSpec
 from router.fleet.scrape import MetricsScraper
 from router.fleet.tls import PodTLS, make_client

@@ -37,7 +37,7 @@ def test_kubernetes_discovery_may_list_and_watch_pods_and_nothing_else() -> None
     (role,) = of_kind(docs, "Role")
     (binding,) = of_kind(docs, "RoleBinding")
     assert role["metadata"]["namespace"] == NAMESPACE
-    # router/fleet/discovery.py K8sDiscovery: GET .../pods?labelSelector (list) and ?watch=1
+    # router/fleet/k8s.py K8sDiscovery: GET .../pods?labelSelector (list) and ?watch=1
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",

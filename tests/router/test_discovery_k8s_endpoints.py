@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from router.fleet.discovery import (
-    K8sDiscovery,
-    pod_is_ready,
-)
+from router.fleet.k8s import K8sDiscovery
+from router.fleet.k8s_endpoints import pod_is_ready
 from tests.router.discovery_support import (
     FakeApiServer,
     k8s_discovery_running,

@@ -10,11 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from router.fleet.discovery import (
-    DiscoveryError,
-    K8sDiscovery,
-    K8sDiscoverySettings,
-)
+from router.fleet.k8s import DiscoveryError, K8sDiscovery, K8sDiscoverySettings
 from router.fleet.pods import PodRegistry
 from tests.router.discovery_support import (
     FakeApiServer,

@@ -11,9 +11,9 @@ from router.fleet.discovery import (
     DiscoverySettings,
     DnsDiscovery,
     DnsDiscoverySettings,
-    K8sDiscovery,
     StaticDiscovery,
 )
+from router.fleet.k8s import K8sDiscovery
 from router.fleet.pods import PodRegistry, PodSpec
 from router.fleet.roles import RoleError, can_decode, can_prefill, parse_role, parse_role_map
 from tests.router.discovery_support import k8s_pod, k8s_settings

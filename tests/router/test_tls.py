@@ -27,7 +27,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from router.config import Settings
-from router.fleet.discovery import K8sDiscovery
+from router.fleet.k8s import K8sDiscovery
 from router.fleet.pod_connection import PAUSE_ABOVE
 from router.fleet.pods import PodRegistry
 from router.fleet.tls import PodTLS
