@@ -387,8 +387,10 @@ class CostPolicy(CostLedger):
                     # every block of the prompt no running request holds: its cached
                     # prefix too, which leaves the free pool when it is hit (vLLM counts
                     # evictable computed blocks as blocks to allocate)
-                    need: float = float(prompt_blocks - held)
                     waiting = pod.waiting
+                    if self._held_admitted and held:  # only admitted requests hold blocks
+                        held = self.held_by_admitted(name, keys, waiting)
+                    need: float = float(prompt_blocks - held)
                     if waiting:
                         if unit < 0:
                             unit = self.backlog_unit_tokens(prompt) / bs

@@ -13,7 +13,7 @@ from typing import Any
 from scoring.policies.base import PodView, Policy, PolicyParams, RouteRequest
 from scoring.policies.cost_params import CostParams
 from scoring.policies.hot_set import HotBlocks
-from scoring.policies.inflight import InflightPrefixes
+from scoring.policies.inflight import InflightPrefixes, shared_blocks
 from scoring.policies.learned_rate import MEMORY, PRIOR_WEIGHT, ModelRates, PrefillRate
 from scoring.policies.queued import QueuedPrompts
 from scoring.policies.slowdown_fit import SlowdownFit
@@ -43,11 +43,16 @@ class CostLedger(Policy):
         self._live: dict[tuple[str, int], list[Any]] = {}
         # pod -> the block-key chains of the live requests routed there
         self._inflight = InflightPrefixes()
+        # pod -> the chains of those past their first token (admitted: blocks allocated)
+        self._admitted = InflightPrefixes()
+        self._held_admitted = self._p.kv_held_admitted and self._p.count_inflight_prefixes
         # pod -> the chains of those not yet past prefill, in the order routed (kept
         # only for the queue rule: the LRU distance, with a hot set, replaces it)
         self._queued = QueuedPrompts()
         self._lru = self._p.lru_evictions and self._p.hot_window_s > 0
         self._queue_rule = self._p.queue_evictions and not self._lru
+        # the queue is kept for the rule, or to tell the admitted requests from the waiting
+        self._keep_queue = self._queue_rule or self._held_admitted
         # pod -> [sum of prompt tokens, sum of predicted uncached tokens] of live requests
         self._ledger: dict[str, list[int]] = {}
         # [sum of predicted uncached tokens, count] of every live request
@@ -161,13 +166,13 @@ class CostLedger(Policy):
                 self._capacity[pod] = cap
         old = self._live.pop(key, None)
         if old is not None:  # routed again (retry): forget the first attempt
-            self._unledger(old[0], old[1], old[2], request.block_keys)
+            self._unledger(old[0], old[1], old[2], request.block_keys, old[4] >= 0.0)
         now = self.clock()
         self._live[key] = [pod, prompt, miss, now, -1.0, rates, clean]
         keys = request.block_keys
         if keys and self._count_inflight:
             self._inflight.add(pod, keys)
-        if self._queue_rule:
+        if self._keep_queue:
             self._queued.add(pod, key, keys)
         entry = self._ledger.setdefault(pod, [0, 0])
         entry[0] += prompt
@@ -192,6 +197,26 @@ class CostLedger(Policy):
             a[0] = now
             a[2] += 1.0
 
+    def held_by_admitted(self, pod: str, keys: Sequence[int], waiting: int | None) -> int:
+        """Leading blocks of ``keys`` that live requests routed to ``pod`` and admitted
+        there hold (``kv_held_admitted``).  vLLM allocates a request's blocks when it
+        admits it, FCFS: of the requests not yet past their first token, the newest
+        ``waiting`` (the pod's scraped count) still wait and hold none; the older ones
+        are prefilling.  Past its first token a request holds its blocks until its end.
+        ``waiting`` unknown: every live request counts as admitted."""
+        held = self._admitted.hits(pod, keys) if pod in self._admitted.pods else 0
+        queue = self._queued.pods.get(pod)
+        if queue:
+            n = len(queue) - (waiting if waiting else 0)  # the oldest n are admitted
+            for chain in queue.values():  # oldest first
+                if n <= 0:
+                    break
+                n -= 1
+                s = shared_blocks(chain, keys)
+                if s > held:
+                    held = s
+        return held
+
     def bound_arrival_rate(self, pod: str, now: float) -> float:
         """Requests a second routed to ``pod``, each counted by the share of its prompt
         the pod held (0 before two routings, or with ``count_arrivals`` off): the rate
@@ -204,7 +229,7 @@ class CostLedger(Policy):
         return a[3] / gap if gap > 0.0 else 0.0
 
     def on_first_token(self, request: RouteRequest, pod: str, ttft_s: float) -> None:
-        if self._queue_rule:
+        if self._keep_queue:
             self._queued.remove((request.request_id, id(request)))
         live = self._live.get((request.request_id, id(request)))
         if live is not None and live[0] == pod and live[4] < 0.0:
@@ -212,22 +237,25 @@ class CostLedger(Policy):
             prefill = live[5].prefill
             if prefill is not None:
                 prefill.first_token(pod, live[3], now, live[2], live[6], live[5].slowdown)
+            if self._held_admitted and request.block_keys:
+                self._admitted.add(pod, request.block_keys)
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
         key = (request.request_id, id(request))
-        if self._queue_rule:
+        if self._keep_queue:
             self._queued.remove(key)
         old = self._live.pop(key, None)
         if old is not None:
             if old[4] >= 0.0 and self._kv:
                 old[5].decode.add(self.clock() - old[4])
-            self._unledger(old[0], old[1], old[2], request.block_keys)
+            self._unledger(old[0], old[1], old[2], request.block_keys, old[4] >= 0.0)
 
     def on_pod_removed(self, pod: str) -> None:
         self._ledger.pop(pod, None)
         if self._arrivals is not None:
             self._arrivals.pop(pod, None)
         self._inflight.forget(pod)
+        self._admitted.forget(pod)
         self._queued.forget(pod)
         self._hot.forget(pod)
         self._capacity.pop(pod, None)
@@ -238,9 +266,13 @@ class CostLedger(Policy):
             self._live_total[0] -= self._live.pop(rid)[2]
             self._live_total[1] -= 1
 
-    def _unledger(self, pod: str, prompt: int, miss: int, keys: Sequence[int]) -> None:
+    def _unledger(
+        self, pod: str, prompt: int, miss: int, keys: Sequence[int], admitted: bool
+    ) -> None:
         if keys and self._count_inflight:
             self._inflight.remove(pod, keys)
+            if admitted and self._held_admitted:
+                self._admitted.remove(pod, keys)
         entry = self._ledger.get(pod)
         if entry is not None:
             entry[0] -= prompt

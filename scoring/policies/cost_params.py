@@ -84,6 +84,12 @@ class CostParams(PolicyParams):
         description="add the wait for KV room on a pod whose free blocks cannot hold the "
         "request and the queue ahead (scoring/policies/kv_admission.py)",
     )
+    kv_held_admitted: bool = Field(
+        default=True,
+        description="in the wait for KV room, count as held only the prefix blocks of live "
+        "requests past their first token (admitted: their blocks are allocated); a "
+        "request still waiting holds none",
+    )
     charge_decode_steps: bool = Field(
         default=True,
         description="with the slowdown learned: charge (waiting + 1) x running x the seconds "

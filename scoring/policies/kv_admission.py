@@ -19,13 +19,17 @@ newcomer that does not fit waits for decodes, seconds, not for prefill::
     k        = ceil(deficit / per_run)                          # finishes needed
     wait     = decode_s * min(k, running + 1) / (running + 1)
 
-``held`` is the leading blocks of the prompt that live requests routed to the pod
-carry (``cost``'s in-flight prefixes: held, so not taken from the pool again; 0 with
-``count_inflight_prefixes`` off), ``unit`` the mean uncached blocks of the requests the
-policy routes (its
-``backlog_unit_tokens``), ``decode_s`` the mean time from a request's first token to its
-end, learned from what the router sees (:class:`DecodeTimes`; streamed requests only:
-a non-streamed answer has no first token of its own), 0 until then.  The ``k``-th of
+``held`` is the leading blocks of the prompt that live requests routed to the pod and
+admitted there carry (``cost``'s in-flight prefixes: held, so not taken from the pool
+again; 0 with ``count_inflight_prefixes`` off).  vLLM allocates blocks at admission,
+FCFS: a request past its first token is admitted, and of those not yet past it the pod's
+scraped ``waiting`` are the newest, still unadmitted, holding nothing
+(:meth:`scoring.policies.cost_ledger.CostLedger.held_by_admitted`;
+``kv_held_admitted: false``: every live request holds).  ``unit`` the mean uncached
+blocks of the requests the policy routes (its ``backlog_unit_tokens``), ``decode_s`` the
+mean time from a request's first token to its end, learned from what the router sees
+(:class:`DecodeTimes`; streamed requests only: a non-streamed answer has no first token
+of its own), 0 until then.  The ``k``-th of
 ``running`` finishes spread over a decode time comes after about ``k / (running + 1)``
 of it.  Without ``capacity_blocks``, ``kv_usage`` or a learned ``decode_s`` the wait
 is 0.

@@ -120,3 +120,57 @@ def test_a_cached_prefix_no_live_request_holds_needs_room_too() -> None:
     assert decision.pod == "shared"
     # "idle": 41 blocks needed, 21 short, one of two runs frees 40: a third of 3 s
     assert decision.scores["idle"] - decision.scores["shared"] == pytest.approx(1.0)
+
+
+def test_with_kv_held_admitted_a_waiting_request_holds_no_blocks() -> None:
+    """vLLM allocates a request's blocks when it admits it, FCFS: a live request still
+    waiting (the newest of the pod's scraped ``waiting``) holds none, so a newcomer
+    sharing its prefix needs room for all of it.  Admitted (prefilling: no longer among
+    the waiting, or past its first token) it holds them and the newcomer shares them;
+    at its end they are freed (cached, evictable: room to allocate again)."""
+    now = [0.0]
+    policy = learned_decode_time(3.0, now, kv_held_admitted=True)
+    prefix = list(range(100, 140))
+    holder = req("h", prefix)
+    policy.on_routed(holder, "shared")
+
+    def gap(waiting: int | None) -> float:
+        pods = []
+        for name in ("idle", "shared"):  # 20 of 100 blocks free; both caches hold it
+            v = view(capacity_blocks=100, kv_usage=0.8, running=2, hits={"GPU": 40})
+            v.pod = name
+            v.waiting = waiting
+            pods.append(v)
+        scores = policy.pick(req("n", [*prefix, 999]), pods).scores
+        return scores["idle"] - scores["shared"]
+
+    # "idle" needs 41 blocks, 21 short: one of two runs frees 40, a third of 3 s
+    assert gap(0) == pytest.approx(1.0)  # nobody waits: the holder is prefilling
+    assert gap(None) == pytest.approx(1.0)  # not scraped: counted as admitted
+    # the holder is the one waiting: "shared" needs 41 blocks too, after the
+    # waiting one's (the queue ahead is admitted first): no better than "idle"
+    assert gap(1) <= 0.0
+    policy.on_first_token(holder, "shared", 0.1)
+    assert gap(1) == pytest.approx(1.0)  # past its first token: admitted
+    policy.on_complete(holder, "shared")
+    assert gap(0) == pytest.approx(0.0)  # ended: its blocks are free, cached
+
+
+def test_a_retried_or_removed_holder_leaves_no_admitted_blocks_behind() -> None:
+    """The chains of admitted requests are dropped with the request: routed again to
+    another pod (a retry), or with its pod gone."""
+    from scoring.policies import cost
+
+    now = [0.0]
+    policy = learned_decode_time(3.0, now, kv_held_admitted=True)
+    assert isinstance(policy, cost.CostPolicy)
+    holder = req("h", list(range(100, 140)))
+    policy.on_routed(holder, "a")
+    policy.on_first_token(holder, "a", 0.1)
+    assert policy._admitted.has("a")
+    policy.on_routed(holder, "b")  # a retry: the first attempt is forgotten
+    assert not policy._admitted.has("a") and not policy._admitted.has("b")
+    policy.on_first_token(holder, "b", 0.1)
+    assert policy._admitted.has("b")
+    policy.on_pod_removed("b")
+    assert not policy._admitted.has("b") and policy._queued.pods == {}
