@@ -47,7 +47,8 @@ class CostLedger(Policy):
         self._admitted = InflightPrefixes()
         self._held_admitted = self._p.kv_held_admitted and self._p.count_inflight_prefixes
         # pod -> the chains of those not yet past prefill, in the order routed (kept
-        # only for the queue rule: the LRU distance, with a hot set, replaces it)
+        # for the queue rule, which the LRU distance replaces when there is a hot set,
+        # and for kv_held_admitted: the newest of them are the pod's waiting requests)
         self._queued = QueuedPrompts()
         self._lru = self._p.lru_evictions and self._p.hot_window_s > 0
         self._queue_rule = self._p.queue_evictions and not self._lru
