@@ -25,11 +25,14 @@ in this process and reports CPU microseconds per request (``time.process_time``)
                      no metrics): what ``app`` costs with nothing of kvroute's own.
 
 ``--callgrind`` (run under ``valgrind --tool=callgrind``): the counters are zeroed
-before and dumped after each measured stage (``callgrind_control``), and the stage's
-instructions per request are printed: a measure that does not move with the machine's
-load (valgrind runs ~50x slower: the health checks' and scrapes' timeouts are raised, and
-the disconnect watchers start after 1 s, not 20 ms).  Name the interpreter itself, not a
-wrapper script (pyenv's shim): valgrind does not follow into a child process.
+before and dumped after each measured stage (``callgrind_control``), and the number of
+requests in the dump is printed: the dump's total (``callgrind_annotate FILE.N``,
+"PROGRAM TOTALS") over that number is the stage's instructions per request, a measure
+that does not move with the machine's load.  The table's microseconds are valgrind's CPU
+time, not the stage's (valgrind runs ~50x slower: the health checks' and scrapes'
+timeouts are raised, and the disconnect watchers start after 1 s, not 20 ms).  Name the
+interpreter itself, not a wrapper script (pyenv's shim): valgrind does not follow into a
+child process.
 
 ``app - relay floor`` is the routing work per request; uvicorn and the client socket come
 on top of ``app`` (bench_router_overhead.py measures the whole process).  The pods run in
@@ -208,7 +211,8 @@ CALLGRIND = False
 
 async def callgrind(command: str, requests: int = 0) -> None:
     """Under callgrind (``--callgrind``): zero (``-z``) or dump (``-d``) this process's
-    counters; after a dump, print the instructions of the window per request."""
+    counters; after a dump, print how many requests it holds (its total over that is
+    the instructions per request)."""
     if not CALLGRIND:
         return
     import os
@@ -218,7 +222,10 @@ async def callgrind(command: str, requests: int = 0) -> None:
     )
     await proc.wait()
     if command == "-d":
-        print(f"# callgrind: dumped {requests} requests (callgrind_annotate the last dump)")
+        print(
+            f"# callgrind: dumped {requests} requests (instructions per request: the "
+            f"last dump's PROGRAM TOTALS / {requests})"
+        )
 
 
 async def measure(
