@@ -205,7 +205,7 @@ class CostLedger(Policy):
         ``waiting`` (the pod's scraped count) still wait and hold none; the older ones
         are prefilling.  Past its first token a request holds its blocks until its end.
         ``waiting`` unknown: every live request counts as admitted."""
-        held = self._admitted.hits(pod, keys) if pod in self._admitted.pods else 0
+        held = self._admitted.hits(pod, keys)
         queue = self._queued.pods.get(pod)
         if queue:
             n = len(queue) - (waiting if waiting else 0)  # the oldest n are admitted
