@@ -14,11 +14,12 @@ Multi-turn reuse (tokenizers with ``render_chat`` + ``encode_with_cuts``, i.e.
 
 1. the chat is always rendered in full (templates may look at the whole conversation,
    so rendered text is never assumed to be a concatenation of per-message pieces);
-2. a bounded LRU maps ``H(context, messages[:i])`` -> the previous request's rendered text
-   ``P``, token ids, block keys and *cut points*.  The context hashes tools, template
-   kwargs, LoRA name and cache salt.  The longest message prefix of this request present in
-   the LRU is the candidate; failing that (a new conversation), the latest request that
-   shares its first 1-4 messages (system prompt, tools, few-shot examples);
+2. a bounded LRU (:mod:`router.tokenize.turn_cache`) maps ``H(context, messages[:i])``
+   -> the previous request's rendered text ``P``, token ids, block keys and *cut
+   points*.  The context hashes tools, template kwargs, LoRA name and cache salt.  The
+   longest message prefix of this request present in the LRU is the candidate; failing
+   that (a new conversation), the latest request that shares its first 1-4 messages
+   (system prompt, tools, few-shot examples);
 3. ``L`` = common prefix length of the new text ``T`` and ``P``.  A cut point ``(c, k)`` of
    ``P`` (a non-normalized added token such as ``<|im_start|>`` starting at character
    ``c``, token index ``k``) is usable when ``c + M <= L`` (``M`` = longest added token),
@@ -36,29 +37,21 @@ is switched off for this encoder.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import sys
 import threading
 from array import array
 from bisect import bisect_right
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
-
-import xxhash
 
 from router.tokenize.aio import chat_chars
 from router.tokenize.base import PromptTokenizer, TokenizeError
+from router.tokenize.turn_cache import TurnCache, TurnEntry, common_prefix_len, prefix_hashes
 from scoring.blocks import BlockHasher
 
 log = logging.getLogger(__name__)
-
-#: a request whose own history is not cached may still reuse the latest cached request
-#: that shares its first 1..SHARED_PREFIX_MESSAGES messages (system prompt, few-shot turns)
-SHARED_PREFIX_MESSAGES = 4
-_h64 = xxhash.xxh3_64_intdigest
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,56 +97,6 @@ class EncoderStats:
     verify_failures: int = 0
 
 
-@dataclass(slots=True)
-class _Entry:
-    text: str
-    ids: array  # array('I')
-    cuts: list[tuple[int, int]]
-    keys: list[int]
-    size: int = field(default=0)
-
-
-def common_prefix_len(a: str, b: str) -> int:
-    """Length of the longest common prefix of ``a`` and ``b`` (C-speed slice compares)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
-    while hi - lo > 32:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    while lo < hi and a[lo] == b[lo]:
-        lo += 1
-    return lo
-
-
-def _digest(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str).encode()
-
-
-def _message_digest(msg: Any) -> int:
-    """64-bit digest of one message: role + content fast path, canonical JSON otherwise."""
-    if type(msg) is dict and len(msg) == 2:
-        role, content = msg.get("role"), msg.get("content")
-        if type(role) is str and type(content) is str:
-            return _h64(
-                b"\x01" + role.encode() + b"\x00" + content.encode("utf-8", "surrogatepass")
-            )
-    if isinstance(msg, Mapping):
-        content = msg.get("content")
-        rest = {k: v for k, v in msg.items() if k != "content"}
-        body = (
-            content.encode("utf-8", "surrogatepass")
-            if isinstance(content, str)
-            else _digest(content)
-        )
-        return _h64(_digest(rest) + b"\x00" + body)
-    return _h64(_digest(msg))
-
-
 class ChatEncoder:
     """Token ids + block keys for chat and completion requests (see the module docstring).
 
@@ -185,10 +128,7 @@ class ChatEncoder:
         self.offload_chars = offload_chars
         self.stats = EncoderStats()
         self.reuse_enabled = isinstance(tokenizer, IncrementalTokenizer) and max_entries > 0
-        self._lru: OrderedDict[int, _Entry] = OrderedDict()
-        #: H(context, messages[:i]) for i <= SHARED_PREFIX_MESSAGES -> key of the latest entry
-        self._heads: OrderedDict[int, int] = OrderedDict()
-        self._cached_tokens = 0
+        self._turns = TurnCache(max_entries, max_cached_tokens)
         self._lock = threading.Lock()
         self._count_errors = _CountErrors(self)
         self._remote_prompt = getattr(tokenizer, "aencode_prompt", None)
@@ -369,8 +309,8 @@ class ChatEncoder:
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
         )
-        chain = self._prefix_hashes(messages, tools, chat_template_kwargs, lora, cache_salt)
-        entry = self._find(chain)
+        chain = prefix_hashes(messages, tools, chat_template_kwargs, lora, cache_salt)
+        entry = self._turns.find(chain)
         result: tuple[list[int], list[tuple[int, int]], list[int], int] | None = None
         if entry is not None:
             result = self._extend(tok, entry, text, lora, cache_salt)
@@ -398,11 +338,7 @@ class ChatEncoder:
                     ids, cuts = tok.encode_with_cuts(text)
                     keys = self.hasher.keys(ids, lora=lora, cache_salt=cache_salt)
                     reused = 0
-        self._store(
-            chain[-1],
-            _Entry(text, array("I", ids), cuts, keys),
-            heads=chain[1 : SHARED_PREFIX_MESSAGES + 1],
-        )
+        self._turns.store(chain, TurnEntry(text, array("I", ids), cuts, keys))
         with self._lock:
             self.stats.requests += 1
             self.stats.tokenized_tokens += len(ids) - reused
@@ -412,7 +348,7 @@ class ChatEncoder:
         return EncodedPrompt(ids, keys, approximate=self.approximate, reused_tokens=reused)
 
     def _extend(
-        self, tok: Any, entry: _Entry, text: str, lora: str | None, cache_salt: str | None
+        self, tok: Any, entry: TurnEntry, text: str, lora: str | None, cache_salt: str | None
     ) -> tuple[list[int], list[tuple[int, int]], list[int], int] | None:
         if text == entry.text:
             return entry.ids.tolist(), list(entry.cuts), list(entry.keys), len(entry.ids)
@@ -433,60 +369,6 @@ class ChatEncoder:
             keys = self.hasher.keys(ids, lora=lora, cache_salt=cache_salt)
         return ids, cuts, keys, tok_cut
 
-    def _prefix_hashes(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Any,
-        kwargs: Any,
-        lora: str | None,
-        cache_salt: str | None,
-    ) -> list[int]:
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-            raise TokenizeError("messages must be a list of message objects")
-        h = _h64(_digest([tools, kwargs, lora, cache_salt]))
-        chain = [h]
-        for msg in messages:
-            h = _h64(h.to_bytes(8, "little") + _message_digest(msg).to_bytes(8, "little"))
-            chain.append(h)
-        return chain
-
-    def _find(self, chain: list[int]) -> _Entry | None:
-        with self._lock:
-            for h in reversed(chain[1:]):
-                entry = self._lru.get(h)
-                if entry is not None:
-                    self._lru.move_to_end(h)
-                    return entry
-            # a new conversation that starts like a recent one (shared system prompt, tools,
-            # few-shot examples): the latest request with the same first messages
-            for h in reversed(chain[1 : SHARED_PREFIX_MESSAGES + 1]):
-                key = self._heads.get(h)
-                entry = self._lru.get(key) if key is not None else None
-                if entry is not None:
-                    return entry
-        return None
-
-    def _store(self, key: int, entry: _Entry, heads: Sequence[int] = ()) -> None:
-        entry.size = len(entry.ids)
-        if entry.size > self.max_cached_tokens:
-            return
-        with self._lock:
-            old = self._lru.pop(key, None)
-            if old is not None:
-                self._cached_tokens -= old.size
-            self._lru[key] = entry
-            self._cached_tokens += entry.size
-            for h in heads:
-                self._heads[h] = key
-                self._heads.move_to_end(h)
-            while len(self._heads) > SHARED_PREFIX_MESSAGES * max(1, self.max_entries):
-                self._heads.popitem(last=False)
-            while self._lru and (
-                len(self._lru) > self.max_entries or self._cached_tokens > self.max_cached_tokens
-            ):
-                _, evicted = self._lru.popitem(last=False)
-                self._cached_tokens -= evicted.size
-
     def _should_verify(self) -> bool:
         if not self.verify_every:
             return False
@@ -495,8 +377,7 @@ class ChatEncoder:
 
     def cache_info(self) -> dict[str, int]:
         """Entries and tokens currently held by the reuse cache."""
-        with self._lock:
-            return {"entries": len(self._lru), "tokens": self._cached_tokens}
+        return self._turns.info()
 
 
 class _CountErrors:
