@@ -77,6 +77,8 @@ class PolicyRun:
     wall_s: float = 0.0
     rejected: int = 0  # requests the pods refused (TTFT nan)
     preemptions: int = 0  # vllm: running requests preempted for lack of KV blocks
+    #: vllm: the preemptions per pod (empty for the simple pod model, which has none)
+    pod_preemptions: list[int] = field(default_factory=list)
     engine_steps: int = 0  # vllm: engine steps run, all pods
 
 
@@ -314,7 +316,8 @@ def _replay_vllm(
         end_step(end, pod_i, math.inf)
     run.busy_s = [p.busy_s for p in pods]
     run.last_finish_s = last_finish
-    run.preemptions = sum(p.sched.preemptions for p in pods)
+    run.pod_preemptions = [p.sched.preemptions for p in pods]
+    run.preemptions = sum(run.pod_preemptions)
     run.engine_steps = sum(p.sched.steps for p in pods)
     return run
 

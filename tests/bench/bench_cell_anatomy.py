@@ -11,6 +11,9 @@ and prints:
 
 * per ``--window`` seconds of arrivals: requests, then per policy the window's TTFT p90,
   its hit rate and the pods it used;
+* per pod over the whole run: its speed and cache, requests, prompt and computed
+  tokens, busy seconds, preemptions (vLLM pod model) and TTFT p50 / p90;
+* TTFT by prompt size (the trace's quartiles), per group of pods of one speed;
 * per pod, for arrivals between ``--pods-from`` and ``--pods-to`` seconds (default: the
   window with the largest spread of p90 between the policies): requests, mean prompt,
   hit rate, median and largest TTFT.
@@ -24,6 +27,7 @@ virtual: the numbers do not depend on the machine.  About 10-60 s a policy.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
@@ -60,6 +64,89 @@ def windows(arrivals: Sequence[float], width: float) -> list[tuple[float, list[i
     for i, a in enumerate(arrivals):
         out[int((a - t0) // width)].append(i)
     return [(k * width, out[k]) for k in sorted(out)]
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    s = sorted(x for x in xs if x == x)
+    return s[min(len(s) - 1, int(len(s) * q))] if s else float("nan")
+
+
+def speeds_of(cfg: Any) -> list[float]:
+    """Each pod's speed (1.0 where the fleet gives none)."""
+    speed = getattr(cfg, "pod_speed", None)
+    return list(speed) if speed else [1.0] * cfg.pods
+
+
+def capacities_of(cfg: Any) -> list[int]:
+    """Each pod's KV cache in tokens."""
+    caps = getattr(cfg, "pod_capacity_tokens", None)
+    return list(caps) if caps else [cfg.capacity_tokens] * cfg.pods
+
+
+def whole_run_by_pod(runs: dict[str, PolicyRun], cfg: Any) -> None:
+    """Per pod over the whole run: its speed and cache, the requests and prompt tokens
+    sent there, those it computed (not hit), its busy seconds, its preemptions and TTFT.
+    Two policies that give the pods the same work (computed tokens, busy seconds) and
+    different TTFT differ in *which* requests they sent where."""
+    speeds, caps = speeds_of(cfg), capacities_of(cfg)
+    for label, run in runs.items():
+        print()
+        print(f"Whole run per pod, `{label}`:")
+        print()
+        print(
+            "| pod | speed | cache (tokens) | requests | prompt tokens | computed tokens "
+            "| busy (s) | preemptions | TTFT p50 / p90 (s) |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        by_pod: dict[int, list[int]] = defaultdict(list)
+        for i, pod in enumerate(run.pod_of):
+            by_pod[pod].append(i)
+        for pod in range(len(run.pods)):
+            mine = by_pod.get(pod, [])
+            prompt = sum(run.prompt_tokens[i] for i in mine)
+            computed = prompt - sum(run.hit_tokens[i] for i in mine)
+            ttft = [run.ttft_s[i] for i in mine]
+            pre = run.pod_preemptions[pod] if run.pod_preemptions else 0
+            print(
+                f"| {run.pods[pod]} | {speeds[pod]:.2f} | {caps[pod]:,} | {len(mine)} "
+                f"| {prompt:,} | {computed:,} | {run.busy_s[pod]:.0f} | {pre} "
+                f"| {quantile(ttft, 0.5):.2f} / {quantile(ttft, 0.9):.2f} |"
+            )
+
+
+def by_prompt_size(runs: dict[str, PolicyRun], cfg: Any) -> None:
+    """TTFT by the prompt's size quartile (the trace's own quartiles), per group of
+    pods of one speed: a policy that sends long prompts to one kind of pod and short
+    ones to another shows here, with what it cost each size."""
+    speeds = speeds_of(cfg)
+    groups = sorted(set(speeds), reverse=True)
+    first = next(iter(runs.values()))
+    prompts = first.prompt_tokens
+    edges = [quantile([float(p) for p in prompts], q) for q in (0.25, 0.5, 0.75)]
+    bounds = [0.0, *edges, float("inf")]
+    for label, run in runs.items():
+        tail = quantile(run.ttft_s, 0.9)
+        print()
+        print(f"TTFT by prompt size, `{label}` (p90 of the run {tail:.2f} s):")
+        print()
+        heads = " | ".join(
+            f"speed {g:.2f}: requests / p50 / p90 / in the run's tail" for g in groups
+        )
+        print(f"| prompt tokens | {heads} |")
+        print("|---|" + "---:|" * len(groups))
+        for lo, hi in itertools.pairwise(bounds):
+            cols = []
+            for g in groups:
+                idx = [
+                    i for i, p in enumerate(prompts) if lo <= p < hi and speeds[run.pod_of[i]] == g
+                ]
+                t = [run.ttft_s[i] for i in idx]
+                over = sum(1 for x in t if x > tail)
+                cols.append(
+                    f"{len(idx)} / {quantile(t, 0.5):.2f} / {quantile(t, 0.9):.2f} / {over}"
+                )
+            top = "" if hi == float("inf") else f"{hi:,.0f}"
+            print(f"| {lo:,.0f}-{top} | " + " | ".join(cols) + " |")
 
 
 def main() -> int:
@@ -119,6 +206,8 @@ def main() -> int:
             cols.append(f"{q:.1f} / {hit_rate(run, idx):.2f} / {len({run.pod_of[i] for i in idx})}")
         spread.append((max(p90s) / max(min(p90s), 1e-9), start))
         print(f"| {start:.0f} | {len(idx)} | " + " | ".join(cols) + " |")
+    whole_run_by_pod(runs, cfg)
+    by_prompt_size(runs, cfg)
     lo = a.pods_from if a.pods_from is not None else max(spread)[1]
     hi = a.pods_to if a.pods_to is not None else lo + a.window
     t0 = arrivals[0] if arrivals else 0.0

@@ -317,6 +317,16 @@ def test_stepping_over_decode_runs_gives_the_results_of_stepping_one_by_one(
     assert fast.ttft_s == pytest.approx(slow.ttft_s, rel=1e-9)
     assert fast.last_finish_s == pytest.approx(slow.last_finish_s, rel=1e-9)
     assert fast.preemptions == slow.preemptions
+    assert fast.pod_preemptions == slow.pod_preemptions
+
+
+def test_a_replay_counts_each_pods_preemptions(tmp_path: Path) -> None:
+    trace = load_trace(write_mooncake(tmp_path, busy_rows()))
+    engine = spec(cost=PRESETS["llama3-8b-h100"].cost, max_num_batched_tokens=2048)
+    cfg = fleet(engine)
+    run = replay_policy(trace, build_policy("cost"), cfg)
+    assert len(run.pod_preemptions) == cfg.pods
+    assert sum(run.pod_preemptions) == run.preemptions > 0
 
 
 # --- the replay ---------------------------------------------------------------------
