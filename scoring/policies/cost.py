@@ -173,6 +173,12 @@ while it is busy)::
 held (scoring/policies/cost_ledger.py, ``bound_arrival_rate``).  It fixes mixed long and
 short prompts on small unequal fleets and loses RAG fleets of 8 pods
 (scoring/policies/README.md has the matrix), so it is off by default.
+
+With ``queue_slowness`` (opt-in) a pod's ``queued_tokens`` are multiplied by its own
+pace, ``CostLedger.slowness(pod)``: its first tokens' FCFS service times over the rate
+fit's predictions, shrunk to 1 (1 while nothing is queued there).  It helps 16-pod
+fleets mixing two speeds under overload and loses overloaded 4-pod unequal-cache
+Mooncake cells (scoring/policies/README.md, "Each pod's pace"), so it is off by default.
 """
 
 from __future__ import annotations
@@ -306,6 +312,7 @@ class CostPolicy(CostLedger):
         # hot counts are read only where they matter: every pod when misses are
         # charged their evictions, else only the tied pods of a room tie-break
         charge = self._charge
+        slow = self._slow is not None
         decode_s = learned.decode.mean_s if self._kv else 0.0
         # the seconds a running request adds to each engine step (learned: 0 when told)
         step_s = fit.per_running_s if fit is not None and self._charge_steps else 0.0
@@ -373,10 +380,12 @@ class CostPolicy(CostLedger):
             if slowdown_per or step_s:
                 scraped_running = pod.running
                 running = pod.inflight if scraped_running is None else scraped_running
+            # the queue at the pace this pod has kept (queue_slowness), else the model's
+            work = q * self.slowness(name) + w * miss if slow and q > 0.0 else q + w * miss
             if slowdown_per:
-                t = (q + w * miss) / rate * (1.0 + slowdown_per * running) + transfer
+                t = work / rate * (1.0 + slowdown_per * running) + transfer
             else:  # (the same float: x * 1.0 is x)
-                t = (q + w * miss) / rate + transfer
+                t = work / rate + transfer
             if step_s:  # one step of the running decodes per request queued, and its own
                 waiting = pod.waiting
                 t += ((waiting if waiting else 0) + 1) * step_s * running

@@ -6,6 +6,7 @@ and each model's learned rates.  ``pick`` reads all of it; the router's hooks
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +22,10 @@ from scoring.policies.slowdown_fit import SlowdownFit
 #: routings a pod's arrival rate remembers (``measured``'s default memory, not tuned)
 ARRIVAL_MEMORY = 64.0
 _KEEP = 1.0 - 1.0 / ARRIVAL_MEMORY
+#: what each first token keeps of a pod's service sums (queue_slowness: the prefill
+#: rate's memory)
+_FORGET = 1.0 - 1.0 / MEMORY
+_INF = math.inf
 
 
 class CostLedger(Policy):
@@ -63,6 +68,9 @@ class CostLedger(Policy):
         # pod -> the capacity (blocks) its last view carried: bounds its hot set
         self._capacity: dict[str, int] = {}
         self._kv = self._p.kv_admission
+        # pod -> [service seconds, predicted seconds, observations, its last first token]
+        # of its first tokens, forgotten over MEMORY observations (queue_slowness)
+        self._slow: dict[str, list[float]] | None = {} if self._p.queue_slowness else None
         # model -> what its pods showed: the prefill rate, learned from first tokens
         # (None: the setting, fixed), and the time from first token to end (each live
         # request's first token: in _live)
@@ -235,11 +243,50 @@ class CostLedger(Policy):
         live = self._live.get((request.request_id, id(request)))
         if live is not None and live[0] == pod and live[4] < 0.0:
             now = live[4] = self.clock()
+            if self._slow is not None:
+                self._served(pod, live[3], now, live[2], live[5])
             prefill = live[5].prefill
             if prefill is not None:
                 prefill.first_token(pod, live[3], now, live[2], live[6], live[5].slowdown)
             if self._held_admitted and request.block_keys:
                 self._admitted.add(pod, request.block_keys)
+
+    def _served(
+        self, pod: str, routed_at: float, now: float, tokens: float, rates: ModelRates
+    ) -> None:
+        """A first token on ``pod`` (queue_slowness): its FCFS service time (from its
+        routing, or from the pod's previous first token if later) against the model's
+        fit of it (per-request time + predicted uncached tokens at the rate).  Bad input
+        (the prefill rate counts it) is left out."""
+        if not (0.0 <= tokens < _INF and -_INF < routed_at <= now < _INF):
+            return
+        s = self._slow.get(pod)  # type: ignore[union-attr]
+        if s is None:
+            s = self._slow[pod] = [0.0, 0.0, 0.0, routed_at]  # type: ignore[index]
+        start = routed_at if s[3] < routed_at else s[3]
+        if now > s[3]:
+            s[3] = now
+        prefill = rates.prefill
+        if prefill is None:  # the rate is the setting: no per-request time
+            predicted = tokens / self._p.prefill_rate_tokens_per_s
+        else:
+            predicted = prefill.per_request_s() + tokens / prefill.rate
+        g = _FORGET
+        s[0] = s[0] * g + (now - start if now > start else 0.0)
+        s[1] = s[1] * g + predicted
+        s[2] = s[2] * g + 1.0
+
+    def slowness(self, pod: str) -> float:
+        """How much longer than the model's fit ``pod``'s first tokens took (service
+        seconds over predicted, both summed over its recent first tokens), shrunk to 1
+        by PRIOR_WEIGHT observations of its mean prediction: 1 for a pod not seen yet,
+        above 1 for a pod slower than its fleet (an older GPU, a queue stalled for KV
+        room or by preemptions' recompute), below 1 for a faster one."""
+        s = self._slow.get(pod) if self._slow is not None else None
+        if s is None or s[2] <= 0.0 or s[1] <= 0.0:
+            return 1.0
+        prior = PRIOR_WEIGHT * s[1] / s[2]
+        return (s[0] + prior) / (s[1] + prior)
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
         key = (request.request_id, id(request))
@@ -260,6 +307,8 @@ class CostLedger(Policy):
         self._queued.forget(pod)
         self._hot.forget(pod)
         self._capacity.pop(pod, None)
+        if self._slow is not None:
+            self._slow.pop(pod, None)
         for m in self._models.values():
             if m.prefill is not None:
                 m.prefill.forget(pod)

@@ -101,6 +101,12 @@ class CostParams(PolicyParams):
         description="count as followers of a miss the requests bound to the pod by its cache "
         "that arrive while the miss's prefill runs (opt-in; scoring/policies/README.md)",
     )
+    queue_slowness: bool = Field(
+        default=False,
+        description="price each pod's queued tokens by how much slower (or faster) than "
+        "the model's fit its first tokens came: FCFS service times over predicted ones, "
+        "per pod, shrunk to 1 (opt-in; scoring/policies/README.md)",
+    )
     learn_prefill_rate: bool = Field(
         default=True,
         description="learn each model's prefill rate from first tokens "

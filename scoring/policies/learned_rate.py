@@ -138,6 +138,15 @@ class PrefillRate:
         self.rejected[reason] += 1
         return reason
 
+    def per_request_s(self) -> float:
+        """The fit's intercept, at the rate in use: the seconds a request takes whatever
+        its tokens (an engine step, the API server); 0 before any observation, never
+        negative."""
+        if self._n <= 0.0:
+            return 0.0
+        c = (self._sec - self._tok / self.rate) / self._n
+        return c if c > 0.0 else 0.0
+
     def forget(self, pod: str) -> None:
         """``pod`` left the fleet."""
         self._last.pop(pod, None)
