@@ -257,7 +257,8 @@ class CostLedger(Policy):
         """A first token on ``pod`` (queue_slowness): its FCFS service time (from its
         routing, or from the pod's previous first token if later) against the model's
         fit of it (per-request time + predicted uncached tokens at the rate).  Bad input
-        (the prefill rate counts it) is left out."""
+        is left out (the learned prefill rate counts it as rejected; with the rate set,
+        not learned, nothing does)."""
         if not (0.0 <= tokens < _INF and -_INF < routed_at <= now < _INF):
             return
         s = self._slow.get(pod)  # type: ignore[union-attr]
