@@ -71,6 +71,8 @@ class CostLedger(Policy):
         # pod -> [service seconds, predicted seconds, observations, its last first token]
         # of its first tokens, forgotten over MEMORY observations (queue_slowness)
         self._slow: dict[str, list[float]] | None = {} if self._p.queue_slowness else None
+        # first tokens the pace left out that no learned rate counted
+        self._slow_rejected = 0
         # model -> what its pods showed: the prefill rate, learned from first tokens
         # (None: the setting, fixed), and the time from first token to end (each live
         # request's first token: in _live)
@@ -106,6 +108,8 @@ class CostLedger(Policy):
                     out[reason] = out.get(reason, 0) + n
             if m.decode.rejected:
                 out["decode time"] = out.get("decode time", 0) + m.decode.rejected
+        if self._slow_rejected:
+            out["first token"] = self._slow_rejected
         return out
 
     def _rates_of(self, model: str) -> ModelRates:
@@ -257,9 +261,11 @@ class CostLedger(Policy):
         """A first token on ``pod`` (queue_slowness): its FCFS service time (from its
         routing, or from the pod's previous first token if later) against the model's
         fit of it (per-request time + predicted uncached tokens at the rate).  Bad input
-        is left out (the learned prefill rate counts it as rejected; with the rate set,
-        not learned, nothing does)."""
+        is left out and counted (by the learned prefill rate, which sees it too; with the
+        rate set, here: ``rejected_observations()["first token"]``)."""
         if not (0.0 <= tokens < _INF and -_INF < routed_at <= now < _INF):
+            if rates.prefill is None:
+                self._slow_rejected += 1
             return
         s = self._slow.get(pod)  # type: ignore[union-attr]
         if s is None:

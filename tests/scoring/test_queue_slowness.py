@@ -115,6 +115,8 @@ def test_nonsense_first_tokens_leave_the_pace_alone() -> None:
         p.on_complete(r, "a")
     assert p.slowness("a") == before
     assert math.isfinite(p.slowness("a"))
+    # counted (the rate is set here, so the pace counts them itself)
+    assert p.rejected_observations() == {"first token": 3}
 
 
 def test_a_pod_that_leaves_is_forgotten() -> None:
