@@ -43,13 +43,17 @@ from scoring.replay.matrix import (
     parse_variant,
     quick_matrix,
 )
-from scoring.replay.simpod import ReplayConfigError
+from scoring.replay.simpod import PerPod, ReplayConfigError
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of the answered requests' TTFT (a refused request's is NaN)."""
+    s = sorted(x for x in xs if x == x)
+    return s[min(len(s) - 1, int(len(s) * q))] if s else float("nan")
 
 
 def p90(xs: Sequence[float]) -> float:
-    """The 90th percentile of the answered requests' TTFT (a refused request's is NaN)."""
-    s = sorted(x for x in xs if x == x)
-    return s[min(len(s) - 1, int(len(s) * 0.9))] if s else float("nan")
+    return quantile(xs, 0.9)
 
 
 def hit_rate(run: PolicyRun, idx: Sequence[int]) -> float:
@@ -66,29 +70,13 @@ def windows(arrivals: Sequence[float], width: float) -> list[tuple[float, list[i
     return [(k * width, out[k]) for k in sorted(out)]
 
 
-def quantile(xs: Sequence[float], q: float) -> float:
-    s = sorted(x for x in xs if x == x)
-    return s[min(len(s) - 1, int(len(s) * q))] if s else float("nan")
-
-
-def speeds_of(cfg: Any) -> list[float]:
-    """Each pod's speed (1.0 where the fleet gives none)."""
-    speed = getattr(cfg, "pod_speed", None)
-    return list(speed) if speed else [1.0] * cfg.pods
-
-
-def capacities_of(cfg: Any) -> list[int]:
-    """Each pod's KV cache in tokens."""
-    caps = getattr(cfg, "pod_capacity_tokens", None)
-    return list(caps) if caps else [cfg.capacity_tokens] * cfg.pods
-
-
-def whole_run_by_pod(runs: dict[str, PolicyRun], cfg: Any) -> None:
+def whole_run_by_pod(runs: dict[str, PolicyRun], cfg: PerPod) -> None:
     """Per pod over the whole run: its speed and cache, the requests and prompt tokens
     sent there, those it computed (not hit), its busy seconds, its preemptions and TTFT.
     Two policies that give the pods the same work (computed tokens, busy seconds) and
     different TTFT differ in *which* requests they sent where."""
-    speeds, caps = speeds_of(cfg), capacities_of(cfg)
+    speeds = [cfg.speed(i) for i in range(cfg.pods)]
+    caps = [cfg.pod_capacity(i) for i in range(cfg.pods)]
     for label, run in runs.items():
         print()
         print(f"Whole run per pod, `{label}`:")
@@ -114,11 +102,11 @@ def whole_run_by_pod(runs: dict[str, PolicyRun], cfg: Any) -> None:
             )
 
 
-def by_prompt_size(runs: dict[str, PolicyRun], cfg: Any) -> None:
+def by_prompt_size(runs: dict[str, PolicyRun], cfg: PerPod) -> None:
     """TTFT by the prompt's size quartile (the trace's own quartiles), per group of
     pods of one speed: a policy that sends long prompts to one kind of pod and short
     ones to another shows here, with what it cost each size."""
-    speeds = speeds_of(cfg)
+    speeds = [cfg.speed(i) for i in range(cfg.pods)]
     groups = sorted(set(speeds), reverse=True)
     first = next(iter(runs.values()))
     prompts = first.prompt_tokens
