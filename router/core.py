@@ -62,7 +62,10 @@ class RouterCore:
         self.policy: Policy = build_policy(settings.policy, settings.policy_params)
         self.metrics.add_collector(
             lambda: policy_families(
-                self.policy.name, self.policy.learned(), self.policy.rejected_observations()
+                self.policy.name,
+                self.policy.learned(),
+                self.policy.rejected_observations(),
+                self.policy.learned_per_pod(),
             )
         )
         self._tokenizers: dict[str, PromptTokenizer] = {}

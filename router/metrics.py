@@ -373,13 +373,18 @@ def gauge_family(name: str, doc: str, label: str, values: dict[str, float]) -> M
 
 
 def policy_families(
-    name: str, learned: dict[tuple[str, str], float], rejected: dict[str, int]
+    name: str,
+    learned: dict[tuple[str, str], float],
+    rejected: dict[str, int],
+    per_pod: dict[tuple[str, str], float] | None = None,
 ) -> list[Metric]:
     """``kvroute_policy_learned{policy,quantity,model}`` (what the routing policy learned
-    from its observations: ``cost``'s prefill rate and decode time, per model) and
+    from its observations: ``cost``'s prefill rate and decode time, per model),
+    ``kvroute_policy_pod_learned{policy,quantity,pod}`` (what it learned per pod:
+    ``cost``'s pace with ``queue_slowness``) and
     ``kvroute_policy_rejected_observations_total{policy,reason}`` (observations it
-    dropped as bad input), built at scrape time from ``Policy.learned`` and
-    ``Policy.rejected_observations``."""
+    dropped as bad input), built at scrape time from ``Policy.learned``,
+    ``Policy.learned_per_pod`` and ``Policy.rejected_observations``."""
     fam = GaugeMetricFamily(
         "kvroute_policy_learned",
         "What the routing policy learned from its observations, by quantity and model",
@@ -387,6 +392,13 @@ def policy_families(
     )
     for (quantity, model), v in learned.items():
         fam.add_metric([name, quantity, model], v)
+    pods = GaugeMetricFamily(
+        "kvroute_policy_pod_learned",
+        "What the routing policy learned about each pod from its observations, by quantity",
+        labels=["policy", "quantity", "pod"],
+    )
+    for (quantity, pod), v in (per_pod or {}).items():
+        pods.add_metric([name, quantity, pod], v)
     bad = CounterMetricFamily(
         "kvroute_policy_rejected_observations",
         "Observations the routing policy dropped as bad input, by reason",
@@ -394,4 +406,4 @@ def policy_families(
     )
     for reason, n in rejected.items():
         bad.add_metric([name, reason], n)
-    return [fam, bad]
+    return [fam, pods, bad]

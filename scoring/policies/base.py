@@ -130,6 +130,12 @@ class Policy(ABC):
         model) (``kvroute_policy_learned``; a policy that learns nothing returns ``{}``)."""
         return {}
 
+    def learned_per_pod(self) -> dict[tuple[str, str], float]:
+        """What the policy has learned about each pod, by (quantity, pod)
+        (``kvroute_policy_pod_learned``; a policy that learns nothing per pod returns
+        ``{}``).  A pod the policy forgot (``on_pod_removed``) is left out."""
+        return {}
+
     def rejected_observations(self) -> dict[str, int]:
         """Observations the policy dropped as bad input, by reason
         (``kvroute_policy_rejected_observations_total``)."""

@@ -100,6 +100,13 @@ class CostLedger(Policy):
                 out["decode_seconds", model] = m.decode.mean_s
         return out
 
+    def learned_per_pod(self) -> dict[tuple[str, str], float]:
+        """With ``queue_slowness``, each pod's pace (:meth:`slowness`) as the scores use
+        it, for the pods whose first tokens it has seen."""
+        if self._slow is None:
+            return {}
+        return {("queue_slowness", pod): self.slowness(pod) for pod in self._slow}
+
     def rejected_observations(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for m in self._models.values():

@@ -7,7 +7,7 @@ import importlib.metadata
 import math
 import platform
 
-from tests.router.app_rig import MODEL, Rig, chat
+from tests.router.app_rig import MODEL, Rig, chat, running, sim
 
 # -- explain + metrics ---------------------------------------------------------------------
 
@@ -87,6 +87,31 @@ async def test_metrics_show_what_the_policy_learned_from_streamed_first_tokens(r
         in after
     )
     assert "# TYPE kvroute_policy_rejected_observations_total counter" in after
+
+
+async def test_metrics_show_each_pod_s_pace_when_the_queue_is_priced_by_it() -> None:
+    """With ``cost.queue_slowness`` each pod whose streamed first tokens the policy saw
+    has its pace in ``kvroute_policy_pod_learned`` (finite, positive); by default the
+    family is empty."""
+    series = 'kvroute_policy_pod_learned{pod="sim-0",policy="cost",quantity="queue_slowness"}'
+    async with running([sim(0)], policy_params={"queue_slowness": True}) as rig:
+        assert "# TYPE kvroute_policy_pod_learned gauge" in await rig.metrics()
+        assert series not in await rig.metrics()  # no first token seen yet
+        for i in range(3):
+            r = await rig.client.post(
+                "/v1/chat/completions", json=chat(f"pace {i} " * 30, stream=True)
+            )
+            assert r.status_code == 200, r.text
+        m = await rig.metrics()
+        (line,) = [ln for ln in m.splitlines() if ln.startswith(series)]
+        pace = float(line.rsplit(" ", 1)[1])
+        assert math.isfinite(pace) and pace > 0
+    async with running([sim(0)]) as rig:
+        r = await rig.client.post("/v1/chat/completions", json=chat("pace", stream=True))
+        assert r.status_code == 200, r.text
+        m = await rig.metrics()
+        assert "# TYPE kvroute_policy_pod_learned gauge" in m
+        assert "kvroute_policy_pod_learned{" not in m
 
 
 def test_a_departed_pod_leaves_no_series_behind() -> None:

@@ -128,6 +128,26 @@ def test_a_pod_that_leaves_is_forgotten() -> None:
     assert p.slowness("gone") == 1.0
 
 
+def test_each_seen_pod_s_pace_is_reported_as_the_scores_use_it() -> None:
+    """``learned_per_pod`` (``kvroute_policy_pod_learned``): the pace of every pod whose
+    first tokens were seen, none for a pod never seen or gone, nothing with the option
+    off."""
+    now = [0.0]
+    p = policy_on(now)
+    assert p.learned_per_pod() == {}
+    serve(p, now, "slow", 50, 2.0)
+    serve(p, now, "fast", 50, 0.5)
+    serve(p, now, "gone", 5, 1.0)
+    p.on_pod_removed("gone")
+    learned = p.learned_per_pod()
+    assert set(learned) == {("queue_slowness", "slow"), ("queue_slowness", "fast")}
+    assert learned["queue_slowness", "slow"] == p.slowness("slow") > 1.5
+    assert learned["queue_slowness", "fast"] == p.slowness("fast") < 0.75
+    off = policy_on(now, queue_slowness=False)
+    serve(off, now, "slow", 5, 2.0)
+    assert off.learned_per_pod() == {}
+
+
 def test_the_fit_s_per_request_time_is_its_intercept() -> None:
     rate = PrefillRate(1000.0)
     assert rate.per_request_s() == 0.0  # nothing seen
