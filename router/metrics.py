@@ -376,7 +376,7 @@ def policy_families(
     name: str,
     learned: dict[tuple[str, str], float],
     rejected: dict[str, int],
-    per_pod: dict[tuple[str, str], float] | None = None,
+    per_pod: dict[tuple[str, str], float],
 ) -> list[Metric]:
     """``kvroute_policy_learned{policy,quantity,model}`` (what the routing policy learned
     from its observations: ``cost``'s prefill rate and decode time, per model),
@@ -397,7 +397,7 @@ def policy_families(
         "What the routing policy learned about each pod from its observations, by quantity",
         labels=["policy", "quantity", "pod"],
     )
-    for (quantity, pod), v in (per_pod or {}).items():
+    for (quantity, pod), v in per_pod.items():
         pods.add_metric([name, quantity, pod], v)
     bad = CounterMetricFamily(
         "kvroute_policy_rejected_observations",
