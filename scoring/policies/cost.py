@@ -26,8 +26,8 @@ that lengthening, the slope against the running count alone that the slowdown's 
 learns from clean first tokens (scoring/policies/slowdown_fit.py's ``d``); ``waiting``
 is scraped (0 when unknown), ``running`` as above.  Short prompts that share a step
 are charged a step each (an overestimate); a prompt longer than one step's token
-budget one step (an underestimate).  Held-out seeds 103 and 107 (README, "Session 26"):
-TTFT p90 within 1.05x of the best peer in 12 and 12 of 14 cells, against 10 and 9
+budget one step (an underestimate).  Held-out seeds 103 and 107 (docs/history/quality_matrix.md,
+"Session 26"): TTFT p90 within 1.05x of the best peer in 12 and 12 of 14 cells, against 10 and 9
 without it.
 
 ``queued_tokens`` is the pod's queued prefill work and ``w`` the pod's miss weight,

@@ -14,26 +14,26 @@ the rate setting; ``b``, ``d``: 0) weighing as ``prior_weight`` typical observat
 forgetting like the prefill rate's.  ``d`` is there because a first token needs at least
 one engine step and every running request's decode lengthens every step, however short
 the prompt: in the replay's vLLM pods, 427 tokens beside 121 running requests took 0.39 s
-and 8,017 tokens 0.37 s (README, "Session 23").  A fit without it read that floor as a
-slowdown of the prompt's tokens, and the floor's spread as noise that kept the real
+and 8,017 tokens 0.37 s (docs/history/quality_matrix.md, "Session 23").  A fit without it read that
+floor as a slowdown of the prompt's tokens, and the floor's spread as noise that kept the real
 slowdown under its test.  ``d`` (:attr:`SlowdownFit.per_running_s`, kept >= 0, no
 test) is that step's floor: since session 26 ``cost`` charges it once for each request
 waiting on a pod and once for the newcomer (``charge_decode_steps``,
 scoring/policies/cost.py).  On overloaded pods the clean first tokens show ``d`` and no
 ``b`` (``python tests/bench/bench_slowdown_signal.py``: ``b / a`` within +-0.02, ``d``
-0.4-3.5 ms a running request, README "Session 26").  A burst's queueing and the wait
-for KV room also grow with the running count; a fit over every first token read them as
-a slowdown of 2-4 per running request where the engine's was 0.0015 (README, "Session
-22").  A fit that says a pod prefills faster the more it runs gives 0, and so does one
-whose slope is within two standard errors of 0 (a few early observations read a
-slowdown of 15 per running request on an idle fleet, and the placements it scattered
-never recovered).  The slowdown is always finite and >= 0.
+0.4-3.5 ms a running request, docs/history/quality_matrix.md, "Session 26").  A burst's queueing
+and the wait for KV room also grow with the running count; a fit over every first token read them as
+a slowdown of 2-4 per running request where the engine's was 0.0015
+(docs/history/quality_matrix.md, "Session 22").  A fit that says a pod prefills faster the more it
+runs gives 0, and so does one whose slope is within two standard errors of 0 (a few early
+observations read a slowdown of 15 per running request on an idle fleet, and the placements it
+scattered never recovered).  The slowdown is always finite and >= 0.
 
 The sums take every observation; the solve runs on each of the first
 :data:`REFIT_EVERY`, then on every :data:`REFIT_EVERY`-th (as ``measured``'s fits do,
 scoring/policies/pod_rates.py).  It is over half of the fit's cost (about 9,000 of
-16,500 CPU instructions an observation in the pure-Python build, README "Session 24"),
-and the slowdown drifts over tens of observations, not one.
+16,500 CPU instructions an observation in the pure-Python build, docs/history/quality_matrix.md,
+"Session 24"), and the slowdown drifts over tens of observations, not one.
 """
 
 from __future__ import annotations

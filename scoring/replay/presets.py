@@ -156,8 +156,8 @@ class EngineSpec:
         """``cost``'s two settings this engine implies: its prefill rate (a prior, which
         ``cost`` then learns) and its slowdown per running request (left unset, ``cost``
         learns one from clean first tokens, which in the replay gets a third of the way
-        to what setting it gives, README "Session 22").  ``kvroute calibrate`` prints
-        them for a real engine."""
+        to what setting it gives, docs/history/quality_matrix.md, "Session 22").  ``kvroute
+        calibrate`` prints them for a real engine."""
         return {
             "prefill_rate_tokens_per_s": self.prefill_rate_tokens_per_s(),
             "decode_slowdown_per_running": self.decode_slowdown_per_running(),

@@ -20,8 +20,8 @@ and prints:
 
 A policy that piles a burst onto the pods holding a shared prefix shows as one pod with
 many requests, a high hit rate and a TTFT median many times the others'.  Session 27 found
-the learned ``cost``'s rag_bursty miss that way (README "Session 27").  Replay time is
-virtual: the numbers do not depend on the machine.  About 10-60 s a policy.
+the learned ``cost``'s rag_bursty miss that way (docs/history/quality_matrix.md, "Session 27").
+Replay time is virtual: the numbers do not depend on the machine.  About 10-60 s a policy.
 """
 
 from __future__ import annotations
