@@ -372,6 +372,16 @@ def gauge_family(name: str, doc: str, label: str, values: dict[str, float]) -> M
     return fam
 
 
+def _learned_family(
+    metric: str, doc: str, of: str, policy: str, values: dict[tuple[str, str], float]
+) -> Metric:
+    """A gauge family ``{policy,quantity,<of>}`` of ``values`` keyed (quantity, of)."""
+    fam = GaugeMetricFamily(metric, doc, labels=["policy", "quantity", of])
+    for (quantity, key), v in values.items():
+        fam.add_metric([policy, quantity, key], v)
+    return fam
+
+
 def policy_families(
     name: str,
     learned: dict[tuple[str, str], float],
@@ -385,20 +395,20 @@ def policy_families(
     ``kvroute_policy_rejected_observations_total{policy,reason}`` (observations it
     dropped as bad input), built at scrape time from ``Policy.learned``,
     ``Policy.learned_per_pod`` and ``Policy.rejected_observations``."""
-    fam = GaugeMetricFamily(
+    fam = _learned_family(
         "kvroute_policy_learned",
         "What the routing policy learned from its observations, by quantity and model",
-        labels=["policy", "quantity", "model"],
+        "model",
+        name,
+        learned,
     )
-    for (quantity, model), v in learned.items():
-        fam.add_metric([name, quantity, model], v)
-    pods = GaugeMetricFamily(
+    pods = _learned_family(
         "kvroute_policy_pod_learned",
         "What the routing policy learned about each pod from its observations, by quantity",
-        labels=["policy", "quantity", "pod"],
+        "pod",
+        name,
+        per_pod,
     )
-    for (quantity, pod), v in per_pod.items():
-        pods.add_metric([name, quantity, pod], v)
     bad = CounterMetricFamily(
         "kvroute_policy_rejected_observations",
         "Observations the routing policy dropped as bad input, by reason",
