@@ -35,7 +35,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from scoring.policies.registry import available_policies, build_policy
+from scoring.policies.registry import available_policies, build_policy, policy_class
 from scoring.replay.ceilings import infinite_ceiling, pooled_ceiling
 from scoring.replay.engine import PolicyRun, replay_policy
 from scoring.replay.families import bursty, family_params, rag
@@ -252,11 +252,15 @@ def run_cell(
     pod_model: str = "simpod",
     variants: Sequence[str] = (),
     json_share: float = 0.0,
+    tie_seed: int = 0,
 ) -> dict[str, Any]:
     """Replay every policy (default: every registered one) and every variant
     (:func:`parse_variant`) on ``cell`` for ``seed``; ``json_share`` of the requests
     ask for JSON answers forwarded as they came
-    (:func:`scoring.replay.engine.json_answers`)."""
+    (:func:`scoring.replay.engine.json_answers`).  ``tie_seed`` is the ``seed`` of
+    every policy that breaks ties with one (a variant that sets its own keeps it): which
+    of two pods a policy scores equal gets a request, drawn again, so that a cell's
+    spread over tie seeds is its noise (:mod:`scoring.replay.matrix_ties`)."""
     import time
 
     wall0 = time.perf_counter()
@@ -290,6 +294,14 @@ def run_cell(
         (name, name, {}) for name in (policies or available_policies())
     ]
     runs += [parse_variant(v) for v in variants]
+    if tie_seed:
+        runs = [
+            (n, pol, {**kw, "seed": tie_seed})
+            if "seed" not in kw and "seed" in policy_class(pol).Params.model_fields
+            else (n, pol, kw)
+            for n, pol, kw in runs
+        ]
+        out["tie_seed"] = tie_seed
     for name, policy, params in runs:
         run = _replay(scaled, policy, cfg, params, json_share)
         m = summarize_run(run)

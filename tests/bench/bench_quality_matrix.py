@@ -5,6 +5,7 @@
     python tests/bench/bench_quality_matrix.py --cells 'agentic/*' --cells '*/p16-*/*/load110'
     python tests/bench/bench_quality_matrix.py --merge /tmp/peers.json --merge /tmp/mine.json \
         --seed 0 --seed 1 --seed 2 --targets measured --out /tmp/both
+    python tests/bench/bench_quality_matrix.py --quick --pod-model vllm --tie-seeds 3 --out /tmp/ties
 
 Runs :func:`scoring.replay.matrix.run_matrix` (see that module for the dimensions and
 metrics) and writes ``OUT.md`` (the summary, then one row per cell, seed and policy) and
@@ -48,6 +49,7 @@ from scoring.replay.matrix import (
 )
 from scoring.replay.matrix_report import markdown, summary_table
 from scoring.replay.matrix_targets import targets, targets_table
+from scoring.replay.matrix_ties import ties_table
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
         "token seen, prefill load held to the end (kvroute replay --json-share)",
     )
     ap.add_argument(
+        "--tie-seeds",
+        type=int,
+        default=1,
+        metavar="K",
+        help="replay the matrix under tie seeds 0..K-1 (every policy's tie-break seed) and "
+        "report each cell's spread and --targets' verdict under each (default 1: seed 0 only)",
+    )
+    ap.add_argument(
         "--from-json",
         type=Path,
         metavar="FILE",
@@ -120,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         old = json.loads(a.from_json.read_text())
         print(summary_table(old["summary"]))
         print_targets(old["cells"], old["run"]["seeds"], a.targets)
+        print_ties(old, a.targets)
         return 0
     seeds: list[int] = a.seed or [0]
     if len(set(seeds)) != len(seeds):
@@ -127,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.merge:
         return merge_main(a, argv)
-    if a.jobs < 1 or (a.limit is not None and a.limit < 2) or a.block_size < 1:
-        print("bench_quality_matrix: --jobs >= 1, --limit >= 2, --block-size >= 1", file=sys.stderr)
+    if a.jobs < 1 or (a.limit is not None and a.limit < 2) or a.block_size < 1 or a.tie_seeds < 1:
+        print(
+            "bench_quality_matrix: --jobs >= 1, --limit >= 2, --block-size >= 1, --tie-seeds >= 1",
+            file=sys.stderr,
+        )
         return 2
     if not 0.0 <= a.json_share <= 1.0:
         print(
@@ -162,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_quality_matrix: {exc}", file=sys.stderr)
         return 2
     # a Mooncake cell is replayed once, for the first seed (run_matrix)
-    total = sum(1 for c in cells for s in seeds if c.workload not in MOONCAKE or s == seeds[0])
+    total = a.tie_seeds * sum(
+        1 for c in cells for s in seeds if c.workload not in MOONCAKE or s == seeds[0]
+    )
     done = 0
     wall0 = time.perf_counter()
 
@@ -176,19 +192,24 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
-    results = run_matrix(
-        cells,
-        seeds,
-        jobs=a.jobs,
-        on_result=progress,
-        policies=policies,
-        limit=a.limit,
-        block_size=a.block_size,
-        traces_dir=a.traces,
-        pod_model=a.pod_model,
-        variants=a.variant,
-        json_share=a.json_share,
-    )
+    runs = {
+        tie: run_matrix(
+            cells,
+            seeds,
+            jobs=a.jobs,
+            on_result=progress,
+            policies=policies,
+            limit=a.limit,
+            block_size=a.block_size,
+            traces_dir=a.traces,
+            pod_model=a.pod_model,
+            variants=a.variant,
+            json_share=a.json_share,
+            tie_seed=tie,
+        )
+        for tie in range(a.tie_seeds)
+    }
+    results = runs[0]
     wall_s = time.perf_counter() - wall0
     doc = report(
         argv,
@@ -201,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         json_share=a.json_share,
         jobs=a.jobs,
         wall_s=wall_s,
+        tie_seeds=a.tie_seeds,
     )
+    if a.tie_seeds > 1:  # tie seed 0 is "cells", as in a run without ties
+        doc["ties"] = {str(tie): runs[tie] for tie in range(1, a.tie_seeds)}
     print(f"\n{total} cell runs in {wall_s:.0f} s", file=sys.stderr)
     finish(doc, a.targets, a.out)
     return 0
@@ -256,6 +280,7 @@ def finish(doc: dict[str, Any], policy: str, out: Path | None) -> None:
     results, seeds = doc["cells"], doc["run"]["seeds"]
     print(summary_table(doc["summary"]))
     print_targets(results, seeds, policy)
+    ties = print_ties(doc, policy)
     if out is None:
         return
     base = out.with_suffix("") if out.suffix in (".md", ".json") else out
@@ -264,6 +289,8 @@ def finish(doc: dict[str, Any], policy: str, out: Path | None) -> None:
     text = markdown(doc)
     if any(policy in r["policies"] for r in results):
         text += "\n" + targets_table(policy, targets(results, seeds, policy)) + "\n"
+    if ties:
+        text += "\n" + ties + "\n"
     Path(f"{base}.md").write_text(text)
     print(f"wrote {base}.md and {base}.json", file=sys.stderr)
 
@@ -300,6 +327,16 @@ def merge_runs(
 def print_targets(results: list[dict[str, Any]], seeds: list[int], policy: str) -> None:
     if any(policy in r["policies"] for r in results):
         print("\n" + targets_table(policy, targets(results, seeds, policy)))
+
+
+def print_ties(doc: dict[str, Any], policy: str) -> str:
+    """With ``--tie-seeds``: print and return the tie seeds' table (else "")."""
+    if "ties" not in doc or not any(policy in r["policies"] for r in doc["cells"]):
+        return ""
+    runs = {0: doc["cells"], **{int(t): rs for t, rs in doc["ties"].items()}}
+    text = ties_table(runs, doc["run"]["seeds"], policy)
+    print("\n" + text)
+    return text
 
 
 if __name__ == "__main__":

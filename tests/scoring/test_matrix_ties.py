@@ -1,0 +1,104 @@
+"""``bench_quality_matrix.py --tie-seeds K``: the matrix under every policy's tie seeds
+0..K-1, each cell's p90 band and a policy's verdict under each draw."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scoring.replay import matrix
+from scoring.replay.matrix_ties import bands, tie_targets, ties_table, verdicts
+from tests.support.bench_module import load_bench
+
+bench = load_bench("bench_quality_matrix")
+
+
+def cell(name: str, **p90: float) -> dict[str, Any]:
+    return {
+        "cell": name,
+        "seed": 0,
+        "policies": {
+            p: {"ttft_p90_s": t, "hit_rate": 0.5, "imbalance": 1.0} for p, t in p90.items()
+        },
+    }
+
+
+RUNS = {
+    0: [
+        cell("pass", cost=1.0, llmd=2.0),
+        cell("miss", cost=3.0, llmd=1.0),
+        cell("draw", cost=1.0, llmd=1.0),
+    ],
+    1: [
+        cell("pass", cost=1.2, llmd=2.0),
+        cell("miss", cost=2.0, llmd=1.0),
+        cell("draw", cost=1.5, llmd=1.0),
+    ],
+}
+
+
+def test_a_verdict_is_robust_only_when_every_tie_seed_gives_it() -> None:
+    v = verdicts(RUNS, "cost")
+    assert v[("pass", 0)] == [0.5, 0.6]
+    assert v[("miss", 0)] == [3.0, 2.0]
+    assert v[("draw", 0)] == [1.0, 1.5]
+    text = ties_table(RUNS, [0], "cost")
+    assert "under every tie seed: 1 of 3 cells; under none: 1; the draw's: 1." in text
+
+
+def test_each_policy_gets_its_lowest_and_highest_p90_over_the_draws() -> None:
+    b = bands(RUNS)
+    assert b[("draw", 0)] == {"cost": (1.0, 1.5), "llmd": (1.0, 1.0)}
+    assert "| draw | 0 | 1 - 1.5 | 1 - 1 | 1.00 - 1.50 |" in ties_table(RUNS, [0], "cost")
+
+
+def test_the_targets_are_counted_under_each_tie_seed() -> None:
+    figures = tie_targets(RUNS, [0], "cost")
+    assert figures[0]["tuning"]["p90_within"] == 2  # pass and draw
+    assert figures[1]["tuning"]["p90_within"] == 1  # pass only
+
+
+def test_a_tie_seed_is_every_seeded_policys_seed_unless_a_variant_sets_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    built: dict[str, dict[str, Any]] = {}
+    replay = matrix._replay
+
+    def recording(
+        trace: Any, name: str, cfg: Any, params: Any = None, json_share: float = 0.0
+    ) -> Any:
+        built[name + str(params)] = dict(params or {})
+        return replay(trace, name, cfg, params, json_share)
+
+    monkeypatch.setattr(matrix, "_replay", recording)
+    c = matrix.Cell("chat", 4, "equal", "medium", 0.8)
+    out = matrix.run_cell(
+        c, 0, policies=["cost", "round_robin"], limit=30, variants=["c7=cost:seed=7"], tie_seed=3
+    )
+    assert out["tie_seed"] == 3
+    assert sorted(map(str, built.values())) == sorted(
+        ["{'seed': 3}", "{}", "{'seed': 7}"]  # cost; round_robin has no seed; the variant's
+    )
+    assert set(out["policies"]) == {"cost", "round_robin", "c7"}
+
+
+def test_the_bench_reports_the_tie_seeds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--cells", "chat/p8-equal/medium/load80", "--limit", "40", "--policy", "cost"]
+    args += ["--policy", "llmd", "--tie-seeds", "2", "--out", str(tmp_path / "run")]
+    assert bench.main(args) == 0
+    md = (tmp_path / "run.md").read_text()
+    assert "Tie seeds 0, 1: `cost`'s targets under each" in md
+    assert "| chat/p8-equal/medium/load80 | 0 |" in md
+    assert "Tie seeds 0, 1" in capsys.readouterr().out
+    # the run's JSON replays nothing to print it again
+    assert bench.main(["--from-json", str(tmp_path / "run.json")]) == 0
+    assert "Tie seeds 0, 1" in capsys.readouterr().out
+
+
+def test_a_tie_seed_count_below_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--quick", "--tie-seeds", "0"]) == 2
+    assert "--tie-seeds >= 1" in capsys.readouterr().err
