@@ -5,7 +5,7 @@
     python tests/bench/bench_quality_matrix.py --cells 'agentic/*' --cells '*/p16-*/*/load110'
     python tests/bench/bench_quality_matrix.py --merge /tmp/peers.json --merge /tmp/mine.json \
         --seed 0 --seed 1 --seed 2 --targets measured --out /tmp/both
-    python tests/bench/bench_quality_matrix.py --quick --pod-model vllm --tie-seeds 3 --out /tmp/ties
+    python tests/bench/bench_quality_matrix.py --quick --pod-model vllm --tie-seeds 3 --out /tmp/t
 
 Runs :func:`scoring.replay.matrix.run_matrix` (see that module for the dimensions and
 metrics) and writes ``OUT.md`` (the summary, then one row per cell, seed and policy) and
