@@ -29,6 +29,8 @@ class Bookkeeping:
     policy_name: str
     #: called with (tenant, completion tokens) when an answer ends cleanly (limits)
     on_answer: Callable[[str | None, int | None], Awaitable[None]] | None
+    #: the policy overrides ``on_finished`` (else the base's no-op is not called)
+    _policy_wants_output: bool
 
     def _count(self, routed: Routed, pod: str, status: int) -> None:
         self.metrics.pod_metrics(routed.model, pod, self.policy_name).requests(status).inc()
@@ -59,7 +61,7 @@ class Bookkeeping:
             load.end_now()
         else:
             await load.end()
-        if answer.ok:
+        if answer.ok and self._policy_wants_output:
             self.policy.on_finished(routed.route, pod, answer.output_tokens)
         self.policy.on_complete(routed.route, pod)
         if answer.ok and self.on_answer is not None:

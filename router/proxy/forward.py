@@ -393,7 +393,7 @@ class Proxy(StreamRelay):
                 if load.local is not None:
                     gauge.dec()
                     load.end_now()
-                    if answer.ok:
+                    if answer.ok and self._policy_wants_output:
                         self.policy.on_finished(route, pod, answer.output_tokens)
                     self.policy.on_complete(route, pod)
                     if answer.ok and self.on_answer is not None:

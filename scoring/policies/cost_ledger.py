@@ -304,9 +304,10 @@ class CostLedger(Policy):
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
         key = (request.request_id, id(request))
-        if self._keep_queue:
-            self._queued.remove(key)
         old = self._live.pop(key, None)
+        # (past its first token on its pod, on_first_token took it off the queue)
+        if self._keep_queue and (old is None or old[4] < 0.0):
+            self._queued.remove(key)
         if old is not None:
             if old[4] >= 0.0 and self._kv:
                 old[5].decode.add(self.clock() - old[4])

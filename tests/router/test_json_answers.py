@@ -96,7 +96,10 @@ async def test_the_assembled_answer_is_the_pod_s_own_json_answer(
 async def test_the_router_sees_a_json_answer_s_first_token_when_it_assembles_it_or_it_is_one(
     assemble: bool, max_tokens: int, sees: bool
 ) -> None:
-    async with running([sim(0)], proxy={"stream_json_answers": assemble}) as rig:
+    # (measured reads the output tokens: the router calls no policy's on_finished but one
+    # of its own, not the base class's no-op)
+    proxy = {"stream_json_answers": assemble}
+    async with running([sim(0)], proxy=proxy, policy="measured") as rig:
         heard = Heard(rig)
         r = await rig.client.post("/v1/chat/completions", json=chat("hi", max_tokens=max_tokens))
         assert r.status_code == 200, r.text
