@@ -20,7 +20,8 @@ cell is replayed once per seed, every policy on the same scaled trace.  Dimensio
 
 Per cell and policy: hit rate and hit rate / pooled ceiling, TTFT p50 / p90 / p99 in
 seconds and relative to the best policy *in that cell* (the best is 1.00), imbalance
-(max / mean per-pod busy time).  :func:`summarize` aggregates per policy and seed group:
+(max / mean per-pod busy time).  :func:`scoring.replay.matrix_summary.summarize` aggregates
+per policy and seed group:
 geometric mean of TTFT p90 / best across cells, cells within 1.05x of the best, the
 worst ratio and its cell.  The first seed is the *tuning* seed, the others are
 *held out*: a policy's constants may be chosen looking at the first, never at the rest.
@@ -28,7 +29,6 @@ worst ratio and its cell.  The first seed is the *tuning* seed, the others are
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -66,7 +66,6 @@ UNEQUAL_WEIGHTS = (4 / 3, 2 / 3)
 POD_MODELS = ("simpod", "vllm")
 #: the vLLM pod model's engine preset (docs/replay.md)
 VLLM_PRESET = "llama3-8b-h100"
-WITHIN = 1.05
 
 
 @dataclass(frozen=True, order=True)
@@ -389,48 +388,3 @@ def run_matrix(
 
 def _run_task(task: tuple[Cell, int], kw: dict[str, Any]) -> dict[str, Any]:
     return run_cell(task[0], task[1], **kw)
-
-
-def geomean(xs: Sequence[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
-
-
-def summarize(results: Sequence[dict[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
-    """Per policy, for the tuning seed (``seeds[0]``), the held-out seeds (the rest) and
-    all: cells, geometric mean of TTFT p90 / best, cells within 1.05x of the best, the
-    worst ratio and its cell, mean hit rate / pooled ceiling, geometric mean of the
-    end-to-end p90 / best.  A result repeated from the tuning seed (``same_as_seed``: a
-    Mooncake cell) counts once, for the tuning seed: held-out groups hold only traces
-    the tuning seed did not see."""
-    groups = {"tuning": list(seeds[:1]), "held_out": list(seeds[1:]), "all": list(seeds)}
-    policies = list(dict.fromkeys(p for r in results for p in r["policies"]))
-    out: dict[str, Any] = {
-        "seeds": {"tuning": seeds[0] if seeds else None, "held_out": list(seeds[1:])},
-        "policies": {},
-    }
-    for pol in policies:
-        row: dict[str, Any] = {}
-        for group, members in groups.items():
-            rows = [
-                (r["cell"], r["seed"], r["policies"][pol])
-                for r in results
-                if r["seed"] in members and pol in r["policies"] and "same_as_seed" not in r
-            ]
-            if not rows:
-                continue
-            ratios = [m["p90_vs_best"] for _, _, m in rows]
-            worst = max(rows, key=lambda x: x[2]["p90_vs_best"])
-            pooled = [m["of_pooled"] for _, _, m in rows if m["of_pooled"] is not None]
-            e2e = [m["e2e_p90_vs_best"] for _, _, m in rows if "e2e_p90_vs_best" in m]
-            row[group] = {
-                "cells": len(rows),
-                "p90_vs_best_geomean": geomean(ratios),
-                "within_1_05": sum(1 for x in ratios if x <= WITHIN + 1e-9),
-                "worst_p90_vs_best": worst[2]["p90_vs_best"],
-                "worst_cell": f"{worst[0]} (seed {worst[1]})",
-                "of_pooled_mean": sum(pooled) / len(pooled) if pooled else None,
-                # end to end (what JSON clients wait), over the cells that measured it
-                "e2e_p90_vs_best_geomean": geomean(e2e) if e2e else None,
-            }
-        out["policies"][pol] = row
-    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from scoring.replay.matrix import WITHIN
+from scoring.replay.matrix_summary import WITHIN
 
 
 def _pct(x: float | None) -> str:

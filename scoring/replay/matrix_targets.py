@@ -2,7 +2,7 @@
 
 For the *tuning* seed (``seeds[0]``) and the *held-out* seeds (the rest), each cell
 counted once (a Mooncake cell repeated from the tuning seed is left out of the held-out
-group, as :func:`scoring.replay.matrix.summarize` does):
+group, as :func:`scoring.replay.matrix_summary.summarize` does):
 
 * ``cells`` — the cells the policy ran in; ``compared`` — those where another policy
   ran too, the denominator of the counts below;
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from scoring.replay.matrix import geomean
+from scoring.replay.matrix_summary import geomean
 
 PEERS = ("approx_prefix", "precise_prefix", "dynamo", "llmd")
 P90_WITHIN = 1.05

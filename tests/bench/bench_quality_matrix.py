@@ -45,9 +45,9 @@ from scoring.replay.matrix import (
     quick_matrix,
     run_matrix,
     select,
-    summarize,
 )
 from scoring.replay.matrix_report import markdown, summary_table
+from scoring.replay.matrix_summary import summarize
 from scoring.replay.matrix_targets import targets, targets_table
 from scoring.replay.matrix_ties import ties_table
 

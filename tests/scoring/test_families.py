@@ -24,8 +24,9 @@ from scoring.replay.families import (
 )
 from scoring.replay.families import rag as rag_family
 from scoring.replay.families.context import Context
-from scoring.replay.matrix import Cell, add_ratios, quick_matrix, run_cell, select, summarize
+from scoring.replay.matrix import Cell, add_ratios, quick_matrix, run_cell, select
 from scoring.replay.matrix_report import CELL_COLUMNS, cell_table, summary_table
+from scoring.replay.matrix_summary import summarize
 from scoring.replay.offered_load import (
     offered_load,
     scale_to_load,
