@@ -20,7 +20,10 @@ turn; the median CPU microseconds per request of each:
 which do not move with the machine's load: the bench re-runs itself under ``valgrind
 --tool=callgrind`` (Debian: ``valgrind``) once per loop (``--only``: that loop alone)
 with ``--requests`` and once with three times as many, and divides the difference by
-the extra requests (start-up, warm-up and the pods' start cancel out).  About a minute
+the extra requests (start-up, warm-up and the pods' start cancel out).  Those runs
+scrape and health-check the pods every 300 s (``--quiet``): at valgrind's pace the
+default intervals put the router's background work into the loops, more of it the
+busier the machine (session 33 saw the same tree's counts move by 3%).  About a minute
 per loop.  CPU time and instructions need not move together (a change can lose or gain
 cache locality): quote both.
 
@@ -63,11 +66,35 @@ HEADERS = {"host": "127.0.0.1", "content-type": "application/json"}
 LOOPS = ("decide", "decide+2", "decide+4")
 
 
+#: under valgrind (``--instructions``): the router's background work (scrapes, health
+#: checks) out of the measured loops, as bench_hot_path.py's ``--callgrind`` does; at
+#: ~50x slower it would otherwise run many times per loop, more the busier the machine
+QUIET_BACKGROUND = [
+    *("--scrape.interval-s", "300", "--health.interval-s", "300"),
+    *("--scrape.timeout-s", "60", "--scrape.stale-after-s", "600"),
+    *("--health.timeout-s", "60", "--health.failure-threshold", "1000"),
+]
+
+
+def known(flags: list[str]) -> list[str]:
+    """The ``--section.name value`` pairs of ``flags`` this tree's settings have (an
+    older tree may lack a section or a setting)."""
+    out: list[str] = []
+    for flag, value in zip(flags[::2], flags[1::2], strict=True):
+        section, _, name = flag[2:].partition(".")
+        field = Settings.model_fields.get(section)
+        fields = getattr(field.annotation, "model_fields", {}) if field is not None else {}
+        if name.replace("-", "_") in fields:
+            out += [flag, value]
+    return out
+
+
 async def loops(
-    urls: list[str], n: int, repeat: int, only: str | None = None
+    urls: list[str], n: int, repeat: int, only: str | None = None, quiet: bool = False
 ) -> dict[str, list[float]]:
     static = [{"name": f"sim-{i}", "url": u, "models": ["sim-model"]} for i, u in enumerate(urls)]
-    settings = Settings.load(["--discovery.static", json.dumps(static), "--log-level", "warning"])
+    args = ["--discovery.static", json.dumps(static), "--log-level", "warning"]
+    settings = Settings.load([*args, *(known(QUIET_BACKGROUND) if quiet else [])])
     app = create_app(settings)
     inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -126,7 +153,7 @@ def instructions(requests: int, only: str | None = None) -> dict[str, float]:
         counts = []
         for n in (requests, 3 * requests):
             cmd = [valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null"]
-            cmd += [sys.executable, __file__, "--requests", str(n), "--repeat", "1"]
+            cmd += [sys.executable, __file__, "--requests", str(n), "--repeat", "1", "--quiet"]
             run = subprocess.run(
                 [*cmd, "--only", loop],
                 env=env,
@@ -149,6 +176,11 @@ def main() -> int:
     ap.add_argument(
         "--instructions", action="store_true", help="instructions per request (valgrind)"
     )
+    ap.add_argument(
+        "--quiet",
+        action="store_true",
+        help="scrapes and health checks every 300 s (--instructions' runs under valgrind)",
+    )
     a = ap.parse_args()
     if a.requests < 1 or a.repeat < 1:
         print("bench_decide_cost: --requests and --repeat must be >= 1", file=sys.stderr)
@@ -160,7 +192,7 @@ def main() -> int:
     try:
         for _, url in sims:
             overhead.wait_completion(int(url.rsplit(":", 1)[1]))
-        out = uvloop.run(loops([u for _, u in sims], a.requests, a.repeat, a.only))
+        out = uvloop.run(loops([u for _, u in sims], a.requests, a.repeat, a.only, a.quiet))
     finally:
         for proc, _ in sims:
             proc.stop()
