@@ -20,8 +20,10 @@ policy in both; the replay is in virtual time, so a policy's numbers do not depe
 the run it came from), recomputes the ratios to each cell's best, the summary and the
 targets.  It refuses cells whose traces differ or whose policy sets end up different.
 
-Cost: ``--quick`` (14 cells, 8 policies) takes about 2 minutes on the 2 shared cores;
-the full matrix (378 cells) an estimated 40 minutes with ``--jobs 2`` (docs/replay.md).
+Cost, on the 2 shared cores: ``--quick`` (14 cells, 8 policies, the simple pod model)
+about 2 minutes, the full matrix (378 cells) an estimated 40 minutes with ``--jobs 2``
+(docs/replay.md); with ``--pod-model vllm`` and every policy, ``--quick --jobs 2`` took
+7-9 minutes in session 33 (seeds 127 and 139), and ``--tie-seeds K`` K times as long.
 """
 
 from __future__ import annotations
