@@ -19,6 +19,11 @@ cell (the policies of the same cell and seed side by side, a later file winning 
 policy in both; the replay is in virtual time, so a policy's numbers do not depend on
 the run it came from), recomputes the ratios to each cell's best, the summary and the
 targets.  It refuses cells whose traces differ or whose policy sets end up different.
+``--tie-seeds K`` replays the whole run K times, every policy that breaks ties with a
+seed drawing them with seeds 0..K-1, and adds the targets under each draw, the cells
+whose verdict holds under every draw, and each cell's p90 band
+(:mod:`scoring.replay.matrix_ties`).  ``--merge`` joins such runs draw by draw, and
+refuses runs drawn under different tie seeds.
 
 Cost, on the 2 shared cores: ``--quick`` (14 cells, 8 policies, the simple pod model)
 about 2 minutes, the full matrix (378 cells) an estimated 40 minutes with ``--jobs 2``
@@ -259,6 +264,7 @@ def merge_main(a: argparse.Namespace, argv: list[str]) -> int:
         same = {(d["run"]["block_size"], d["run"]["pod_model"]) for d in docs}
         if len(same) > 1:
             raise ValueError(f"runs differ in (block size, pod model): {sorted(same)}")
+        ties = merge_ties(docs, seeds)
     except ValueError as e:
         print(f"bench_quality_matrix: --merge: {e}", file=sys.stderr)
         return 2
@@ -272,9 +278,25 @@ def merge_main(a: argparse.Namespace, argv: list[str]) -> int:
         pod_model=docs[0]["run"]["pod_model"],
         wall_s=sum(d["run"]["wall_s"] for d in docs),
         jobs=len(docs),
+        tie_seeds=len(ties) + 1,
     )
+    if ties:
+        doc["ties"] = ties
     finish(doc, a.targets, a.out)
     return 0
+
+
+def merge_ties(docs: list[dict[str, Any]], seeds: list[int]) -> dict[str, list[dict[str, Any]]]:
+    """The runs' other tie seeds (``--tie-seeds``), each joined as :func:`merge_runs`
+    joins tie seed 0; {} when no run has any.  Raises ``ValueError`` when the runs were
+    drawn under different tie seeds (a variant must meet the peers of its own draw)."""
+    drawn = {tuple(sorted(d.get("ties", {}), key=int)) for d in docs}
+    if len(drawn) > 1:
+        raise ValueError(f"runs differ in tie seeds: {sorted(drawn)}")
+    return {
+        tie: merge_runs([{"cells": d["ties"][tie]} for d in docs], seeds)[0]
+        for tie in next(iter(drawn))
+    }
 
 
 def finish(doc: dict[str, Any], policy: str, out: Path | None) -> None:

@@ -102,3 +102,33 @@ def test_the_bench_reports_the_tie_seeds(
 def test_a_tie_seed_count_below_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["--quick", "--tie-seeds", "0"]) == 2
     assert "--tie-seeds >= 1" in capsys.readouterr().err
+
+
+def run_doc(**ties: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run's JSON: tie seed 0's cells, the others under "ties"."""
+    doc: dict[str, Any] = {"cells": ties.pop("t0")}
+    if ties:
+        doc["ties"] = {k[1:]: v for k, v in ties.items()}
+    return doc
+
+
+def merged_cell(name: str, **p90: float) -> dict[str, Any]:
+    c = cell(name, **p90)
+    for m in c["policies"].values():
+        m.update(ttft_p50_s=m["ttft_p90_s"] / 2, ttft_p99_s=2 * m["ttft_p90_s"])
+    return {**c, "requests": 10, "ceilings": {"pooled": 0.5}}
+
+
+def test_merge_joins_tie_runs_draw_by_draw() -> None:
+    peers = run_doc(t0=[merged_cell("a", llmd=2.0)], t1=[merged_cell("a", llmd=1.0)])
+    mine = run_doc(t0=[merged_cell("a", cost=1.5)], t1=[merged_cell("a", cost=1.5)])
+    ties = bench.merge_ties([peers, mine], [0])
+    (joined,) = ties["1"]
+    assert joined["policies"]["cost"]["p90_vs_best"] == 1.5  # against draw 1's llmd
+    assert joined["policies"]["llmd"]["p90_vs_best"] == 1.0
+    assert bench.merge_ties([{"cells": []}, {"cells": []}], [0]) == {}
+
+
+def test_merge_refuses_runs_drawn_under_different_tie_seeds() -> None:
+    with pytest.raises(ValueError, match="tie seeds"):
+        bench.merge_ties([run_doc(t0=[], t1=[]), run_doc(t0=[])], [0])
