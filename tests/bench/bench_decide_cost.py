@@ -61,21 +61,12 @@ except ImportError:  # a tree from before the layout move
     from router.app import create_app
     from router.routing import parse_body
 from router.config import Settings
+from scoring.policies.base import Policy
 
 HEADERS = {"host": "127.0.0.1", "content-type": "application/json"}
 
 
 LOOPS = ("decide", "decide+2", "decide+4")
-
-
-#: under valgrind (``--instructions``): the router's background work (scrapes, health
-#: checks) out of the measured loops, as bench_hot_path.py's ``--callgrind`` does; at
-#: ~50x slower it would otherwise run many times per loop, more the busier the machine
-QUIET_BACKGROUND = [
-    *("--scrape.interval-s", "300", "--health.interval-s", "300"),
-    *("--scrape.timeout-s", "60", "--scrape.stale-after-s", "600"),
-    *("--health.timeout-s", "60", "--health.failure-threshold", "1000"),
-]
 
 
 def known(flags: list[str]) -> list[str]:
@@ -96,7 +87,7 @@ async def loops(
 ) -> dict[str, list[float]]:
     static = [{"name": f"sim-{i}", "url": u, "models": ["sim-model"]} for i, u in enumerate(urls)]
     args = ["--discovery.static", json.dumps(static), "--log-level", "warning"]
-    settings = Settings.load([*args, *(known(QUIET_BACKGROUND) if quiet else [])])
+    settings = Settings.load([*args, *(known(overhead.QUIET_BACKGROUND) if quiet else [])])
     app = create_app(settings)
     inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -111,8 +102,8 @@ async def loops(
         first = getattr(policy, "on_first_token", None)
         finished = getattr(policy, "on_finished", None)
         # the router calls no base no-op on_finished (router/proxy/bookkeeping.py)
-        base = next((k for k in type(policy).__mro__ if k.__name__ == "Policy"), None)
-        if finished is not None and type(policy).on_finished is getattr(base, "on_finished", None):
+        base_hook = getattr(Policy, "on_finished", None)  # (none in an older tree)
+        if finished is not None and type(policy).on_finished is base_hook:
             finished = None
         body = overhead.BODY
         for _ in range(1000):  # warm up

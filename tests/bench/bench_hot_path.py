@@ -313,11 +313,7 @@ def main() -> int:
             overhead.wait_completion(int(url.rsplit(":", 1)[1]))
         extra = ["--policy", args.policy, *shlex.split(args.router_args)]
         if args.callgrind:  # ~50x slower: no pod ejected, no scrape gone stale
-            extra += ["--health.timeout-s", "60", "--health.failure-threshold", "1000"]
-            extra += ["--scrape.timeout-s", "60", "--scrape.stale-after-s", "600"]
-            # and the background (scrapes, health checks) out of the measured windows
-            extra += ["--scrape.interval-s", "300", "--health.interval-s", "300"]
-            extra += ["--proxy.read-timeout-s", "600"]
+            extra += [*overhead.QUIET_BACKGROUND, "--proxy.read-timeout-s", "600"]
         result = uvloop.run(measure([u for _, u in sims], args.requests, extra, args.only))
     finally:
         for proc, _ in sims:

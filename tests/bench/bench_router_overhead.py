@@ -62,6 +62,16 @@ STREAM_BODY = json.dumps(
 ).encode()
 
 
+#: under valgrind (~50x slower): no pod ejected, no scrape gone stale, and the router's
+#: background work (scrapes, health checks) out of the measured windows
+#: (bench_hot_path.py's ``--callgrind``, bench_decide_cost.py's ``--instructions``)
+QUIET_BACKGROUND = [
+    *("--health.timeout-s", "60", "--health.failure-threshold", "1000"),
+    *("--scrape.timeout-s", "60", "--scrape.stale-after-s", "600"),
+    *("--scrape.interval-s", "300", "--health.interval-s", "300"),
+]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
