@@ -15,6 +15,9 @@ group, as :func:`scoring.replay.matrix_summary.summarize` does):
 * ``balanced`` / ``balanced_cells`` — cells where its imbalance is <= 1.25, among the
   cells where some other policy's is;
 * ``misses`` — the cells failing the p90 target, worst first: ``(ratio, cell, seed)``.
+
+:func:`leave_out` drops rows from the comparison first, e.g. ``cost`` when the policy
+judged is a variant of it that should meet the peers alone.
 """
 
 from __future__ import annotations
@@ -28,6 +31,20 @@ PEERS = ("approx_prefix", "precise_prefix", "dynamo", "llmd")
 P90_WITHIN = 1.05
 HIT_WITHIN = 0.95
 IMBALANCE = 1.25
+
+
+def leave_out(
+    results: Sequence[dict[str, Any]], names: Sequence[str], keep: str
+) -> list[dict[str, Any]]:
+    """``results`` with the rows ``names`` removed from every cell (``keep``, the policy
+    judged, stays even if named), so that ``keep`` is compared with the rest only."""
+    drop = set(names) - {keep}
+    if not drop:
+        return list(results)
+    return [
+        {**r, "policies": {p: m for p, m in r["policies"].items() if p not in drop}}
+        for r in results
+    ]
 
 
 def targets(

@@ -23,7 +23,9 @@ targets.  It refuses cells whose traces differ or whose policy sets end up diffe
 seed drawing them with seeds 0..K-1, and adds the targets under each draw, the cells
 whose verdict holds under every draw, and each cell's p90 band
 (:mod:`scoring.replay.matrix_ties`).  ``--merge`` joins such runs draw by draw, and
-refuses runs drawn under different tie seeds.
+refuses runs drawn under different tie seeds.  ``--leave-out POLICY`` (repeatable) drops
+a row from what ``--targets`` is compared with: ``--targets arr --leave-out cost`` judges
+a variant of ``cost`` against the peers alone.
 
 Cost, on the 2 shared cores: ``--quick`` (14 cells, 8 policies, the simple pod model)
 about 2 minutes, the full matrix (378 cells) an estimated 40 minutes with ``--jobs 2``
@@ -38,6 +40,7 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +58,7 @@ from scoring.replay.matrix import (
 )
 from scoring.replay.matrix_report import markdown, summary_table
 from scoring.replay.matrix_summary import summarize
-from scoring.replay.matrix_targets import targets, targets_table
+from scoring.replay.matrix_targets import leave_out, targets, targets_table
 from scoring.replay.matrix_ties import ties_table
 
 
@@ -99,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="print issue #9's targets for POLICY (default cost; skipped if not in the run)",
     )
     ap.add_argument(
+        "--leave-out",
+        action="append",
+        default=[],
+        metavar="POLICY",
+        help="leave POLICY out of what --targets is compared with (repeatable), e.g. "
+        "'--targets arr --leave-out cost' judges a variant of cost against the peers alone",
+    )
+    ap.add_argument(
         "--merge",
         action="append",
         type=Path,
@@ -136,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.from_json is not None:
         old = json.loads(a.from_json.read_text())
         print(summary_table(old["summary"]))
-        print_targets(old["cells"], old["run"]["seeds"], a.targets)
-        print_ties(old, a.targets)
+        print_targets(old["cells"], old["run"]["seeds"], a.targets, a.leave_out)
+        print_ties(old, a.targets, a.leave_out)
         return 0
     seeds: list[int] = a.seed or [0]
     if len(set(seeds)) != len(seeds):
@@ -234,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.tie_seeds > 1:  # tie seed 0 is "cells", as in a run without ties
         doc["ties"] = {str(tie): runs[tie] for tie in range(1, a.tie_seeds)}
     print(f"\n{total} cell runs in {wall_s:.0f} s", file=sys.stderr)
-    finish(doc, a.targets, a.out)
+    finish(doc, a.targets, a.out, a.leave_out)
     return 0
 
 
@@ -282,7 +293,7 @@ def merge_main(a: argparse.Namespace, argv: list[str]) -> int:
     )
     if ties:
         doc["ties"] = ties
-    finish(doc, a.targets, a.out)
+    finish(doc, a.targets, a.out, a.leave_out)
     return 0
 
 
@@ -299,22 +310,24 @@ def merge_ties(docs: list[dict[str, Any]], seeds: list[int]) -> dict[str, list[d
     }
 
 
-def finish(doc: dict[str, Any], policy: str, out: Path | None) -> None:
-    """Print the summary and ``policy``'s targets; write ``out``.md / .json if given."""
+def finish(
+    doc: dict[str, Any], policy: str, out: Path | None, left_out: Sequence[str] = ()
+) -> None:
+    """Print the summary and ``policy``'s targets (compared without ``left_out``); write
+    ``out``.md / .json if given."""
     results, seeds = doc["cells"], doc["run"]["seeds"]
     print(summary_table(doc["summary"]))
-    print_targets(results, seeds, policy)
-    ties = print_ties(doc, policy)
+    table = print_targets(results, seeds, policy, left_out)
+    ties = print_ties(doc, policy, left_out)
     if out is None:
         return
     base = out.with_suffix("") if out.suffix in (".md", ".json") else out
     base.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{base}.json").write_text(json.dumps(doc, indent=1) + "\n")
     text = markdown(doc)
-    if any(policy in r["policies"] for r in results):
-        text += "\n" + targets_table(policy, targets(results, seeds, policy)) + "\n"
-    if ties:
-        text += "\n" + ties + "\n"
+    for extra in (table, ties):
+        if extra:
+            text += "\n" + extra + "\n"
     Path(f"{base}.md").write_text(text)
     print(f"wrote {base}.md and {base}.json", file=sys.stderr)
 
@@ -348,17 +361,30 @@ def merge_runs(
     return results, seeds
 
 
-def print_targets(results: list[dict[str, Any]], seeds: list[int], policy: str) -> None:
-    if any(policy in r["policies"] for r in results):
-        print("\n" + targets_table(policy, targets(results, seeds, policy)))
+def print_targets(
+    results: list[dict[str, Any]], seeds: list[int], policy: str, left_out: Sequence[str] = ()
+) -> str:
+    """Print and return ``policy``'s targets table ("" when it is not in the run)."""
+    if not any(policy in r["policies"] for r in results):
+        return ""
+    text = left_out_note(left_out) + targets_table(
+        policy, targets(leave_out(results, left_out, policy), seeds, policy)
+    )
+    print("\n" + text)
+    return text
 
 
-def print_ties(doc: dict[str, Any], policy: str) -> str:
+def left_out_note(left_out: Sequence[str]) -> str:
+    return f"Compared without: {', '.join(left_out)} (--leave-out).\n\n" if left_out else ""
+
+
+def print_ties(doc: dict[str, Any], policy: str, left_out: Sequence[str] = ()) -> str:
     """With ``--tie-seeds``: print and return the tie seeds' table (else "")."""
     if "ties" not in doc or not any(policy in r["policies"] for r in doc["cells"]):
         return ""
     runs = {0: doc["cells"], **{int(t): rs for t, rs in doc["ties"].items()}}
-    text = ties_table(runs, doc["run"]["seeds"], policy)
+    runs = {t: leave_out(rs, left_out, policy) for t, rs in runs.items()}
+    text = left_out_note(left_out) + ties_table(runs, doc["run"]["seeds"], policy)
     print("\n" + text)
     return text
 

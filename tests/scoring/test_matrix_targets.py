@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from scoring.replay.matrix_targets import targets, targets_table
+from scoring.replay.matrix_targets import leave_out, targets, targets_table
 
 
 def cell(name: str, seed: int, **p90_hit_imb: tuple[float, float, float]) -> dict[str, Any]:
@@ -59,3 +59,20 @@ def test_a_policy_run_alone_has_no_other_to_be_within_of() -> None:
     assert "0 / 1" not in table
     assert table.count("no other policy in the run") == 3
     assert "no peer in the run" in table
+
+
+def test_a_variant_is_judged_against_the_peers_alone_when_its_base_is_left_out() -> None:
+    results = [
+        cell("a", 0, cost=(1.0, 0.9, 1.0), arr=(1.5, 0.9, 1.0), llmd=(1.45, 0.9, 1.0)),
+        cell("b", 0, cost=(2.0, 0.9, 1.0), arr=(2.0, 0.9, 1.0), llmd=(3.0, 0.9, 1.0)),
+    ]
+    # against every other row, cost beats the variant in cell a by 1.5x
+    assert targets(results, [0], "arr")["tuning"]["misses"] == [(1.5, "a", 0)]
+    alone = leave_out(results, ["cost"], "arr")
+    f = targets(alone, [0], "arr")["tuning"]
+    assert (f["p90_within"], f["misses"]) == (2, [])
+    # the geomeans are over each cell's best without cost: llmd (1, 1.5), arr (1.5 / 1.45, 1)
+    assert f["vs_best_peer"] == pytest.approx((1.5 / (1.5 / 1.45)) ** 0.5)
+    # the input is not changed, and the policy judged is never left out of its own rows
+    assert "cost" in results[0]["policies"]
+    assert leave_out(results, ["arr"], "arr") == results

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,27 @@ def test_the_bench_reports_the_tie_seeds(
     # the run's JSON replays nothing to print it again
     assert bench.main(["--from-json", str(tmp_path / "run.json")]) == 0
     assert "Tie seeds 0, 1" in capsys.readouterr().out
+
+
+def test_the_bench_leaves_a_named_row_out_of_the_comparison(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = {
+        "run": {"seeds": [0]},
+        "summary": {"seeds": {"tuning": 0, "held_out": []}, "policies": {}},
+        "cells": [cell("a", cost=1.0, arr=1.5, llmd=1.2)],
+        "ties": {"1": [cell("a", cost=1.0, arr=1.5, llmd=1.6)]},
+    }
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    args = ["--from-json", str(tmp_path / "run.json"), "--targets", "arr"]
+    assert bench.main(args) == 0
+    # against cost too, arr misses under both draws (1.5x)
+    assert "under none: 1" in capsys.readouterr().out
+    # against llmd alone: 1.25x under draw 0, within under draw 1 (0.94x)
+    assert bench.main([*args, "--leave-out", "cost"]) == 0
+    out = capsys.readouterr().out
+    assert "Compared without: cost (--leave-out)." in out
+    assert "under every tie seed: 0 of 1 cells; under none: 0; the draw's: 1." in out
 
 
 def test_a_tie_seed_count_below_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
