@@ -1,184 +1,44 @@
 """``cost`` (the default): send the request where its predicted time to first token is
 lowest, charging a miss more when the pod that would pay for it is backlogged.
 
-For each candidate pod, with ``P`` prompt tokens, block size ``B`` and ``hits[t]`` =
-leading blocks servable from tier ``t`` or faster (tiers fastest first)::
+scoring/policies/README.md, "``cost`` (default)", documents every term, its parameter
+(:class:`scoring.policies.cost_params.CostParams`), whether it is learned, a prior or a
+switch, and the measurements behind each.  In short, per candidate pod, with ``P``
+prompt tokens and block size ``B``::
 
-    cached[t]   = min(hits[t] * B, P)                      # made monotone over tiers
-    transfer    = sum over slower tiers t with a rate of
-                  (cached[t] - cached[faster]) / tier_load_rates_tokens_per_s[t]
-    cached      = max(cached[slowest tier with a rate], in-flight hits * B)   (see below)
-    cached      = min(cached, kept * B)           (the blocks an LRU cache keeps, below)
+    cached      = the prompt's leading tokens the pod serves: index hits per tier
+                  (scoring/policies/tiers.py), or the prefixes of requests routed there
+                  and still in flight (count_inflight_prefixes), whichever is more,
+                  cut to what an LRU cache keeps of them until this request runs
+                  (lru_evictions: scoring/policies/hot_set.py; queue_evictions:
+                  scoring/policies/queued.py)
+    transfer    = the slower tiers' share of ``cached`` over their load rates
     uncached    = P - cached
-    evicted     = clamp(hot + new - capacity_blocks, 0, new) * B      (below)
-    slowdown    = 1 + decode_slowdown_per_running * running
-                  (running = scraped ``running``; router ``inflight`` when not scraped;
-                  the per-running slowdown is the setting, or, unset (the default),
-                  learned from clean first tokens: scoring/policies/slowdown_fit.py)
-    steps       = (waiting + 1) * per_running_step_s * running     (learned slowdown only)
-    score(pod)  = (queued_tokens + w * (uncached + evicted)) / prefill_rate_tokens_per_s
-                  * slowdown + transfer + steps
+    evicted     = the hot blocks (routed there in the last hot_window_s) this
+                  request's new blocks push out of a full cache (charge_hot_evictions)
+    queued      = the pod's outstanding prefill tokens, scaled by the uncached share
+                  predicted for the requests routed there (discount_queued_hits:
+                  scoring/policies/cost_ledger.py)
+    w           = miss_weight + backlog_weight * b / u    (1 + the followers a miss
+                  delays: b the backlog the pod's misses hold, u the mean predicted
+                  uncached tokens of the live requests; count_arrivals adds the
+                  requests bound to the pod that arrive during the miss)
+    slowdown    = 1 + decode slowdown per running request (set, or learned from clean
+                  first tokens: scoring/policies/slowdown_fit.py)
+    steps       = (waiting + 1) * per-running step time * running
+                  (charge_decode_steps; learned slowdown only)
+    kv_wait     = the wait for KV room (scoring/policies/kv_admission.py)
+    score(pod)  = (queued + w * (uncached + evicted)) / prefill_rate * slowdown
+                  + transfer + steps + kv_wait
 
-``steps`` (``charge_decode_steps``, default on; only while the slowdown is learned):
-each request waiting on the pod, and this one, is prefilled in at least one engine step,
-and every running request's decode lengthens every step.  ``per_running_step_s`` is
-that lengthening, the slope against the running count alone that the slowdown's fit
-learns from clean first tokens (scoring/policies/slowdown_fit.py's ``d``); ``waiting``
-is scraped (0 when unknown), ``running`` as above.  Short prompts that share a step
-are charged a step each (an overestimate); a prompt longer than one step's token
-budget one step (an underestimate).  Held-out seeds 103 and 107 (docs/history/quality_matrix.md,
-"Session 26"): TTFT p90 within 1.05x of the best peer in 12 and 12 of 14 cells, against 10 and 9
-without it.
-
-``queued_tokens`` is the pod's queued prefill work and ``w`` the pod's miss weight,
-both below.  With ``w = 1`` the score is the predicted TTFT: queue wait + own prefill +
-load from slower tiers.
-
-``prefill_rate_tokens_per_s`` is learned (``learn_prefill_rate``, default on), per
-model over its pods (so are the decode times below): prompt tokens per second of
-prefill, the slope of a pod's service of a request
-(from its routing, or the pod's previous first token, FCFS, to its first token) against
-its predicted uncached tokens (scoring/policies/learned_rate.py).  The setting is the prior
-until first tokens come back; live, only streamed answers have a first token of their
-own, so a fleet serving only non-streamed requests keeps the prior.
-
-``hot`` is the pod's hot working set as this policy knows it: the distinct blocks it
-routed there in the last ``hot_window_s`` (300 s, the lifetime hosted APIs give an
-unused cached prefix; scoring/policies/hot_set.py), and ``new`` the request's full
-blocks not cached there.  With ``charge_hot_evictions`` (default on since session 21),
-when the hot set plus the new blocks overflow the pod's cache, each new block pushes a
-hot one out (vLLM evicts LRU), a miss some later request (the next turn of a
-conversation in progress, the next question over a document) pays: ``evicted`` charges
-it now, at the same price as the request's own misses (zero while the hot set fits, or
-when the capacity is unknown; with the option off, zero).  Without it a pod waiting
-for KV room sends its document to a pod whose cache holds another one, which then
-thrashes (RAG on 16 unequal pods: TTFT p90 6.2x the best policy's; 1.04x with it).  It
-raises hit rates on every seed measured and loses some balance on RAG fleets of 8 pods
-(scoring/policies/README.md has the numbers).  Hot counts are read only where they
-change the decision: every pod with a known size and blocks to compute under the
-charge, else only the tied pods of a room tie-break (the hot set is kept
-incrementally, so a read is one comparison until the pod's oldest block leaves the
-window).
-
-The pod with the smallest score wins.  Pods within ``tie_epsilon_s`` of the minimum
-are tied.  With ``tie_break_by_room`` (default on) the tie narrows to the pods with the
-most room for a new prefix::
-
-    room = min(capacity_blocks * (1 - kv_usage), capacity_blocks - hot)
-
-vLLM's free blocks (blocks no running request holds are free: cached ones are evicted
-LRU when room is needed, so a pod full of old cache is not a full pod), less the hot
-blocks this policy sent there (cached, but about to be reused).  Without ``kv_usage``
-``capacity_blocks - resident_blocks`` stands for vLLM's free blocks.  Without a
-capacity on every tied pod (backends that publish no KV events and no vLLM metrics)
-nothing says where a copy of the prefix would have room, so none is made: the pods
-holding the most of the prompt (index, speculative or in-flight hits) win, then the
-fewest resident blocks.  Counting resident blocks alone sent every tie to a pod that
-did not hold the prompt, so a repeated short prompt, which ties everywhere, was copied
-over two to four pods depending on the first requests' timing.  A prefix no pod holds
-(the typical tie: same load, nothing cached) starts where it has the most room, so new
-prefix groups spread over the fleet instead of piling onto pods that already hold
-others and evicting them.  Among what remains the winner is chosen by rendezvous
-hashing of the request id (highest ``xxh3(seed, request_id + pod)``): deterministic
-for a request, uniform across pods, with no bias toward the first
-candidate.  ``Decision.scores`` holds each pod's
-score in seconds (``lower_is_better``).
-
-``outstanding_prefill_tokens`` counts whole prompts, cached parts included.  With
-``discount_queued_hits`` (default on) the policy scales it by the uncached share it
-predicted for the requests it routed to that pod and that have not completed::
-
-    queued_tokens = outstanding_prefill_tokens * sum(predicted uncached) / sum(prompt)
-
-(a ledger filled by ``on_routed`` and emptied by ``on_complete``; a pod with no ledger
-entries, or a request re-routed to a pod it was not scored for, counts whole prompts).
-Without it, a pod whose queue is mostly cache hits looks busier than it is, and the
-policy drifts away from the pods that hold the prefixes.
-
-With ``count_inflight_prefixes`` (default on) the policy also remembers the block keys
-of the requests it routed that have not completed: a pod counts as holding a prefix that
-an earlier in-flight request will have computed by the time this one (queued behind it,
-FCFS) runs.  ``cached`` above becomes ``max(index hits, in-flight hits)`` (in-flight
-blocks count as GPU blocks).  The index only learns a block once the engine stores it,
-so without this a burst of requests sharing a new prefix scatters over the fleet.
-
-Only the part of that prefix that survives until this request's prefill counts.  vLLM
-evicts unreferenced blocks LRU (a freed request's tail first), so a block survives
-while fewer than ``capacity_blocks`` blocks are newer than it, and in a cache too small
-for all of them the prefix's tail goes first::
-
-    kept   = the leading blocks of the prefix that stay: block i stays while
-             i + (the distinct blocks routed to the pod after block i was last routed
-             there, less those this prompt shares) < capacity_blocks
-             (scoring/policies/hot_set.py, HotBlocks.surviving).  A shared head that
-             every request carries (an instruction, a system prompt) is as recent as
-             the last request routed there; a prefix running on past the end of a
-             routed prompt (into its answer) is as recent as that prompt; any other
-             block not routed there within hot_window_s is older than every routed one
-    cached = min(cached, kept * B)
-
-That covers the requests queued ahead (routed after the prefix, touched before this
-request runs, FCFS) and the ones already served (touched after the prefix: newer in
-the LRU).  It is ``lru_evictions`` (default on; it needs the hot set, ``hot_window_s >
-0``).  Without the hot set, ``queue_evictions`` (default on) counts only the requests
-queued ahead: routed by this policy, neither at their first token nor complete, after
-the newest one that carries the whole prefix (scoring/policies/queued.py).  Without a
-capacity nothing changes.  Without either rule, on a RAG fleet whose small caches held
-one document each, the policy predicted 97% hits on a pod that delivered 27%: it kept
-sending it questions over documents it could not hold together.
-
-The uncached term is weighted per pod by ``w``: a miss costs its own prefill once, and
-once more for every request that will queue behind it (a follower)::
-
-    B          = mean over candidate pods of queued_tokens          # the fleet's backlog
-    own(pod)   = max(queued_tokens, live_uncached)                  # the pod's own work
-    share      = fleet_backlog_share, by default 1 / the candidate pods
-    b(pod)     = max(share * B, min(B, own(pod)))                   # tokens
-    u          = mean predicted uncached tokens of the live requests this policy routed
-                 (any pod); with none live, this request's prompt tokens
-    w(pod)     = miss_weight + backlog_weight * b(pod) / u          # 1 + followers
-
-``live_uncached`` is the predicted uncached tokens of the live requests this policy
-routed to the pod (the ledger above).  ``b / u`` is the backlog counted in requests: by
-Little's law, as many requests arrive while the recomputed tokens hold the queue as are
-queued now, and each waits for them.  So with no backlog ``w = miss_weight = 1`` and
-the score is the predicted TTFT; with one, a loaded fleet keeps requests on the pods
-holding their prefixes, and every quantity is measured: ``u`` from the requests in
-flight, no fitted scale (``backlog_weight`` defaults to 1: one delay per follower).  A
-miss mostly costs the time of the pod that pays it, so a pod with little work of its
-own charges only its share of the fleet's backlog, ``1 / pods`` (the backlog split evenly
-over the candidates).  Pricing every miss by the whole fleet mean
-(``fleet_backlog_share = 1``) lets one hot pod's queue make misses expensive everywhere;
-pricing by the pod's own work alone (``0``) gives up hits on bursty traces
-(docs/replay.md).  Until session 17 the share was ``0.125``, chosen on traces (both
-Mooncake traces and a small chat fleet, session 5): the same on 8 pods, and on 4 and 16
-pods ``1 / pods`` did as well or better on held-out seeds (scoring/policies/README.md).
-No constant of the default is fitted now.
-
-``backlog_unit = "prompt"`` with ``fleet_backlog_share = 0.125`` is the formula before:
-``w = miss_weight + backlog_weight * b / P`` with ``backlog_weight`` defaulting to 12,
-fitted on the same traces (12 was
-about ``P / u`` there: the same count of followers, with a fitted scale instead of a
-measured one).  On held-out traffic (seeds and fleet shapes never looked at:
-scoring/policies/README.md) the measured unit gives a lower TTFT p90 geomean;
-``backlog_weight = 0`` gives the pure TTFT prediction in either unit.
-
-With ``count_arrivals`` (opt-in) ``w`` also counts the requests that arrive while the
-miss's own prefill runs and are bound to the pod by its cache (the others go elsewhere
-while it is busy)::
-
-    w(pod) += backlog_weight * lambda_bound(pod) * miss(pod) / prefill_rate_tokens_per_s
-
-``lambda_bound`` is the pod's routings a second times the mean share of their prompt it
-held (scoring/policies/cost_ledger.py, ``bound_arrival_rate``).  It fixes mixed long and
-short prompts on small unequal fleets and loses RAG fleets of 8 pods
-(scoring/policies/README.md has the matrix), so it is off by default.
-
-With ``queue_slowness`` (opt-in) a pod's ``queued_tokens`` are multiplied by its own
-pace, ``CostLedger.slowness(pod)``: its first tokens' FCFS service times over the rate
-fit's predictions, shrunk to 1 (1 while nothing is queued there).  It helps 16-pod
-fleets mixing two speeds under overload and loses overloaded 4-pod unequal-cache
-Mooncake cells (scoring/policies/README.md, "Each pod's pace"), so it is off by default.
+``prefill_rate`` is learned per model from the first tokens the router sees
+(scoring/policies/learned_rate.py), the setting being its prior.  The pod with the
+smallest score wins; pods within ``tie_epsilon_s`` of it are tied, narrowed to those
+with the most room for a new prefix (``tie_break_by_room``: vLLM's free blocks less the
+hot ones; without a capacity on every tied pod, the pods holding the most of the
+prompt), then chosen by rendezvous hashing of the request id (highest ``xxh3(seed,
+request_id + pod)``).  ``Decision.scores`` holds each pod's score in seconds
+(``lower_is_better``).
 """
 
 from __future__ import annotations
