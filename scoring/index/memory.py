@@ -11,8 +11,9 @@ Layout (chosen for a small footprint and a fast chain walk):
   tier ``t >= 1``.  All three are empty on a GPU-only fleet, so the common entry costs
   one dict slot, one key int and one mask int.
 * Equal masks are interned (one shared int object per distinct holder set, bounded by
-  ``_CANON_MAX``): less memory per key, and the chain walk skips the AND when a block's
-  holders are the very object of the previous block's.
+  ``_CANON_MAX`` in :mod:`~scoring.index.memory_writes`): less memory per key, and the
+  chain walk skips the AND when a block's holders are the very object of the previous
+  block's.
 * Counts above 1 (vLLM stores the same hash twice on one pod) live in a side table
   ``_extra[(key, pid, tier)] = count``; an entry with count 1 is just its bit.
 
@@ -32,6 +33,9 @@ stale entries are the oldest stored.  A lookup never writes.
 
 ``clear_pod`` scans the keyspace (O(keys); it runs on engine restarts and pod removal,
 not on the request path); ``pod_entries`` is O(pods) from counters.
+
+The writes (``add``, ``remove``, ``clear_pod``, the eviction) are
+:class:`~scoring.index.memory_writes.IndexWrites`, the base of :class:`InMemoryIndex`.
 """
 
 from __future__ import annotations
@@ -39,27 +43,12 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from scoring.index.base import DEFAULT_TIERS, PodHits
+from scoring.index.memory_writes import IndexWrites, UnknownTierError, bits
 
-_CANON_MAX = 1 << 16  # distinct interned masks kept before the table is reset
-
-
-class UnknownTierError(ValueError):
-    """A tier name that is not one of the index's ``tiers``."""
+__all__ = ["InMemoryIndex", "UnknownTierError"]
 
 
-def _bits(mask: int) -> list[int]:
-    """Positions of the set bits of a non-negative ``mask``, lowest first."""
-    if mask.bit_count() > 16:  # dense: one pass over the binary string is cheaper
-        return [i for i, c in enumerate(bin(mask)[:1:-1]) if c == "1"]
-    out = []
-    while mask:
-        low = mask & -mask
-        out.append(low.bit_length() - 1)
-        mask ^= low
-    return out
-
-
-class InMemoryIndex:
+class InMemoryIndex(IndexWrites):
     """Bounded in-process :class:`~scoring.index.base.BlockIndex`.
 
     The async methods satisfy the protocol; the ``*_sync`` twins do the work and are
@@ -96,28 +85,6 @@ class InMemoryIndex:
         """Number of distinct (key, pod) entries."""
         return self._entries
 
-    def _tier(self, tier: str) -> int:
-        try:
-            return self._tier_ix[tier]
-        except KeyError:
-            raise UnknownTierError(
-                f"unknown tier {tier!r}; this index has tiers {self.tiers}"
-            ) from None
-
-    def _intern(self, pod: str) -> int:
-        pid = self._pid.get(pod)
-        if pid is None:
-            if self._free:
-                pid = self._free.pop()
-                self._names[pid] = pod
-            else:
-                pid = len(self._names)
-                self._names.append(pod)
-                self._pod_n.append(0)
-            self._pid[pod] = pid
-            self._pid_gen += 1
-        return pid
-
     def _mask_of(self, pods: Collection[str]) -> int:
         """The mask of the known pods among ``pods`` (memoized per candidate list: the
         router asks with the same fleet over and over)."""
@@ -135,223 +102,6 @@ class InMemoryIndex:
             self._cand_cache.clear()
         self._cand_cache[key] = (self._pid_gen, mask)
         return mask
-
-    def _held_slow(self, key: int, bit: int) -> bool:
-        """Whether the pod ``bit`` holds ``key`` in some tier slower than the fastest."""
-        return any(s.get(key, 0) & bit for s in self._slow[1:])
-
-    # -- writes ----------------------------------------------------------------------
-
-    def add_sync(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
-        """Count one more copy of each key on ``pod`` in ``tier`` (touches the keys)."""
-        t = self._tier(tier)
-        pid = self._intern(pod)
-        bit = 1 << pid
-        any_ = self._any
-        pop = any_.pop
-        extra = self._extra
-        new_entries = 0
-        new_pod = 0
-        canon = self._canon
-        if len(canon) > _CANON_MAX:
-            canon.clear()
-        intern = canon.setdefault
-        if t == 0:
-            not_fast = self._not_fast
-            for k in keys:
-                a = pop(k, 0)
-                if not a & bit:
-                    a |= bit
-                    any_[k] = intern(a, a)
-                    new_entries += 1
-                    new_pod += 1
-                    continue
-                any_[k] = a
-                nf = not_fast.get(k, 0) if not_fast else 0
-                if nf & bit:  # held only in slower tiers until now
-                    nf &= ~bit
-                    if nf:
-                        not_fast[k] = nf
-                    else:
-                        del not_fast[k]
-                    new_pod += 1
-                else:
-                    ek = (k, pid, 0)
-                    extra[ek] = extra.get(ek, 1) + 1
-        else:
-            slow = self._slow[t]
-            not_fast = self._not_fast
-            for k in keys:
-                a = pop(k, 0)
-                m = slow.get(k, 0)
-                if m & bit:
-                    ek = (k, pid, t)
-                    extra[ek] = extra.get(ek, 1) + 1
-                else:
-                    slow[k] = m | bit
-                    new_pod += 1
-                    if not a & bit:
-                        a |= bit
-                        a = intern(a, a)
-                        new_entries += 1
-                        not_fast[k] = not_fast.get(k, 0) | bit
-                any_[k] = a
-        self._pod_n[pid] += new_pod
-        self._entries += new_entries
-        if self._entries > self.max_entries:
-            self._evict()
-
-    def _drop(self, key: int, pid: int, t: int) -> None:
-        """Remove ``pod``'s membership of ``key`` in tier ``t`` whatever its count."""
-        bit = 1 << pid
-        a = self._any.get(key)
-        if a is None or not a & bit:
-            return
-        if self._extra:
-            self._extra.pop((key, pid, t), None)
-        not_fast = self._not_fast
-        if t == 0:
-            nf = not_fast.get(key, 0)
-            if nf & bit:
-                return  # not held in the fastest tier
-            self._pod_n[pid] -= 1
-            if self._held_slow(key, bit):
-                not_fast[key] = nf | bit
-                return
-        else:
-            slow = self._slow[t]
-            m = slow.get(key, 0)
-            if not m & bit:
-                return
-            m &= ~bit
-            if m:
-                slow[key] = m
-            else:
-                del slow[key]
-            self._pod_n[pid] -= 1
-            nf = not_fast.get(key, 0)
-            if not nf & bit or self._held_slow(key, bit):
-                return  # still held in the fastest tier or another slow one
-            nf &= ~bit
-            if nf:
-                not_fast[key] = nf
-            else:
-                del not_fast[key]
-        a &= ~bit
-        self._entries -= 1
-        if a:
-            self._any[key] = a
-        else:
-            del self._any[key]
-
-    def remove_sync(self, pod: str, keys: Sequence[int], tier: str = "GPU") -> None:
-        """Count one copy fewer of each key; unknown keys are ignored."""
-        t = self._tier(tier)
-        pid = self._pid.get(pod)
-        if pid is None:
-            return
-        bit = 1 << pid
-        any_ = self._any
-        extra = self._extra
-        # common case: one fastest-tier copy, no slower tiers anywhere
-        fast_only = t == 0 and not self._not_fast and not extra and not self._extra_tiers_used()
-        intern = self._canon.setdefault
-        for k in keys:
-            a = any_.get(k)
-            if a is None or not a & bit:
-                continue
-            if fast_only:
-                a &= ~bit
-                self._entries -= 1
-                self._pod_n[pid] -= 1
-                if a:
-                    any_[k] = intern(a, a)
-                else:
-                    del any_[k]
-                continue
-            if extra:
-                ek = (k, pid, t)
-                c = extra.get(ek)
-                if c is not None:
-                    if c > 2:
-                        extra[ek] = c - 1
-                    else:
-                        del extra[ek]
-                    continue
-            self._drop(k, pid, t)
-
-    def clear_pod_sync(self, pod: str, tier: str | None = None) -> None:
-        """Forget every entry of ``pod`` (only ``tier`` when given); O(keys)."""
-        pid = self._pid.get(pod)
-        if pid is None:
-            return
-        if tier is not None:
-            t = self._tier(tier)
-            bit = 1 << pid
-            if t == 0:
-                nf = self._not_fast
-                held = [k for k, a in self._any.items() if a & bit and not nf.get(k, 0) & bit]
-            else:
-                held = [k for k, m in self._slow[t].items() if m & bit]
-            for k in held:
-                self._drop(k, pid, t)
-            return
-        bit = 1 << pid
-        keep = ~bit
-        any_ = self._any
-        held = [k for k, a in any_.items() if a & bit]
-        for k in held:
-            a = any_[k] & keep
-            if a:
-                any_[k] = a
-            else:
-                del any_[k]
-            for d in (self._not_fast, *self._slow[1:]):
-                m = d.get(k)
-                if m is not None and m & bit:
-                    m &= keep
-                    if m:
-                        d[k] = m
-                    else:
-                        del d[k]
-        if self._extra:
-            for ek in [ek for ek in self._extra if ek[1] == pid]:
-                del self._extra[ek]
-        self._entries -= len(held)
-        self._pod_n[pid] = 0
-        del self._pid[pod]
-        self._names[pid] = None
-        self._free.append(pid)
-        self._pid_gen += 1
-
-    def _evict(self) -> None:
-        """Drop least recently stored keys until entries <= 99% of ``max_entries``."""
-        target = self.max_entries - max(1, self.max_entries // 100)
-        need = self._entries - target
-        victims: list[int] = []
-        freed = 0
-        any_ = self._any
-        for k, a in any_.items():  # oldest first
-            if freed >= need:
-                break
-            victims.append(k)
-            freed += a.bit_count()
-        for k in victims:
-            a = any_.pop(k)
-            nf = self._not_fast.pop(k, 0)
-            for pid in _bits(a):
-                n = 0 if nf >> pid & 1 else 1
-                self._pod_n[pid] -= n
-            for s in self._slow[1:]:
-                m = s.pop(k, 0)
-                for pid in _bits(m):
-                    self._pod_n[pid] -= 1
-            if self._extra:
-                for pid in _bits(a):
-                    for t in range(len(self.tiers)):
-                        self._extra.pop((k, pid, t), None)
-        self._entries -= freed
-        self.evicted += freed
 
     # -- reads -----------------------------------------------------------------------
 
@@ -393,11 +143,8 @@ class InMemoryIndex:
         out: dict[str, PodHits] = {}
         for mask, n in drops:
             copy = dict.fromkeys(tiers, n).copy
-            out.update({names[pid]: copy() for pid in _bits(mask)})  # type: ignore[misc]
+            out.update({names[pid]: copy() for pid in bits(mask)})  # type: ignore[misc]
         return out
-
-    def _extra_tiers_used(self) -> bool:
-        return any(self._slow[1:])
 
     def _lookup_tiers(self, keys: Sequence[int], cand: int) -> dict[str, PodHits]:
         """The general walk when some pod holds some block only in a slower tier."""
@@ -432,11 +179,11 @@ class InMemoryIndex:
         names = self._names
         tiers = self.tiers
         out: dict[str, PodHits] = {}
-        for pid in _bits(cand):
+        for pid in bits(cand):
             out[names[pid]] = dict.fromkeys(tiers, 0)  # type: ignore[index]
         for t, tier in enumerate(tiers):
             for mask, n in drops[t]:
-                for pid in _bits(mask):
+                for pid in bits(mask):
                     out[names[pid]][tier] = n  # type: ignore[index]
         return out
 

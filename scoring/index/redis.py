@@ -33,57 +33,32 @@ writer that Redis lost the index (a restart without persistence, a flush) and ev
 must be learned again.
 
 :class:`~scoring.index.redis_load.RedisLoadStore` (re-exported here) is the shared load
-view.
+view.  Script calls are sent by :mod:`scoring.index.redis_calls`; the lease, the sweep
+and the epoch are :class:`~scoring.index.redis_upkeep.IndexUpkeep`, the base class of
+:class:`RedisIndex`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import struct
-import uuid
-from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
-from functools import partial
-from typing import Any, TypeVar
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError
 
 from scoring.index import redis_lua
 from scoring.index.base import DEFAULT_TIERS, PodHits
 from scoring.index.breaker import CircuitBreaker, SharedStateUnavailable
+from scoring.index.redis_calls import Call, pack_keys, run_calls
 from scoring.index.redis_guard import BACKGROUND_DEADLINE_S, REQUEST_DEADLINE_S, RedisGuard
-from scoring.index.redis_keys import Layout, check_name, raise_if_cancelled
+from scoring.index.redis_keys import Layout, check_name
 from scoring.index.redis_load import RedisLoadStore
+from scoring.index.redis_upkeep import IndexUpkeep
 
 __all__ = ["RedisGuard", "RedisIndex", "RedisLoadStore", "SharedStateUnavailable", "pack_keys"]
 
-T = TypeVar("T")
 
-log = logging.getLogger(__name__)
-
-_U64 = (1 << 64) - 1
-
-
-def pack_keys(keys: Sequence[int]) -> bytes:
-    """Block keys -> 8 big-endian bytes each; ValueError naming the bad key otherwise."""
-    try:
-        return struct.pack(f">{len(keys)}Q", *keys)
-    except (struct.error, TypeError):
-        for i, k in enumerate(keys):
-            if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= _U64:
-                raise ValueError(
-                    f"block key #{i} must be an unsigned 64-bit int, got {k!r}"
-                ) from None
-        raise
-
-
-#: one script call: (script, KEYS, ARGV)
-_Call = tuple[AsyncScript, list[bytes], list[Any]]
-
-
-class RedisIndex:
+class RedisIndex(IndexUpkeep):
     """:class:`~scoring.index.base.BlockIndex` stored in Redis >= 7 / Valkey >= 8.
 
     Parameters: ``client`` -- a :class:`~scoring.index.redis_guard.RedisGuard` (shared
@@ -190,64 +165,33 @@ class RedisIndex:
         n = self.batch_keys
         return [pack_keys(keys[i : i + n]) for i in range(0, len(keys), n)]
 
-    async def _write(self, op: str, calls: list[_Call], *, idempotent: bool = False) -> None:
-        """:meth:`_run_calls` under the guard: the background deadline for the batch,
-        never resent unless ``idempotent``, error replies raised as they are."""
+    async def _write(self, op: str, calls: list[Call], *, idempotent: bool = False) -> None:
+        """:func:`~scoring.index.redis_calls.run_calls` under the guard: the background
+        deadline for the batch, never resent unless ``idempotent``, error replies raised as
+        they are."""
         await self.guard.call(
             op,
-            lambda: self._run_calls(calls),
+            lambda: run_calls(self._r, calls),
             request=False,
             idempotent=idempotent,
             wrap_errors=False,
         )
 
-    async def _background(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """A maintenance call (idempotent) under the guard's background deadline."""
-        return await self.guard.call(op, fn, request=False, wrap_errors=False)
-
-    async def _run_calls(self, calls: list[_Call]) -> None:
-        """Run script calls in order: one call, or one pipeline (still one round trip).
-
-        A call refused with NOSCRIPT (the server restarted or flushed its script cache)
-        is retried, in order, after SCRIPT LOAD; calls that ran are never re-run.
-        """
-        if len(calls) == 1:
-            script, keys, args = calls[0]
-            await script(keys=keys, args=args)
-            return
-        todo = calls
-        for _attempt in range(2):
-            async with self._r.pipeline(transaction=False) as pipe:
-                for script, keys, args in todo:
-                    pipe.evalsha(script.sha, len(keys), *keys, *args)
-                results = await pipe.execute(raise_on_error=False)
-            errors = [r for r in results if isinstance(r, Exception)]
-            if not errors:
-                return
-            other = [e for e in errors if not isinstance(e, NoScriptError)]
-            if other:
-                raise other[0]
-            failed = [c for c, r in zip(todo, results, strict=True) if isinstance(r, Exception)]
-            for script in {id(c[0]): c[0] for c in failed}.values():
-                await self._r.script_load(script.script)
-            todo = failed
-        raise RuntimeError("script missing on the server even after SCRIPT LOAD")
-
-    def _add_calls(self, pod: str, keys: Sequence[int], tier: str) -> list[_Call]:
+    def _add_calls(self, pod: str, keys: Sequence[int], tier: str) -> list[Call]:
         p = check_name("pod", pod)
         t = self._tier(tier)
         k = self._k
         skeys = [self._tier_keys[tier], k.ids, k.next, k.seen, k.hints, k.digests]
         return [(self._add, skeys, [k.prefix, p, t, self._ttl_arg, c]) for c in self._chunks(keys)]
 
-    def _remove_calls(self, pod: str, keys: Sequence[int], tier: str) -> list[_Call]:
+    def _remove_calls(self, pod: str, keys: Sequence[int], tier: str) -> list[Call]:
         p = check_name("pod", pod)
         t = self._tier(tier)
         k = self._k
         tk = [self._tier_keys[tier], k.hints, k.digests]
         return [(self._remove, tk, [k.prefix, p, t, c]) for c in self._chunks(keys)]
 
-    def _clear_calls(self, pod: str, tier: str | None) -> list[_Call]:
+    def _clear_calls(self, pod: str, tier: str | None) -> list[Call]:
         p = check_name("pod", pod)
         if tier is None:
             tiers = list(self._tier_keys.values())
@@ -281,7 +225,7 @@ class RedisIndex:
         ``scoring.events.apply.IndexOps.ops``.  Every op is validated before anything
         is sent, so a bad op (ValueError naming it) leaves the index untouched.
         """
-        calls: list[_Call] = []
+        calls: list[Call] = []
         for n, (kind, pod, tier, keys) in enumerate(ops):
             if kind == "clear":
                 calls.extend(self._clear_calls(pod, tier))
@@ -344,108 +288,3 @@ class RedisIndex:
         """Close the client if this index owns it (:meth:`from_url`, ``owns_client``)."""
         if self._owns:
             await self.guard.aclose()
-
-    # -- the writer lease ----------------------------------------------------------------
-
-    async def claim_writer(self, holder: str, lease_s: float) -> str | None:
-        """Take or renew this namespace's writer lease for ``holder`` (it expires
-        ``lease_s`` after the last claim); None when ``holder`` holds it, else whoever
-        does.  One process should apply KV events to a namespace: two apply every event
-        twice and each one's resync clears the pod under the other's bookkeeping."""
-        cur = await self._background(
-            "writer_lease",
-            lambda: self._claim_writer(keys=[self._k.writer], args=[holder, int(lease_s * 1000)]),
-        )
-        return None if cur is None else (cur.decode() if isinstance(cur, bytes) else str(cur))
-
-    async def writer(self) -> str | None:
-        """Who holds the writer lease now (None: nobody)."""
-        cur = await self._background("writer_lease", lambda: self._r.get(self._k.writer))
-        return None if cur is None else (cur.decode() if isinstance(cur, bytes) else str(cur))
-
-    async def release_writer(self, holder: str) -> None:
-        """Give the writer lease up if ``holder`` holds it."""
-        await self._background(
-            "writer_lease", lambda: self._release_writer(keys=[self._k.writer], args=[holder])
-        )
-
-    # -- maintenance -------------------------------------------------------------------
-
-    async def sweep(self, count: int = 1000) -> int:
-        """Delete retired (cleared) and stale slot ids from the holder hints; returns how many.
-
-        Not on any request path: it HSCANs this namespace's hint hash in pages of
-        ``count`` and cleans each page with one script.  Needed only when ``ttl_s`` is
-        disabled, or to reclaim memory before the TTL does.
-        """
-        k = self._k
-        removed = 0
-        cursor: int = 0
-        while True:
-            # fields and values (HSCAN NOVALUES needs Redis 7.4 / Valkey 8)
-            cursor, found = await self._background(
-                "sweep", partial(self._r.hscan, k.hints, cursor=cursor, count=count)
-            )
-            page = list(found)
-            if page:
-                removed += int(
-                    await self._background(
-                        "sweep",
-                        partial(
-                            self._sweep,
-                            keys=[k.ids, k.seen, k.hints, k.digests],
-                            args=[k.prefix, self._ttl_arg, *page],
-                        ),
-                    )
-                )
-            if cursor == 0:
-                return removed
-
-    async def sweep_forever(self, interval_s: float = 300.0) -> None:
-        """Run :meth:`sweep` every ``interval_s`` seconds until cancelled.
-
-        For the process that writes the index (``kvroute index``): start it as a task
-        in its lifespan.  A failed sweep is logged and counted (``sweep_errors``), and
-        the loop goes on; ``swept`` counts the hint entries removed so far.
-        """
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be positive, got {interval_s!r}")
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                self.swept += await self.sweep()
-            except (SharedStateUnavailable, aioredis.RedisError, OSError) as exc:
-                raise_if_cancelled(exc)
-                self.sweep_errors += 1
-                log.warning("sweep of redis index %r failed: %s", self.namespace, exc)
-            raise_if_cancelled()
-
-    async def block_keys(self) -> int:
-        """Number of distinct blocks held by any slot in this namespace (hint fields)."""
-        return int(await self._background("block_keys", lambda: self._r.hlen(self._k.hints)))
-
-    # -- the epoch -----------------------------------------------------------------------
-
-    async def epoch(self) -> str | None:
-        """The namespace's epoch (None: there is none -- never written, or lost)."""
-        cur = await self._background("epoch", lambda: self._r.get(self._k.epoch))
-        return None if cur is None else _text(cur)
-
-    async def ensure_epoch(self) -> str:
-        """The namespace's epoch, created (a new random id) when there is none.
-
-        For the process that writes the index: call it when it starts and then
-        periodically (with each lease claim); an answer different from the previous
-        one means Redis lost this namespace's data since (it restarted without
-        persistence, or was flushed), so every pod must be cleared and learned again.
-        One round trip (``SET NX GET``: atomic, so two writers agree on one epoch).
-        """
-        new = uuid.uuid4().hex
-        old = await self._background(
-            "epoch", lambda: self._r.set(self._k.epoch, new, nx=True, get=True)
-        )
-        return new if old is None else _text(old)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
