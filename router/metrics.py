@@ -9,12 +9,15 @@ Nothing here is a module global: :class:`RouterMetrics` owns its
 :class:`~prometheus_client.CollectorRegistry`, so several apps (tests, workers) never
 collide.  Event-subscriber counters and index sizes are read at scrape time from
 callables the app registers (:meth:`RouterMetrics.add_collector`).
+
+Re-exported here: the families built at scrape time (:func:`gauge_family`,
+:func:`policy_families`, in :mod:`router.scrape_families`) and the process's build
+(:func:`kvroute_version`, :func:`register_build_info`, in :mod:`router.build_info`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import platform
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,14 +28,22 @@ from prometheus_client import (
     Gauge,
     generate_latest,
 )
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    Metric,
-)
+from prometheus_client.core import Metric
 from prometheus_client.metrics import MetricWrapperBase
 
+from router.build_info import kvroute_version, register_build_info
 from router.metric_families import CallbackCollector, HotFamily
+from router.scrape_families import gauge_family, policy_families
+
+__all__ = [
+    "CONTENT_TYPE",
+    "PodMetrics",
+    "RouterMetrics",
+    "gauge_family",
+    "kvroute_version",
+    "policy_families",
+    "register_build_info",
+]
 
 _FAST_BUCKETS = (
     0.00005,
@@ -51,34 +62,6 @@ _FAST_BUCKETS = (
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-
-
-def kvroute_version() -> str:
-    """The installed kvroute's version ("unknown" when run from a tree not installed)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("kvroute")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-def register_build_info(registry: CollectorRegistry, component: str, policy: str = "") -> None:
-    """``kvroute_build_info{version, python, build, component, policy} 1``: which
-    kvroute a process runs (a rollout shows as two versions side by side), whether its
-    decision's hot modules are compiled (``build``: compiled, python or partial;
-    scoring/compiled.py), as what (``serve``, ``index``) and, for a router, with which
-    policy."""
-    from scoring.compiled import build_kind
-
-    Gauge(
-        "kvroute_build_info",
-        "Always 1: the kvroute version, Python version, build (compiled, python or "
-        "partial: the decision's hot modules), component (serve, index) and routing "
-        "policy of this process",
-        ["version", "python", "build", "component", "policy"],
-        registry=registry,
-    ).labels(kvroute_version(), platform.python_version(), build_kind(), component, policy).set(1)
 
 
 class PodMetrics:
@@ -362,58 +345,3 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def gauge_family(name: str, doc: str, label: str, values: dict[str, float]) -> Metric:
-    """A one-label gauge family built at scrape time."""
-    fam = GaugeMetricFamily(name, doc, labels=[label])
-    for k, v in values.items():
-        fam.add_metric([k], v)
-    return fam
-
-
-def _learned_family(
-    metric: str, doc: str, of: str, policy: str, values: dict[tuple[str, str], float]
-) -> Metric:
-    """A gauge family ``{policy,quantity,<of>}`` of ``values`` keyed (quantity, of)."""
-    fam = GaugeMetricFamily(metric, doc, labels=["policy", "quantity", of])
-    for (quantity, key), v in values.items():
-        fam.add_metric([policy, quantity, key], v)
-    return fam
-
-
-def policy_families(
-    name: str,
-    learned: dict[tuple[str, str], float],
-    rejected: dict[str, int],
-    per_pod: dict[tuple[str, str], float],
-) -> list[Metric]:
-    """``kvroute_policy_learned{policy,quantity,model}`` (what the routing policy learned
-    from its observations: ``cost``'s prefill rate and decode time, per model),
-    ``kvroute_policy_pod_learned{policy,quantity,pod}`` (what it learned per pod:
-    ``cost``'s pace with ``queue_slowness``) and
-    ``kvroute_policy_rejected_observations_total{policy,reason}`` (observations it
-    dropped as bad input), built at scrape time from ``Policy.learned``,
-    ``Policy.learned_per_pod`` and ``Policy.rejected_observations``."""
-    fam = _learned_family(
-        "kvroute_policy_learned",
-        "What the routing policy learned from its observations, by quantity and model",
-        "model",
-        name,
-        learned,
-    )
-    pods = _learned_family(
-        "kvroute_policy_pod_learned",
-        "What the routing policy learned about each pod from its observations, by quantity",
-        "pod",
-        name,
-        per_pod,
-    )
-    bad = CounterMetricFamily(
-        "kvroute_policy_rejected_observations",
-        "Observations the routing policy dropped as bad input, by reason",
-        labels=["policy", "reason"],
-    )
-    for reason, n in rejected.items():
-        bad.add_metric([name, reason], n)
-    return [fam, pods, bad]

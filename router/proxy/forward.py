@@ -68,31 +68,25 @@ Semantics:
   handshake is part of connecting, so a refused certificate is a connect failure
   (retried on the next pod, then 502), logged once per pod and cause.
 
-The attempt loop is here (:class:`Proxy`); beside it: the answer's relay
-(:mod:`.streaming`), the failures' errors and the pod hooks (:mod:`.failures`), the
-load and policy bookkeeping (:mod:`.bookkeeping`) and the forwarded head (:mod:`.head`).
+The attempt loop is here (:class:`Proxy`); beside it: the proxy's construction, its
+pod targets and forwarded head (:mod:`.wiring`, the head built by :mod:`.head`), the
+answer's relay (:mod:`.streaming`), the failures' errors and the pod hooks
+(:mod:`.failures`) and the load and policy bookkeeping (:mod:`.bookkeeping`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
 from starlette.responses import Response
 from starlette.types import Receive
 
-from router.decision.owners import OwnerStore
 from router.decision.request import Routed
 from router.errors import RouterError
-from router.fleet.load import LoadStore, PendingLoad, RequestLoad
-from router.fleet.pods import PodRegistry
-from router.fleet.tls import PodTLS
-from router.fleet.transport import PodTarget, PodTransport, Upstream
-from router.logs import RateLimitedLog
-from router.metrics import RouterMetrics
+from router.fleet.load import RequestLoad
+from router.fleet.transport import Upstream
 from router.proxy import answers
 from router.proxy.assemble import (
     StreamFailed,
@@ -102,117 +96,26 @@ from router.proxy.assemble import (
     streamed_body,
     unassembled,
 )
-from router.proxy.attempts import CLIENT_DISCONNECTED, AttemptWatch, Disconnected
+from router.proxy.attempts import CLIENT_DISCONNECTED, Disconnected
 from router.proxy.failures import RETRYABLE_STATUS, Stalled
 from router.proxy.first_output import opening_watch
-from router.proxy.head import DROP_REQUEST_B, head_tail
 from router.proxy.relay import RawResponse, pod_5xx_error
 from router.proxy.response_ids import id_from_body
-from router.proxy.settings import ProxySettings
-from router.proxy.streaming import StreamRelay
-from scoring.policies.base import Policy
+from router.proxy.wiring import ProxyWiring
 
 if TYPE_CHECKING:
     from router.proxy.disagg import DecodeLeg
 
 __all__ = ["RETRYABLE_STATUS", "Proxy"]
 
-log = logging.getLogger(__name__)
 
-
-def _as_is(err: RouterError) -> RouterError:
-    return err
-
-
-class Proxy(StreamRelay):
+class Proxy(ProxyWiring):
     """Forwards decided requests to their pods: the attempt loop (retry, failover), with
-    the answer's relay (:class:`~router.proxy.streaming.StreamRelay`), the attempts'
-    errors (:class:`~router.proxy.failures.Failures`) and their bookkeeping
+    its construction, pod targets and forwarded head
+    (:class:`~router.proxy.wiring.ProxyWiring`), the answer's relay
+    (:class:`~router.proxy.streaming.StreamRelay`), the attempts' errors
+    (:class:`~router.proxy.failures.Failures`) and their bookkeeping
     (:class:`~router.proxy.bookkeeping.Bookkeeping`) as its bases."""
-
-    def __init__(
-        self,
-        client: httpx.AsyncClient,
-        settings: ProxySettings,
-        registry: PodRegistry,
-        load: LoadStore,
-        policy: Policy,
-        metrics: RouterMetrics,
-        *,
-        policy_name: str,
-        pod_header: str,
-        forward_authorization: bool,
-        pending: PendingLoad | None = None,
-        transport: PodTransport | None = None,
-    ) -> None:
-        self.client = client
-        self.settings = settings
-        self.registry = registry
-        self.load = load
-        self.policy = policy
-        self.metrics = metrics
-        self.policy_name = policy_name
-        self.pod_header = pod_header
-        self._pod_header_b = pod_header.lower().encode("latin-1")
-        self.forward_authorization = forward_authorization
-        self.pending = pending if pending is not None else PendingLoad()
-        #: requests go straight to this transport as bytes (httpx's request / response
-        #: objects and client layers cost more than the rest of the proxying)
-        self._own_transport = transport is None
-        self.transport = transport or PodTransport(
-            settings.max_keepalive, PodTLS.from_settings(settings)
-        )
-        self._targets: dict[tuple[str, str], PodTarget] = {}
-        self._watch = AttemptWatch()
-        #: per-request warnings: one line per cause per 10 s
-        self._log = RateLimitedLog(log)
-        self._connect_timeout = settings.connect_timeout_s
-        self._read_timeout = settings.read_timeout_s
-        self._first_byte_timeout = settings.first_byte_timeout_s
-        self._stream_json = settings.stream_json_answers
-        #: the upstream bodies relaying per pod (an ejection limits their silence)
-        self._relaying: dict[str, set[Any]] = {}
-        registry.subscribe_health(self._on_health)
-        registry.subscribe(self._on_pod)
-        self._drop = DROP_REQUEST_B | (
-            frozenset() if forward_authorization else frozenset({b"authorization"})
-        )
-        #: where a created response's owner is recorded (``/v1/responses``)
-        self.owners: OwnerStore | None = None
-        #: what a client may see of an upstream error (tenancy strips fleet internals)
-        self.public: Callable[[RouterError], RouterError] = _as_is
-        #: called with (tenant, completion tokens) when an answer ends cleanly (limits)
-        #: a pod's own 5xx body is not relayed but replaced by :attr:`public`'s error
-        #: (tenants: it may name the fleet's internals; it is logged instead)
-        self.hide_pod_errors = False
-        self.on_answer: Callable[[str | None, int | None], Awaitable[None]] | None = None
-        #: told of a stream's time to first token by tenant (the tenants' dashboard row)
-        self.on_ttft: Callable[[str | None, float], None] | None = None
-        #: the policy reads the output tokens (``on_finished`` is its own): every answer's
-        #: usage is decoded for it (else only those reporting cached tokens, for metrics)
-        self._policy_wants_output = type(policy).on_finished is not Policy.on_finished
-        #: told of every attempt as it starts, like the policy (the speculative entries,
-        #: ``RequestRouter.sent``)
-        self.on_sent: Callable[[Routed, str], None] | None = None
-
-    async def aclose(self) -> None:
-        """Close the transport if this proxy made its own."""
-        if self._own_transport:
-            await self.transport.aclose()
-
-    def _head_tail(self, incoming: list[tuple[bytes, bytes]], length: int) -> bytes:
-        """The forwarded headers (hop-by-hop and Host dropped), Content-Length, identity
-        encoding and the blank line: everything of the head after the Host line."""
-        return head_tail(incoming, self._drop, length)
-
-    def _target(self, url: str, path: str) -> PodTarget:
-        key = (url, path)
-        target = self._targets.get(key)
-        if target is None:  # parsing a URL costs more than the rest of the request head
-            if len(self._targets) > 4096:
-                self._targets.clear()
-            target = self._targets[key] = PodTarget(url, path)
-        return target
 
     async def forward(
         self,
