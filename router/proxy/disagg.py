@@ -57,6 +57,13 @@ during the prefill strands nothing (the prefill is aborted first).  One that lea
 the prefill answered cancels the decode attempt; if the decode pod had not pulled yet,
 those blocks stay pinned on the prefill pod until the lease expires (vLLM logs "Releasing
 expired KV blocks"; the sim counts ``kvroute_sim_kv_expired_leases_total``).
+
+:class:`Disaggregator` (here) sends the prefill half and chooses between a split, a
+fallback and a direct request; the decode half's attempts, the prefill's cached tokens
+in their answer and the prefill pod's header (steps 3 to 5:
+:class:`~router.proxy.disagg_decode.DecodeLeg`, given the prefill's
+:class:`~router.proxy.disagg_decode.Prefilled`) are in :mod:`router.proxy.disagg_decode`,
+both re-exported here.
 """
 
 from __future__ import annotations
@@ -64,8 +71,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -75,14 +80,24 @@ from starlette.types import Receive
 
 from router.decision.disagg import PDPlan, PDSettings, PDStep
 from router.decision.request import Routed
-from router.errors import RouterError
 from router.fleet.load import RequestLoad
 from router.logs import RateLimitedLog
 from router.proxy import answers
 from router.proxy.attempts import CLIENT_DISCONNECTED
+from router.proxy.disagg_decode import DECODE_RETRYABLE, DecodeLeg, Prefilled
 from router.proxy.forward import RETRYABLE_STATUS, Proxy
 from router.rewrite import rewrite_body
 from router.usage import usage_of_json
+
+__all__ = [
+    "DECODE_RETRYABLE",
+    "PREFILL_PARAMS",
+    "DecodeLeg",
+    "Disaggregator",
+    "Prefilled",
+    "prefill_body",
+    "with_request_id",
+]
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +117,8 @@ _SPLIT_KINDS = frozenset({"chat", "completion", "responses"})
 _PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
 #: a response's prefill copy: no stored 1-token response, answered now (not queued)
 _RESPONSES_DROP = ("stream_options", "background")
-#: a decode attempt answering one of these before any byte went out is retried
-DECODE_RETRYABLE = RETRYABLE_STATUS | {500}
 
 _decode = msgspec.json.decode
-_encode = msgspec.json.encode
 _monotonic = time.monotonic
 
 
@@ -122,151 +134,11 @@ def prefill_body(raw: bytes, body: dict[str, Any], kind: str = "chat") -> bytes:
     return rewrite_body(raw, body, set_fields=sets, drop=_PREFILL_DROP)
 
 
-@dataclass(slots=True)
-class Prefilled:
-    """A prefill pod's answer with params."""
-
-    pod: str
-    params: dict[str, Any]
-    cached_tokens: int | None
-    at: float
-
-
 def with_request_id(headers: list[tuple[bytes, bytes]], rid: str) -> list[tuple[bytes, bytes]]:
     """``headers`` with an ``x-request-id`` (the router's id when the client sent none)."""
     if any(k.lower() == b"x-request-id" for k, _ in headers):
         return headers
     return [*headers, (b"x-request-id", rid.encode("latin-1"))]
-
-
-class DecodeLeg:
-    """The decode half's attempts, for :meth:`Proxy.forward` (see the module docstring)."""
-
-    retry_status = DECODE_RETRYABLE
-
-    def __init__(
-        self,
-        routed: Routed,
-        raw: bytes,
-        prefilled: Prefilled,
-        settings: PDSettings,
-        proxy: Proxy,
-    ) -> None:
-        self.routed = routed
-        self.plain = raw
-        self.with_params = rewrite_body(
-            raw, routed.body, set_fields={"kv_transfer_params": prefilled.params}
-        )
-        self.prefilled = prefilled
-        self.deadline = prefilled.at + settings.kv_lease_s
-        self.metrics = proxy.metrics
-        name = settings.prefill_pod_header
-        self.headers = [(name.encode("latin-1"), prefilled.pod.encode("latin-1"))]
-        self.header_map = {name: prefilled.pod}
-        #: the current attempt carries the params (its answer's usage is merged)
-        self.transfer = False
-        self.attempts = 0
-        route = routed.route
-        self._tail_tokens = max(1, route.prompt_tokens % route.block_size)
-        #: where the answer's usage keeps its cached tokens (the Responses API's name)
-        responses = routed.kind == "responses"
-        self.details = "input_tokens_details" if responses else "prompt_tokens_details"
-
-    @property
-    def count_usage(self) -> bool:
-        """Count the answer's cached tokens against the decode pod's prediction: only a
-        plain attempt's (a transfer's include the pulled blocks)."""
-        return not self.transfer
-
-    def attempt(self, pod: str, last_error: RouterError | None) -> tuple[bytes, int]:
-        """The body and load tokens of the next decode attempt, on ``pod``."""
-        m, model = self.metrics, self.routed.model
-        self.attempts += 1
-        unused = last_error is None or last_error.reason == "connect"
-        if unused and _monotonic() < self.deadline:
-            self.transfer = True
-            m.child(m.pd_transfers, model, "first" if self.attempts == 1 else "retry").inc()
-            return self.with_params, self._tail_tokens
-        if self.transfer or self.attempts == 1:  # the params are spent: plain from now on
-            m.child(m.pd_fallbacks, model, "decode_retry").inc()
-        self.transfer = False
-        return self.plain, self.routed.route.prompt_tokens
-
-    def edit_body(self, status: int, content: bytes) -> bytes:
-        """A JSON answer with the prefill's cached tokens in its usage."""
-        cached = self.prefilled.cached_tokens
-        if not self.transfer or cached is None or not 200 <= status < 300:
-            return content
-        if f'"{self.details}"'.encode() not in content:
-            return content
-        try:
-            obj = _decode(content)
-        except msgspec.DecodeError:
-            return content
-        return _encode(obj) if _set_cached(obj, cached, self.details) else content
-
-    def wrap(self, status: int, stream: AsyncIterable[bytes]) -> AsyncIterable[bytes]:
-        """A stream whose usage event carries the prefill's cached tokens (when the
-        request asked for one; a response stream's ``response.completed`` always has
-        it); any other stream as it is."""
-        options = self.routed.body.get("stream_options")
-        wants = isinstance(options, dict) and options.get("include_usage") is True
-        wants = wants or self.routed.kind == "responses"
-        cached = self.prefilled.cached_tokens
-        if not (wants and self.transfer and cached is not None and 200 <= status < 300):
-            return stream
-        return _merge_stream(stream, cached, self.details)
-
-
-def _set_cached(obj: Any, cached: int, key: str = "prompt_tokens_details") -> bool:
-    """Set ``cached_tokens`` in ``obj``'s usage (``obj["usage"]``, or a response event's
-    ``obj["response"]["usage"]``) under ``key``; whether it could."""
-    if not isinstance(obj, dict):
-        return False
-    usage = obj.get("usage")
-    if usage is None and isinstance(obj.get("response"), dict):
-        usage = obj["response"].get("usage")
-    details = usage.get(key) if isinstance(usage, dict) else None
-    if not isinstance(details, dict):
-        return False
-    details["cached_tokens"] = cached
-    return True
-
-
-async def _merge_stream(
-    stream: AsyncIterable[bytes], cached: int, key: str = "prompt_tokens_details"
-) -> AsyncIterator[bytes]:
-    """Relay complete lines; the ``data:`` line with the usage re-encoded."""
-    marker = f'"{key}"'.encode()
-    pending = b""
-    async for chunk in stream:
-        data = pending + chunk if pending else chunk
-        cut = data.rfind(b"\n")
-        if cut < 0:
-            pending = data
-            continue
-        done, pending = data[: cut + 1], data[cut + 1 :]
-        if marker in done:
-            done = _merge_lines(done, cached, key)
-        yield done
-    if pending:
-        yield pending
-
-
-def _merge_lines(data: bytes, cached: int, key: str) -> bytes:
-    marker = f'"{key}"'.encode()
-    lines = data.split(b"\n")
-    for i, line in enumerate(lines):
-        if not line.startswith(b"data:") or marker not in line:
-            continue
-        try:
-            obj = _decode(line[5:].strip())
-        except msgspec.DecodeError:
-            continue
-        if _set_cached(obj, cached, key):
-            end = b"\r" if line.endswith(b"\r") else b""
-            lines[i] = b"data: " + _encode(obj) + end
-    return b"\n".join(lines)
 
 
 class Disaggregator:
