@@ -46,7 +46,7 @@ from router.tokenize import PromptTokenizer, load_tokenizer
 from scoring.index.base import BlockIndex
 from scoring.index.redis_guard import RedisGuard
 from scoring.policies import build_policy
-from scoring.policies.base import Policy
+from scoring.policies.base import Policy, reads_output
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ class RouterCore:
         register_build_info(self.metrics.registry, component, settings.policy)
         self.registry = PodRegistry()
         self.policy: Policy = build_policy(settings.policy, settings.policy_params)
+        #: the policy has an ``on_finished`` of its own (else the fronts skip the no-op)
+        self.policy_reads_output = reads_output(self.policy)
         self.metrics.add_collector(
             lambda: policy_families(
                 self.policy.name,

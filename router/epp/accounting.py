@@ -162,7 +162,8 @@ class Accounting:
         self._done = True
         self._count_served()
         pm = self._pm
-        if self._load is not None:  # (the policy learns decode rates from the answer)
+        # (a learning policy reads decode rates from the answer; the base's is a no-op)
+        if self._load is not None and self._core.policy_reads_output:
             out = usage.completion_tokens if usage is not None else None
             self._core.policy.on_finished(self.routed.route, self.pod, out)
         await self._end()

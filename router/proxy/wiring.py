@@ -29,7 +29,7 @@ from router.proxy.attempts import AttemptWatch
 from router.proxy.head import DROP_REQUEST_B, head_tail
 from router.proxy.settings import ProxySettings
 from router.proxy.streaming import StreamRelay
-from scoring.policies.base import Policy
+from scoring.policies.base import Policy, reads_output
 
 #: the proxy's per-request warnings keep the logger of the attempt loop's module
 log = logging.getLogger("router.proxy.forward")
@@ -103,7 +103,7 @@ class ProxyWiring(StreamRelay):
         self.on_ttft: Callable[[str | None, float], None] | None = None
         #: the policy reads the output tokens (``on_finished`` is its own): every answer's
         #: usage is decoded for it (else only those reporting cached tokens, for metrics)
-        self._policy_wants_output = type(policy).on_finished is not Policy.on_finished
+        self._policy_wants_output = reads_output(policy)
         #: told of every attempt as it starts, like the policy (the speculative entries,
         #: ``RequestRouter.sent``)
         self.on_sent: Callable[[Routed, str], None] | None = None

@@ -146,3 +146,9 @@ class Policy(ABC):
         (pods with none left out).  The router's stand-in for the index's hits while the
         shared index cannot be read; a policy that remembers nothing returns ``{}``."""
         return {}
+
+
+def reads_output(policy: Policy) -> bool:
+    """Whether ``policy`` has an ``on_finished`` of its own: without one a front neither
+    calls the base class's no-op nor reads an answer's output tokens for it."""
+    return type(policy).on_finished is not Policy.on_finished

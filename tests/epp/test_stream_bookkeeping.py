@@ -5,6 +5,8 @@ a real gRPC stream sees it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from router.epp import protocol as P
@@ -64,3 +66,36 @@ async def test_the_load_is_taken_before_the_next_message_and_released_after_the_
         )
         await stream.close()
     assert metric(server, "kvroute_requests_total", pod=name, status="200") == 1
+
+
+@pytest.mark.parametrize(("policy", "reads"), [("cost", False), ("measured", True)])
+async def test_the_policy_hears_the_answers_output_tokens_only_if_it_reads_them(
+    policy: str, reads: bool
+) -> None:
+    heard: list[int | None] = []
+    async with (
+        sim_pods(1) as pods,
+        running_epp(settings_for(pods, policy=policy)) as (server, ch),
+    ):
+        picker = server.picker
+        assert picker.policy_reads_output is reads
+
+        def on_finished(request: Any, pod: str, output_tokens: int | None) -> None:
+            heard.append(output_tokens)
+
+        # (an instance attribute: the class's, which the flag was read from, is unchanged)
+        picker.policy.on_finished = on_finished  # type: ignore[method-assign]
+        stream = await pick(ch, chat_body("hello", max_tokens=1))
+        await stream.read_request_pick()
+        await stream.send(C.response_headers())
+        await stream.read(1)
+        usage = b'"usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}'
+        await stream.send(C.response_body(b'{"choices": [], ' + usage + b"}", True))
+        await stream.read(1)
+        await stream.close()
+        name = pods[0].name
+        await wait_until(
+            lambda: metric(server, "kvroute_requests_total", pod=name, status="200") == 1,
+            "the request completed",
+        )
+    assert heard == ([7] if reads else [])
