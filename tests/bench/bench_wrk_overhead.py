@@ -37,6 +37,9 @@ table showing medians over rounds):
   direct's;
 * ``router cores``: the router's CPU over the c32 run's wall time (cores it kept busy);
   ``threads``: its threads at the end (a Rust router sizes its pool to its CPUs);
+* ``backends used``: per round, the backends that did at least 15% of the backends'
+  work in the c32 run (by their CPU): a router that keeps the one repeated prompt on one
+  backend shows 1, a round robin 4;
 * ``TTFT``: sequential streaming completions (a small raw-socket client, TCP_NODELAY)
   -> time to the first body chunk, p50.
 
@@ -356,6 +359,13 @@ class Sample:
     backends_us: float
     box_us: float
     load: float
+    #: backends that did at least USED_SHARE of the backends' work in the c32 run
+    backends_used: int
+
+
+#: a backend with this share of the backends' CPU in a c32 run served it (the others
+#: only answered health checks): how many a router spread one repeated prompt over
+USED_SHARE = 0.15
 
 
 def measure(
@@ -367,14 +377,17 @@ def measure(
     c1: bool = True,
 ) -> Sample:
     load = os.getloadavg()[0]
+    each0 = [cpu_seconds([pid]) for pid in backend_pids]
     r0, b0, x0 = cpu_seconds(target.pids), cpu_seconds(backend_pids), box_busy_seconds()
     c32 = run_wrk(script, target.port, 2, 32, seconds)
     r1, b1, x1 = cpu_seconds(target.pids), cpu_seconds(backend_pids), box_busy_seconds()
+    each = [cpu_seconds([pid]) - t0 for pid, t0 in zip(backend_pids, each0, strict=True)]
     n = max(1, c32.requests)
     seq = run_wrk(script, target.port, 1, 1, seconds) if c1 else None
     ttft = run_ttft(target.port, ttft_n) if ttft_n else float("nan")
+    used = sum(1 for t in each if t >= USED_SHARE * sum(each)) if sum(each) > 0 else 0
     return Sample(
-        c32, seq, ttft, (r1 - r0) / n * 1e6, (b1 - b0) / n * 1e6, (x1 - x0) / n * 1e6, load
+        c32, seq, ttft, (r1 - r0) / n * 1e6, (b1 - b0) / n * 1e6, (x1 - x0) / n * 1e6, load, used
     )
 
 
@@ -502,7 +515,8 @@ def main() -> int:
                 samples[t.name].append(s)
                 print(
                     f"# round {r + 1}: {t.name}: c32 {s.c32.rps:,.0f} req/s, router "
-                    f"{s.router_us:.0f} us/req, backends {s.backends_us:.0f} us/req, "
+                    f"{s.router_us:.0f} us/req, backends {s.backends_us:.0f} us/req "
+                    f"({s.backends_used} used), "
                     f"load {s.load:.2f}",
                     file=sys.stderr,
                 )
@@ -540,9 +554,9 @@ def print_table(
     print(
         "| target | c32 req/s | c32 p99 ms | c1 p50 ms | c1 p50 added | c1 p99 ms "
         "| TTFT p50 ms | router us/req | router cores | threads | backends us/req "
-        "| box us/req | errors |"
+        "| backends used, per round | box us/req | errors |"
     )
-    print("|---|" + "---:|" * 12)
+    print("|---|" + "---:|" * 13)
     direct_p50 = med([s.c1.p50_ms for s in samples["direct"] if s.c1 is not None])
     for name, ss in samples.items():
         c1s = [s.c1 for s in ss if s.c1 is not None]
@@ -560,6 +574,7 @@ def print_table(
             f" | {ms(p50)} | {added} | {ms(med([c.p99_ms for c in c1s]))}"
             f" | {ms(med([s.ttft_ms for s in ss]))} | {router} | {cores}"
             f" | {threads.get(name, '')} | {med([s.backends_us for s in ss]):.0f}"
+            f" | {' / '.join(str(s.backends_used) for s in ss)}"
             f" | {med([s.box_us for s in ss]):.0f} | {errors} |"
         )
 
