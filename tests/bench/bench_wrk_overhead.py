@@ -40,6 +40,9 @@ table showing medians over rounds):
 * ``backends used``: per round, the backends that did at least 15% of the backends'
   work in the c32 run (by their CPU): a router that keeps the one repeated prompt on one
   backend shows 1, a round robin 4;
+* per round (stderr), for kvroute's targets: what the policy has learned
+  (``kvroute_policy_learned``), since a learned slowdown per running request is what
+  would move it to spread the prompt;
 * ``TTFT``: sequential streaming completions (a small raw-socket client, TCP_NODELAY)
   -> time to the first body chunk, p50.
 
@@ -69,6 +72,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -77,6 +81,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -191,6 +196,24 @@ class Target:
                 with contextlib.suppress(OSError), open(f"/proc/{p}/status") as f:
                     n += next(int(x.split()[1]) for x in f if x.startswith("Threads:"))
         return n
+
+
+def learned(port: int) -> str:
+    """What a kvroute target's policy has learned (``kvroute_policy_learned`` on its
+    /metrics), short: which way it leans decides where the one prompt goes (a learned
+    slowdown per running request spreads it).  "" when there is nothing to read."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except (OSError, ValueError):
+        return ""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("kvroute_policy_learned{"):
+            found = re.search(r'quantity="([^"]+)"', line)
+            if found:
+                out.append(f"{found.group(1)} {float(line.rsplit(' ', 1)[1]):.3g}")
+    return ", ".join(out)
 
 
 def pinned(cmd: list[str], cpus: str | None) -> list[str]:
@@ -517,7 +540,8 @@ def main() -> int:
                     f"# round {r + 1}: {t.name}: c32 {s.c32.rps:,.0f} req/s, router "
                     f"{s.router_us:.0f} us/req, backends {s.backends_us:.0f} us/req "
                     f"({s.backends_used} used), "
-                    f"load {s.load:.2f}",
+                    f"load {s.load:.2f}"
+                    + (f"; learned: {learned(t.port)}" if t.name.startswith("kvroute") else ""),
                     file=sys.stderr,
                 )
         threads = {t.name: t.threads() for t in targets if t.pids}
