@@ -76,6 +76,30 @@ def test_observations_that_cannot_tell_a_slope_leave_the_prior() -> None:
     assert rate.rate == pytest.approx(1000.0, rel=0.02)
 
 
+@pytest.mark.parametrize("hit_tokens", [5, 0])
+def test_a_long_run_of_one_size_keeps_the_rate_it_learned(hit_tokens: int) -> None:
+    """A load test's one repeated prompt: hits and the odd miss teach the rate, then
+    200,000 identical hits (5 uncached tokens each, or 0: the whole prompt cached) with
+    jittering service times follow.  They cannot tell a slope.  Once what the sums keep
+    of the earlier spread is below their rounding, or has sunk into the floats'
+    underflow (about 180,000 observations on), a fit of what is left read the 40,000
+    tokens/s pods at 2 tokens/s (`bench_wrk_overhead.py`, session 34)."""
+    rate = PrefillRate(5000.0)
+    sizes = [21 if i % 8 == 0 else hit_tokens for i in range(2000)]
+    serve_fcfs(rate, "p", [(0.01 * i, n) for i, n in enumerate(sizes)], 40_000.0, 1e-4)
+    learned = rate.rate
+    assert learned == pytest.approx(40_000.0, rel=0.02)
+    low = high = learned
+    for i in range(200_000):
+        at = 100.0 + 0.01 * i
+        jitter = 1e-4 * (1 + (i * 7919) % 13 / 13)  # the service time varies, the size not
+        assert rate.first_token("p", at, at + jitter, hit_tokens) is None
+        low, high = min(low, rate.rate), max(high, rate.rate)
+    # while the earlier spread still weighs, the fit moves with the jitter (to about
+    # 0.84x here); then it keeps its rate
+    assert learned / 1.5 < low <= high < learned * 1.5
+
+
 def test_the_rate_follows_a_pod_that_slows_down() -> None:
     rate = PrefillRate(5000.0, memory=64)
     serve_fcfs(rate, "p", [(10.0 * i, 500 + 97 * (i % 11)) for i in range(200)], tps=4000.0)
