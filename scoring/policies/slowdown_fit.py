@@ -46,6 +46,11 @@ _INF = math.inf
 #: the system's determinant over the product of its diagonal below which the regressors
 #: are too collinear to tell apart (the joint fit is rounding error)
 _COLLINEAR = 1e-6
+#: a regressor whose remembered values vary by less than this (squared: a thousandth of
+#: a token or of a running request) has one value, and the slopes are not solved: its
+#: spread is the sums' rounding, or has sunk into the floats' underflow (some 180,000
+#: observations after the last different one), where the solve read garbage
+_ONE_VALUE = 1e-6
 #: a slope counts when it is this many standard errors squared from 0 (2 sigma: the
 #: usual 95% convention, not fitted)
 _T2 = 4.0
@@ -123,6 +128,8 @@ class SlowdownFit:
         c11 = s11 - m1 * s1
         c22 = s22 - m2 * s2
         c33 = s33 - m3 * s3
+        if c11 < _ONE_VALUE * n or c22 < _ONE_VALUE * n or c33 < _ONE_VALUE * n:
+            return  # a regressor of one value: its slope cannot be told (keep the fit's)
         c12 = s12 - m1 * s2
         c13 = s13 - m1 * s3
         c23 = s23 - m2 * s3

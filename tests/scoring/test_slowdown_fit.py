@@ -79,6 +79,25 @@ def test_a_speed_up_gives_no_slowdown_and_constant_counts_tell_nothing_new() -> 
     assert 0.0 <= constant.slowdown < 0.1 and math.isfinite(constant.slowdown)
 
 
+def test_a_long_run_at_one_running_count_keeps_what_was_learned() -> None:
+    """An idle spell: 300,000 clean first tokens with nothing running beside them (their
+    sizes vary).  They tell neither slope.  Without a check, the solve read the spread
+    left in the forgetting sums from the earlier running counts, and once that sank into
+    the floats' underflow it learned a step time from nothing: 0.28-17.6 ms against the
+    10 ms shown (session 34)."""
+    f = fit()
+    feed(f, 0.1, lambda i: (i * 7) % 21, step_s=0.01)
+    low = high = f.per_running_s
+    for i in range(300_000):
+        tokens = (50 + i % 100) * BS
+        f.add(tokens, 0, 0.05 + tokens / 1000.0 * (1 + (i * 7919) % 13 / 1300))
+        low, high = min(low, f.per_running_s), max(high, f.per_running_s)
+        assert math.isfinite(f.slowdown) and f.slowdown >= 0.0
+    # the step time stays what the running counts showed (0.01 s); the slowdown may go
+    # to 0 as their spread fades (its two-standard-error test), which the run showed
+    assert 0.005 < low <= high < 0.02
+
+
 def test_a_few_noisy_observations_do_not_make_a_slowdown() -> None:
     """Eight prefills on an idle fleet, two of them beside a running request and slow
     for another reason: the slope is not two standard errors from 0, so no slowdown."""
