@@ -27,7 +27,11 @@ a slowdown of 2-4 per running request where the engine's was 0.0015
 (docs/history/quality_matrix.md, "Session 22").  A fit that says a pod prefills faster the more it
 runs gives 0, and so does one whose slope is within two standard errors of 0 (a few early
 observations read a slowdown of 15 per running request on an idle fleet, and the placements it
-scattered never recovered).  The slowdown is always finite and >= 0.
+scattered never recovered).  A regressor whose remembered values no longer vary
+(:data:`_ONE_VALUE`: an idle spell with nothing running, for long enough that the earlier
+spread has sunk into rounding or underflow) leaves the fit as it was: solved, it learned
+a step time of 0.3-17.6 ms from nothing where 10 ms had been shown (session 34).  The
+slowdown is always finite and >= 0.
 
 The sums take every observation; the solve runs on each of the first
 :data:`REFIT_EVERY`, then on every :data:`REFIT_EVERY`-th (as ``measured``'s fits do,
