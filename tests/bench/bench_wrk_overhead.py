@@ -72,7 +72,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import socket
@@ -86,6 +85,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -204,16 +205,15 @@ def learned(port: int) -> str:
     slowdown per running request spreads it).  "" when there is nothing to read."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-            text = r.read().decode()
+            families = list(text_string_to_metric_families(r.read().decode()))
     except (OSError, ValueError):
         return ""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("kvroute_policy_learned{"):
-            found = re.search(r'quantity="([^"]+)"', line)
-            if found:
-                out.append(f"{found.group(1)} {float(line.rsplit(' ', 1)[1]):.3g}")
-    return ", ".join(out)
+    return ", ".join(
+        f"{s.labels.get('quantity')} {s.value:.3g}"
+        for f in families
+        if f.name == "kvroute_policy_learned"
+        for s in f.samples
+    )
 
 
 def pinned(cmd: list[str], cpus: str | None) -> list[str]:
@@ -400,17 +400,18 @@ def measure(
     c1: bool = True,
 ) -> Sample:
     load = os.getloadavg()[0]
-    each0 = [cpu_seconds([pid]) for pid in backend_pids]
-    r0, b0, x0 = cpu_seconds(target.pids), cpu_seconds(backend_pids), box_busy_seconds()
+    each0 = [cpu_seconds([pid]) for pid in backend_pids]  # (each backend's, and their sum)
+    r0, x0 = cpu_seconds(target.pids), box_busy_seconds()
     c32 = run_wrk(script, target.port, 2, 32, seconds)
-    r1, b1, x1 = cpu_seconds(target.pids), cpu_seconds(backend_pids), box_busy_seconds()
+    r1, x1 = cpu_seconds(target.pids), box_busy_seconds()
     each = [cpu_seconds([pid]) - t0 for pid, t0 in zip(backend_pids, each0, strict=True)]
+    backends_s = sum(each)
     n = max(1, c32.requests)
     seq = run_wrk(script, target.port, 1, 1, seconds) if c1 else None
     ttft = run_ttft(target.port, ttft_n) if ttft_n else float("nan")
-    used = sum(1 for t in each if t >= USED_SHARE * sum(each)) if sum(each) > 0 else 0
+    used = sum(1 for t in each if t >= USED_SHARE * backends_s) if backends_s > 0 else 0
     return Sample(
-        c32, seq, ttft, (r1 - r0) / n * 1e6, (b1 - b0) / n * 1e6, (x1 - x0) / n * 1e6, load, used
+        c32, seq, ttft, (r1 - r0) / n * 1e6, backends_s / n * 1e6, (x1 - x0) / n * 1e6, load, used
     )
 
 
