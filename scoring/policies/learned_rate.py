@@ -21,10 +21,10 @@ on a fleet whose requests are mostly cache hits it read a 28,000 tokens/s engine
 1,600.  Observations that cannot tell a slope (every request the same size) change
 nothing: the rate stays the prior, or the last one learned.  That includes a long run of
 one size after a spread, once what the sums keep of the spread is below their rounding
-(:data:`_FLAT`) or a thousandth of a token (:data:`_ONE_SIZE`).  Without that, a fleet
-serving one repeated, fully cached prompt (a load test; 0 uncached tokens each) was read
-at 2 tokens/s instead of about 60,000 after some 180,000 requests: the one miss's
-weight in the sums had sunk into the floats' underflow (session 34,
+or a thousandth of a token (:func:`~scoring.policies.slowdown_fit.one_value`).  Without
+that, a fleet serving one repeated, fully cached prompt (a load test; 0 uncached tokens
+each) was read at 2 tokens/s instead of about 60,000 after some 180,000 requests: the
+one miss's weight in the sums had sunk into the floats' underflow (session 34,
 ``bench_wrk_overhead.py``).  A fit that comes out non-positive keeps the last rate.
 
 The tokens are the ones the policy predicted uncached, so the rate is the one that turns
@@ -50,7 +50,7 @@ import math
 from collections import Counter
 
 from scoring.policies.kv_admission import DecodeTimes
-from scoring.policies.slowdown_fit import SlowdownFit
+from scoring.policies.slowdown_fit import SlowdownFit, one_value
 
 #: observations the sums remember (the same memory as the decode times of
 #: scoring/policies/kv_admission.py)
@@ -58,15 +58,6 @@ MEMORY = 256.0
 #: observations the prior weighs as (``measured``'s default prior weight)
 PRIOR_WEIGHT = 4.0
 _INF = math.inf
-#: a spread of the tokens below this share of their second moment is the sums' rounding,
-#: not a spread: every remembered request had one size (real spreads are far above it:
-#: 5 and 21 tokens in one request of 8 give 0.36)
-_FLAT = 1e-9
-#: a variance of the remembered sizes below this (tokens squared: a thousandth of a
-#: token of spread) is one size too.  It also catches sums whose spread came from
-#: requests so old that their forgotten weight has sunk into the floats' underflow
-#: (about 180,000 observations later), where the fit read garbage
-_ONE_SIZE = 1e-6
 
 
 class PrefillRate:
@@ -136,7 +127,7 @@ class PrefillRate:
             self._ts = ts = self._ts * g + tokens * service
             mean_tokens = tok / n
             var_n = tt - mean_tokens * tok  # var(tokens) * n
-            if var_n <= _FLAT * tt or var_n < _ONE_SIZE * n:  # one size: no slope to tell
+            if one_value(var_n, tt, n):  # one size: no slope to tell
                 return None
             cov_n = ts - mean_tokens * sec  # cov(tokens, service) * n
             w = pw * (var_n / n + 1.0)

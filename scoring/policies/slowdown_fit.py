@@ -28,7 +28,7 @@ a slowdown of 2-4 per running request where the engine's was 0.0015
 runs gives 0, and so does one whose slope is within two standard errors of 0 (a few early
 observations read a slowdown of 15 per running request on an idle fleet, and the placements it
 scattered never recovered).  A regressor whose remembered values no longer vary
-(:data:`_ONE_VALUE`: an idle spell with nothing running, for long enough that the earlier
+(:func:`one_value`: an idle spell with nothing running, for long enough that the earlier
 spread has sunk into rounding or underflow) leaves the fit as it was: solved, it learned
 a step time of 0.3-17.6 ms from nothing where 10 ms had been shown (session 34).  The
 slowdown is always finite and >= 0.
@@ -50,10 +50,12 @@ _INF = math.inf
 #: the system's determinant over the product of its diagonal below which the regressors
 #: are too collinear to tell apart (the joint fit is rounding error)
 _COLLINEAR = 1e-6
-#: a regressor whose remembered values vary by less than this (squared: a thousandth of
-#: a token or of a running request) has one value, and the slopes are not solved: its
-#: spread is the sums' rounding, or has sunk into the floats' underflow (some 180,000
-#: observations after the last different one), where the solve read garbage
+#: a centered sum of squares below this share of the raw one is the sums' rounding, not
+#: a spread (:func:`one_value`; real spreads are far above it: 5 and 21 tokens in one
+#: request of 8 give 0.36)
+_ROUNDING = 1e-9
+#: a variance below this (squared: a thousandth of a token or of a running request) is
+#: one value too (:func:`one_value`)
 _ONE_VALUE = 1e-6
 #: a slope counts when it is this many standard errors squared from 0 (2 sigma: the
 #: usual 95% convention, not fitted)
@@ -132,7 +134,7 @@ class SlowdownFit:
         c11 = s11 - m1 * s1
         c22 = s22 - m2 * s2
         c33 = s33 - m3 * s3
-        if c11 < _ONE_VALUE * n or c22 < _ONE_VALUE * n or c33 < _ONE_VALUE * n:
+        if one_value(c11, s11, n) or one_value(c22, s22, n) or one_value(c33, s33, n):
             return  # a regressor of one value: its slope cannot be told (keep the fit's)
         c12 = s12 - m1 * s2
         c13 = s13 - m1 * s3
@@ -170,6 +172,17 @@ class SlowdownFit:
         rss = (syy - sy * sy / n) - a * c1y - b * c2y - d * c3y
         var_b = (rss if rss > 0.0 else 0.0) / dof * i22 / det
         self.slowdown = b / a if b * b >= _T2 * var_b else 0.0
+
+
+def one_value(centered: float, raw: float, n: float) -> bool:
+    """Whether the values a forgetting sum remembers have no spread: their centered sum
+    of squares ``centered`` is within the rounding of the raw one ``raw`` (every value
+    the same), or below a thousandth squared per observation (``n``).  That also catches
+    sums whose spread came from observations so old that their forgotten weight has sunk
+    into the floats' underflow (about 180,000 observations later at a memory of 256),
+    where a fit solves rounding.  No spread tells no slope: the fits keep their values
+    (here and scoring/policies/learned_rate.py)."""
+    return centered <= _ROUNDING * raw or centered < _ONE_VALUE * n
 
 
 def clean_running(view: PodView, prompt_blocks: int) -> int:
