@@ -75,6 +75,23 @@ class PodView:
         return max(self.hits.values(), default=0)
 
 
+@dataclass(frozen=True, slots=True)
+class PodCounters:
+    """A pod's engine counters at one scrape of its ``/metrics``, cumulative since the
+    engine started (``None``: the pod does not export them)."""
+
+    #: ``vllm:num_requests_running`` (a gauge: now)
+    running: int | None = None
+    #: ``vllm:inter_token_latency_seconds`` ``_sum`` / ``_count``: each decoded token's
+    #: gap to the one before (an engine step, as the request saw it)
+    itl_sum_s: float | None = None
+    itl_count: float | None = None
+    #: ``vllm:request_decode_time_seconds`` ``_sum`` / ``_count``: finished requests'
+    #: first token to last
+    decode_sum_s: float | None = None
+    decode_count: float | None = None
+
+
 @dataclass(slots=True)
 class Decision:
     """The chosen pod and, for explanation, every candidate's score (higher = better)
@@ -111,6 +128,17 @@ class Policy(ABC):
     def on_first_token(self, request: RouteRequest, pod: str, ttft_s: float) -> None:  # noqa: B027
         """The first token of ``request`` came back from ``pod``, ``ttft_s`` after it
         arrived at the router (called before ``on_complete``)."""
+
+    def on_prefill_done(self, request: RouteRequest, pod: str) -> None:  # noqa: B027
+        """``request``'s first token has come out of ``pod``, but the router did not see
+        it (a JSON answer forwarded as it came): the pod's own count of first tokens
+        shows it (scoring/unseen_first_tokens.py).  When, a scrape only bounds, so
+        nothing should be learned from it.  Never called for a request that had
+        ``on_first_token``; called before ``on_complete``."""
+
+    def on_scraped(self, pod: str, counters: PodCounters) -> None:  # noqa: B027
+        """A scrape of ``pod``'s metrics (every ``scrape.interval_s`` live; in the replay
+        with JSON answers, at the same cadence in virtual time)."""
 
     def on_finished(  # noqa: B027
         self, request: RouteRequest, pod: str, output_tokens: int | None

@@ -11,12 +11,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from scoring.policies.base import PodView, Policy, PolicyParams, RouteRequest
+from scoring.policies.base import PodCounters, PodView, Policy, PolicyParams, RouteRequest
 from scoring.policies.cost_params import CostParams
 from scoring.policies.hot_set import HotBlocks
 from scoring.policies.inflight import InflightPrefixes, shared_blocks
 from scoring.policies.learned_rate import MEMORY, PRIOR_WEIGHT, ModelRates, PrefillRate
 from scoring.policies.queued import QueuedPrompts
+from scoring.policies.scraped_steps import ScrapedSteps
 from scoring.policies.slowdown_fit import SlowdownFit
 
 #: routings a pod's arrival rate remembers (``measured``'s default memory, not tuned)
@@ -26,6 +27,10 @@ _KEEP = 1.0 - 1.0 / ARRIVAL_MEMORY
 #: rate's memory)
 _FORGET = 1.0 - 1.0 / MEMORY
 _INF = math.inf
+#: a live request's first-token time before it (``_live``), and once past its prefill
+#: at a time the router did not see (``on_prefill_done``)
+_QUEUED = -1.0
+_PAST_PREFILL = -2.0
 
 
 class CostLedger(Policy):
@@ -44,7 +49,8 @@ class CostLedger(Policy):
             tuple[str, int], tuple[int, dict[str, int], str, int | None, ModelRates, int]
         ] = OrderedDict()
         # key -> [pod, prompt tokens, predicted uncached tokens, routed at, first token
-        # at (-1: not yet), the model's rates, clean running count or -1], until complete
+        # at (_QUEUED: not yet; _PAST_PREFILL: past it, unseen), the model's rates,
+        # clean running count or -1], until complete
         self._live: dict[tuple[str, int], list[Any]] = {}
         # pod -> the block-key chains of the live requests routed there
         self._inflight = InflightPrefixes()
@@ -82,6 +88,10 @@ class CostLedger(Policy):
         # prompt the pod held] (count_arrivals; forgotten over ARRIVAL_MEMORY routings)
         self._arrivals: dict[str, list[float]] | None = {} if self._p.count_arrivals else None
         self._hot_on = self._p.hot_window_s > 0
+        # pod -> the model last routed there; model -> what its pods' scrapes show
+        # (read only for a model whose first tokens the router never saw)
+        self._pod_model: dict[str, str] = {}
+        self._scraped: dict[str, ScrapedSteps] = {}
 
     def learned(self) -> dict[tuple[str, str], float]:
         """Per model routed so far: the prefill rate the scores use (learned, else the
@@ -186,9 +196,10 @@ class CostLedger(Policy):
                 self._capacity[pod] = cap
         old = self._live.pop(key, None)
         if old is not None:  # routed again (retry): forget the first attempt
-            self._unledger(old[0], old[1], old[2], request.block_keys, old[4] >= 0.0)
+            self._unledger(old[0], old[1], old[2], request.block_keys, old[4] != _QUEUED)
         now = self.clock()
-        self._live[key] = [pod, prompt, miss, now, -1.0, rates, clean]
+        self._live[key] = [pod, prompt, miss, now, _QUEUED, rates, clean]
+        self._pod_model[pod] = request.model
         keys = request.block_keys
         if keys and self._count_inflight:
             self._inflight.add(pod, keys)
@@ -252,7 +263,7 @@ class CostLedger(Policy):
         if self._keep_queue:
             self._queued.remove((request.request_id, id(request)))
         live = self._live.get((request.request_id, id(request)))
-        if live is not None and live[0] == pod and live[4] < 0.0:
+        if live is not None and live[0] == pod and live[4] == _QUEUED:
             now = live[4] = self.clock()
             if self._slow is not None:
                 self._served(pod, live[3], now, live[2], live[5])
@@ -261,6 +272,35 @@ class CostLedger(Policy):
                 prefill.first_token(pod, live[3], now, live[2], live[6], live[5].slowdown)
             if self._held_admitted and request.block_keys:
                 self._admitted.add(pod, request.block_keys)
+
+    def on_prefill_done(self, request: RouteRequest, pod: str) -> None:
+        # past its prefill at an unknown time: off the queue and holding its blocks, as
+        # at a first token, but no time to learn from (nor its decode time at the end)
+        live = self._live.get((request.request_id, id(request)))
+        if live is not None and live[0] == pod and live[4] == _QUEUED:
+            live[4] = _PAST_PREFILL
+            if self._keep_queue:
+                self._queued.remove((request.request_id, id(request)))
+            if self._held_admitted and request.block_keys:
+                self._admitted.add(pod, request.block_keys)
+
+    def on_scraped(self, pod: str, counters: PodCounters) -> None:
+        # a model whose first tokens the router never sees (JSON answers forwarded as
+        # they came) learns its decode load from its pods' histograms instead
+        model = self._pod_model.get(pod)
+        rates = self._models.get(model) if model is not None else None
+        if rates is None or model is None:
+            return
+        steps = self._scraped.get(model)
+        if steps is None:
+            steps = self._scraped[model] = ScrapedSteps()
+        decode = steps.scraped(pod, counters)
+        if rates.prefill is None or rates.prefill.seen():
+            return  # the rate is the setting, or first tokens teach it
+        if rates.slowdown is not None:
+            rates.slowdown.per_running_s = steps.per_running_s
+        if decode is not None and self._kv:
+            rates.decode.add(decode)
 
     def _served(
         self, pod: str, routed_at: float, now: float, tokens: float, rates: ModelRates
@@ -306,15 +346,18 @@ class CostLedger(Policy):
         key = (request.request_id, id(request))
         old = self._live.pop(key, None)
         # (past its first token on its pod, on_first_token took it off the queue)
-        if self._keep_queue and (old is None or old[4] < 0.0):
+        if self._keep_queue and (old is None or old[4] == _QUEUED):
             self._queued.remove(key)
         if old is not None:
             if old[4] >= 0.0 and self._kv:
                 old[5].decode.add(self.clock() - old[4])
-            self._unledger(old[0], old[1], old[2], request.block_keys, old[4] >= 0.0)
+            self._unledger(old[0], old[1], old[2], request.block_keys, old[4] != _QUEUED)
 
     def on_pod_removed(self, pod: str) -> None:
         self._ledger.pop(pod, None)
+        self._pod_model.pop(pod, None)
+        for steps in self._scraped.values():
+            steps.forget(pod)
         if self._arrivals is not None:
             self._arrivals.pop(pod, None)
         self._inflight.forget(pod)

@@ -146,6 +146,10 @@ class PrefillRate:
         self.rejected[reason] += 1
         return reason
 
+    def seen(self) -> bool:
+        """Whether any first token has been observed."""
+        return self._n > 0.0
+
     def per_request_s(self) -> float:
         """The fit's intercept, at the rate in use: the seconds a request takes whatever
         its tokens (an engine step, the API server); 0 before any observation, never

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from scoring.policies.base import PodView, Policy
+from scoring.replay.json_first_tokens import JsonFirstTokens
 from scoring.replay.scrapes import Scrapes
 from scoring.replay.simpod import FleetConfig, SimPod
 from scoring.replay.trace import Trace, TraceRequest
@@ -171,6 +172,7 @@ def _replay_simple(
     bs = cfg.block_size
     now_s = [run.first_arrival_s]
     policy.clock = lambda: now_s[0]
+    js = _json_first_tokens(json_of, pods, run.first_arrival_s, scrapes)
 
     def start_next(pod_i: int, now: float) -> None:
         nonlocal seq
@@ -194,6 +196,8 @@ def _replay_simple(
         if kind == _PREFILL_DONE:
             run.ttft_s[ri] = now - r.arrival_s
             pod.prefilling = False
+            if js is not None:
+                js.first_token(pod.name, ri)
             if not json_of[ri]:
                 policy.on_first_token(r.route, pod.name, now - r.arrival_s)
                 pod.outstanding -= r.prompt_tokens
@@ -210,15 +214,31 @@ def _replay_simple(
                 pod.cache_answer(r.cached_keys())
             last_finish = max(last_finish, now)
             run.e2e_s[ri] = now - r.arrival_s
-            if json_of[ri]:  # the answer ends: the router's load sees its prefill done
+            # a JSON answer ends: the router's load sees its prefill done, unless a
+            # scrape of the pod's first tokens released it before
+            if json_of[ri] if js is None else js.finished(pod.name, ri):
                 pod.outstanding -= r.prompt_tokens
             policy.on_finished(r.route, pod.name, r.output_tokens)
             policy.on_complete(r.route, pod.name)
 
+    def advance(to: float) -> None:
+        """Events (and with JSON answers, scrape instants) up to ``to``, in order."""
+        while heap:
+            if js is not None and js.next_at <= heap[0][0] and js.next_at <= to:
+                at = now_s[0] = js.next_at
+                for name, ri in js.scrape(at):
+                    pods[index_of[name]].outstanding -= reqs[ri].prompt_tokens
+                    policy.on_prefill_done(reqs[ri].route, name)
+            elif heap[0][0] <= to:
+                handle(pop(heap))
+            else:
+                break
+        if js is not None:
+            js.skip_to(to)
+
     for ri, r in enumerate(reqs):
         t = r.arrival_s
-        while heap and heap[0][0] <= t:
-            handle(pop(heap))
+        advance(t)
         now_s[0] = t
         keys = list(r.route.block_keys)
         pod_i = _pick(policy, r, scrapes.views(t, [p.view(keys) for p in pods]), index_of)
@@ -228,11 +248,12 @@ def _replay_simple(
         pod.active_blocks += _blocks(r.prompt_tokens + r.output_tokens, bs)
         pod.queue.append(ri)
         run.pod_of[ri] = pod_i
+        if js is not None:
+            js.routed(pod.name, ri)
         start_next(pod_i, t)
         if on_progress is not None:
             on_progress(ri)
-    while heap:
-        handle(pop(heap))
+    advance(math.inf)
     run.busy_s = [p.busy_s for p in pods]
     run.last_finish_s = last_finish
     return run
@@ -258,6 +279,7 @@ def _replay_vllm(
     last_finish = run.first_arrival_s
     now_s = [run.first_arrival_s]
     policy.clock = lambda: now_s[0]
+    js = _json_first_tokens(json_of, pods, run.first_arrival_s, scrapes)
 
     def start_step(pod_i: int, now: float, horizon: float) -> None:
         nonlocal seq
@@ -275,6 +297,8 @@ def _replay_vllm(
             r = reqs[s.rid]
             ttft = now - r.arrival_s + overhead
             run.ttft_s[s.rid] = ttft
+            if js is not None:
+                js.first_token(pod.name, s.rid)
             if not json_of[s.rid]:
                 pod.outstanding -= r.prompt_tokens
                 policy.on_first_token(r.route, pod.name, ttft)
@@ -284,17 +308,38 @@ def _replay_vllm(
             pod.inflight -= 1
             last_finish = max(last_finish, now)
             run.e2e_s[s.rid] = now - r.arrival_s + overhead
-            if json_of[s.rid]:  # the answer ends: the router's load sees its prefill done
+            pod.decoded(run.e2e_s[s.rid] - run.ttft_s[s.rid])
+            # a JSON answer ends: the router's load sees its prefill done, unless a
+            # scrape of the pod's first tokens released it before
+            pending = json_of[s.rid] if js is None else js.finished(pod.name, s.rid)
+            if pending:
                 pod.outstanding -= r.prompt_tokens
             policy.on_finished(r.route, pod.name, s.num_output)
             policy.on_complete(r.route, pod.name)
         start_step(pod_i, now, horizon)
 
+    def advance(to: float, horizon: float) -> None:
+        """Step ends (and with JSON answers, scrape instants) up to ``to``, in order."""
+        while heap:
+            step_at = heap[0][0]
+            if js is not None and js.next_at <= step_at and js.next_at <= to:
+                at = now_s[0] = js.next_at
+                for p in pods:
+                    policy.on_scraped(p.name, p.counters())
+                for name, ri in js.scrape(at):
+                    pods[index_of[name]].outstanding -= reqs[ri].prompt_tokens
+                    policy.on_prefill_done(reqs[ri].route, name)
+            elif step_at <= to:
+                end, _, pod_i = pop(heap)
+                end_step(end, pod_i, horizon)
+            else:
+                break
+        if js is not None:
+            js.skip_to(to)
+
     for ri, r in enumerate(reqs):
         t = r.arrival_s
-        while heap and heap[0][0] <= t:
-            end, _, pod_i = pop(heap)
-            end_step(end, pod_i, t)
+        advance(t, t)
         now_s[0] = t
         keys = list(r.route.block_keys)
         pod_i = _pick(policy, r, scrapes.views(t, [p.view(keys) for p in pods]), index_of)
@@ -307,19 +352,28 @@ def _replay_vllm(
         else:
             pod.inflight += 1
             pod.outstanding += r.prompt_tokens
+            if js is not None:
+                js.routed(pod.name, ri)
             if not pod.stepping:
                 start_step(pod_i, t, reqs[ri + 1].arrival_s if ri + 1 < n else math.inf)
         if on_progress is not None:
             on_progress(ri)
-    while heap:
-        end, _, pod_i = pop(heap)
-        end_step(end, pod_i, math.inf)
+    advance(math.inf, math.inf)
     run.busy_s = [p.busy_s for p in pods]
     run.last_finish_s = last_finish
     run.pod_preemptions = [p.sched.preemptions for p in pods]
     run.preemptions = sum(run.pod_preemptions)
     run.engine_steps = sum(p.sched.steps for p in pods)
     return run
+
+
+def _json_first_tokens(
+    json_of: Sequence[bool], pods: Sequence[SimPod | VllmPod], start_s: float, scrapes: Scrapes
+) -> JsonFirstTokens | None:
+    """The pods' first-token counts the router scrapes, when some answers are JSON."""
+    if not any(json_of):
+        return None
+    return JsonFirstTokens(list(json_of), [p.name for p in pods], start_s, scrapes.interval_s)
 
 
 def _blocks(tokens: int, block_size: int) -> int:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from scoring.policies.base import PodView
+from scoring.policies.base import PodCounters, PodView
 from scoring.replay.presets import EngineSpec, PresetError
 from scoring.replay.simpod import PerPod, ReplayConfigError
 from scoring.replay.trace import TraceRequest
@@ -84,7 +84,19 @@ class VllmFleetConfig(PerPod):
 class VllmPod:
     """One simulated vLLM engine and the router-tracked load on it."""
 
-    __slots__ = ("busy_s", "cfg", "inflight", "max_model_len", "name", "outstanding", "sched")
+    __slots__ = (
+        "busy_s",
+        "cfg",
+        "decode_count",
+        "decode_sum_s",
+        "inflight",
+        "itl_count",
+        "itl_sum_s",
+        "max_model_len",
+        "name",
+        "outstanding",
+        "sched",
+    )
 
     def __init__(
         self,
@@ -107,6 +119,11 @@ class VllmPod:
         )
         self.max_model_len = min(spec.max_model_len, tokens // cfg.block_size * cfg.block_size)
         self.busy_s = 0.0  # seconds spent running engine steps
+        # the engine's histograms a router scrapes (counters(): their _sum and _count)
+        self.itl_sum_s = 0.0
+        self.itl_count = 0
+        self.decode_sum_s = 0.0
+        self.decode_count = 0
         # router-tracked load (what a router replica knows without scraping)
         self.inflight = 0
         self.outstanding = 0
@@ -155,7 +172,28 @@ class VllmPod:
         plan = self.sched.plan_step(max_span_s)
         if plan is not None:
             self.busy_s += plan.duration_s
+            # each decoding request's token of each step: one gap of a step's time
+            # (counted when the step, or the run of decode steps, is planned)
+            decoding = plan.work.decode_seqs
+            if decoding:
+                self.itl_sum_s += decoding * plan.duration_s
+                self.itl_count += decoding * plan.steps
         return plan
+
+    def decoded(self, seconds: float) -> None:
+        """A request finished ``seconds`` after its first token."""
+        self.decode_sum_s += seconds
+        self.decode_count += 1
+
+    def counters(self) -> PodCounters:
+        """What the pod's ``/metrics`` would show now."""
+        return PodCounters(
+            running=len(self.sched.running),
+            itl_sum_s=self.itl_sum_s,
+            itl_count=float(self.itl_count),
+            decode_sum_s=self.decode_sum_s,
+            decode_count=float(self.decode_count),
+        )
 
     def finish_step(self) -> StepResult:
         return self.sched.finish_step()

@@ -1,9 +1,11 @@
 """Clients that ask for a JSON answer, not a stream, in the replay (``json_share``).
 
 Live, vLLM sends a JSON answer whole after its last token, so the router never sees its
-first token: its prompt stays outstanding prefill in the router's load until the answer
-ends, and the policy hears ``on_finished`` and ``on_complete`` but no
-``on_first_token``.  The replay plays such requests the same way, for both pod models."""
+first token: the policy hears ``on_finished`` and ``on_complete`` but no
+``on_first_token``.  Its prompt stays outstanding prefill in the router's load until a
+scrape of the pod's count of first tokens shows it past its first token (the policy
+then hears ``on_prefill_done``; scoring/unseen_first_tokens.py), or until the answer
+ends.  The replay plays such requests the same way, for both pod models."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class Heard(RoundRobinPolicy):
     def __init__(self) -> None:
         super().__init__()
         self.first_tokens: list[str] = []
+        self.prefills_done: list[str] = []
         self.finished: list[str] = []
         self.completed: list[str] = []
         self.outstanding_seen: list[dict[str, int]] = []
@@ -43,6 +46,9 @@ class Heard(RoundRobinPolicy):
 
     def on_first_token(self, request: RouteRequest, pod: str, ttft_s: float) -> None:
         self.first_tokens.append(request.request_id)
+
+    def on_prefill_done(self, request: RouteRequest, pod: str) -> None:
+        self.prefills_done.append(request.request_id)
 
     def on_finished(self, request: RouteRequest, pod: str, output_tokens: int | None) -> None:
         self.finished.append(request.request_id)
@@ -96,18 +102,42 @@ def test_a_json_answer_tells_the_policy_its_end_but_no_first_token(
 
 
 @pytest.mark.parametrize("cfg", one_pod_fleets(), ids=["simple", "vllm"])
-def test_a_json_answer_s_prompt_stays_outstanding_prefill_until_it_ends(
+def test_a_json_answer_s_prompt_stays_outstanding_prefill_until_a_scrape_shows_it_done(
     tmp_path: Path, cfg: object
 ) -> None:
     trace = two_requests(tmp_path)
     first_prompt = trace.requests[0].prompt_tokens
     seen = {}
-    for share in (0.0, 1.0):
+    # (streamed or JSON, the pod's first-token count scraped every interval_s)
+    for share, interval_s in ((0.0, 0.0), (1.0, 10.0), (1.0, 0.25)):
         heard = Heard()
-        run = replay_policy(trace, heard, cfg, json_share=share)  # type: ignore[arg-type]
-        assert run.ttft_s[0] < 1.5 < run.last_finish_s  # the second arrives mid-answer
-        seen[share] = heard.outstanding_seen[1]["pod-0"]
-    assert seen == {0.0: 0, 1.0: first_prompt}
+        run = replay_policy(
+            trace,
+            heard,
+            cfg,  # type: ignore[arg-type]
+            json_share=share,
+            scrape_interval_s=interval_s,
+        )
+        assert run.ttft_s[0] < 1.25 and run.last_finish_s > 1.5  # the second: mid-answer
+        seen[share, interval_s] = heard.outstanding_seen[1]["pod-0"]
+    # no scrape between the first token and the second arrival: held; one: released
+    assert seen == {(0.0, 0.0): 0, (1.0, 10.0): first_prompt, (1.0, 0.25): 0}
+
+
+@pytest.mark.parametrize("cfg", one_pod_fleets(), ids=["simple", "vllm"])
+def test_each_json_request_is_released_once_and_a_streamed_one_never(
+    tmp_path: Path, cfg: object
+) -> None:
+    trace = load_trace(write_mooncake(tmp_path, busy_rows(n_conv=3, turns=2)))
+    heard = Heard()
+    run = replay_policy(trace, heard, cfg, json_share=0.5)  # type: ignore[arg-type]
+    json_ids = {
+        r.route.request_id for r, j in zip(trace.requests, run.json_answer, strict=True) if j
+    }
+    assert heard.prefills_done  # a busy pod: most JSON requests end after a scrape
+    assert len(set(heard.prefills_done)) == len(heard.prefills_done)
+    assert set(heard.prefills_done) <= json_ids
+    assert not set(heard.first_tokens) & json_ids
 
 
 def test_cost_learns_no_prefill_rate_from_json_answers(tmp_path: Path) -> None:
@@ -123,6 +153,55 @@ def test_cost_learns_no_prefill_rate_from_json_answers(tmp_path: Path) -> None:
         rates[share] = policy.learned()[("prefill_rate_tokens_per_s", "mooncake")]
     assert rates[1.0] == prior
     assert rates[0.0] != prior
+
+
+def test_cost_learns_the_decode_load_from_the_pods_histograms_when_it_sees_no_first_token(
+    tmp_path: Path,
+) -> None:
+    trace = load_trace(write_mooncake(tmp_path, busy_rows()))
+    cfg = VllmFleetConfig(
+        pods=2, capacity_tokens=512 * 40, block_size=512, engine=PRESETS["llama3-8b-h100"]
+    )
+    learned = {}
+    for share in (0.0, 1.0):
+        policy = build_policy("cost", {})
+        replay_policy(trace, policy, cfg, json_share=share)
+        learned[share] = policy.learned()
+    step, decode = ("step_seconds_per_running", "mooncake"), ("decode_seconds", "mooncake")
+    # streamed: from first tokens; JSON: from the scraped inter-token latency and decode
+    # time histograms (no first token at all: the fits would keep their priors, 0)
+    assert learned[0.0][step] > 0 and learned[1.0][step] > 0
+    assert learned[1.0][step] != learned[0.0][step]
+    assert learned[1.0][decode] == pytest.approx(learned[0.0][decode], rel=0.2)
+
+
+def test_once_cost_sees_a_first_token_the_scrapes_no_longer_set_its_decode_load() -> None:
+    from scoring.policies.base import PodCounters
+
+    policy = build_policy("cost", {})
+    request = RouteRequest(
+        request_id="r0", model="m", prompt_tokens=64, block_size=16, block_keys=[1, 2, 3, 4]
+    )
+    view = PodView(pod="p", hits={}, inflight=0, outstanding_prefill_tokens=0)
+    policy.pick(request, [view])
+    policy.on_routed(request, "p")
+
+    itl_s = tokens = 0.0
+
+    def scrape(running: int, step_s: float) -> None:  # 100 tokens decoded since the last
+        nonlocal itl_s, tokens
+        itl_s, tokens = itl_s + 100 * step_s, tokens + 100
+        policy.on_scraped("p", PodCounters(running=running, itl_sum_s=itl_s, itl_count=tokens))
+
+    for i in range(40):
+        scrape(i % 7, 0.002 + 0.001 * (i % 7))  # steps of 2 ms + 1 ms a running request
+    key = ("step_seconds_per_running", "m")
+    assert policy.learned()[key] > 0.0005
+    policy.on_first_token(request, "p", 0.05)
+    before = policy.learned()[key]
+    for i in range(40):
+        scrape(i % 7, 10.0 * (i % 7))  # 10 s a running request now: not read any more
+    assert policy.learned()[key] == before
 
 
 def test_the_cli_replays_a_share_of_json_answers_and_reports_it(
