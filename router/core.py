@@ -32,10 +32,11 @@ from router.decision.learning import RouteLearner
 from router.decision.owners import MemoryOwnerStore, OwnerStore, RedisOwnerStore
 from router.events import KVEventSubscriber
 from router.fleet.discovery import build_discovery
+from router.fleet.first_tokens import FirstTokenLedger
 from router.fleet.health import HealthChecker
 from router.fleet.load import LoadStore, MemoryLoadStore, PendingLoad
 from router.fleet.pods import PodRegistry, PodSpec
-from router.fleet.scrape import MetricsScraper
+from router.fleet.scrape import MetricsScraper, Scraped
 from router.fleet.tls import PodTLS, make_client
 from router.fleet.transport import PodTransport
 from router.indexer.lease import WriterLease
@@ -95,8 +96,11 @@ class RouterCore:
             timeout_s=settings.scrape.timeout_s,
             stale_after_s=settings.scrape.stale_after_s,
             on_error=lambda pod: self.metrics.scrape_errors.labels(pod).inc(),
-            on_scraped=self.learner.on_scraped if self.learner.enabled else None,
+            on_scraped=self._on_scraped,
         )
+        #: requests whose first token is not seen here (JSON answers forwarded as they
+        #: came), released by their pods' scraped counts (router/fleet/first_tokens.py)
+        self.first_tokens = FirstTokenLedger(self.policy, self.metrics.unseen_first_tokens)
         self.health = HealthChecker(
             self.registry,
             settings.health,
@@ -164,9 +168,18 @@ class RouterCore:
             tok = self._tokenizers[key] = load_tokenizer(spec, model=model, tls=tls)
         return tok
 
+    def _on_scraped(self, pod: str, scraped: Scraped) -> None:
+        """A fresh scrape of ``pod``: the speculative entries' hit check, the first
+        tokens it counted that were not seen here, and what the policy learns of it."""
+        if self.learner.enabled:
+            self.learner.on_scraped(pod, scraped)
+        self.first_tokens.on_scraped(pod, scraped)
+        self.policy.on_scraped(pod, scraped.counters)
+
     def _on_pod(self, name: str, spec: PodSpec | None) -> None:
         if spec is None:
             self.policy.on_pod_removed(name)
+            self.first_tokens.forget(name)
             self.router.pd.on_pod_removed(name)
             self.learner.gone(name)
             self.scraper.forget(name)

@@ -160,6 +160,13 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        self.unseen_first_tokens = Counter(
+            "kvroute_unseen_first_tokens",
+            "Requests whose first token the router did not see (a JSON answer forwarded as "
+            "it came) released from their pod's outstanding prefill by the pod's scraped "
+            "count of first tokens (vllm:time_to_first_token_seconds_count)",
+            registry=r,
+        )
         self.inflight = self._hot(
             "gauge",
             "kvroute_inflight_requests",

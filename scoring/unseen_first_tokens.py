@@ -27,12 +27,15 @@ What it cannot tell:
 * **Other routers' requests.** A pod that also serves another router's traffic (a
   second replica, ``--workers N``) counts their first tokens too.  The release is
   scaled by this router's share of the requests the pod finished
-  (``vllm:request_success_total``, summed over its reasons) since the first scrape:
-  alone in front of the pod, 1.
+  (``vllm:request_success_total``, summed over its reasons) since the first scrape,
+  counting as ours every request of ours that ended there or is still open (one that
+  finished on the pod may not have ended here yet): alone in front of the pod, 1.
 * **A first token in flight** at a scrape (counted by the engine, not yet read by the
   router) can release one JSON request one scrape early; the counts catch up.
-* **An engine restart** (its count goes down) starts the accounting again from the new
-  count; requests pending then wait for their end, as without this.
+* **Requests sent before a pod's first scrape** (or before an engine restart, when its
+  count goes down and the accounting starts again from the new count) may have had
+  their first token before the count's baseline: they wait for their end, as without
+  this.  A router scrapes a pod as soon as it is registered, so that is rare.
 """
 
 from __future__ import annotations
@@ -44,17 +47,31 @@ T = TypeVar("T", bound=Hashable)
 
 
 class _Pod(Generic[T]):
-    __slots__ = ("base", "done", "done_base", "last", "pending", "released", "seen")
+    __slots__ = (
+        "base",
+        "done",
+        "done_base",
+        "last",
+        "open",
+        "pending",
+        "released",
+        "seen",
+        "unknown",
+    )
 
     def __init__(self) -> None:
         #: tickets of the requests whose first token the router will not see, oldest first
         self.pending: dict[T, None] = {}
+        #: those sent before the count's baseline: their first token may be in it already,
+        #: so no later count can tell theirs; they wait for their end
+        self.unknown: dict[T, None] = {}
         self.base: float | None = None  # the pod's count at the first scrape
         self.last = 0.0  # its count at the last scrape
         self.done_base: float | None = None  # the pod's finished requests then
         self.seen = 0  # first tokens the router saw on the pod since the first scrape
         self.released = 0  # pending requests released since then
         self.done = 0  # requests of this router that ended on the pod since then
+        self.open = 0  # requests of this router on the pod now (sent, not ended)
 
 
 class UnseenFirstTokens(Generic[T]):
@@ -70,6 +87,10 @@ class UnseenFirstTokens(Generic[T]):
         if p is None:
             p = self._pods[pod] = _Pod()
         return p
+
+    def started(self, pod: str) -> None:
+        """A request of this router was sent to ``pod``."""
+        self._pod(pod).open += 1
 
     def expect(self, pod: str, ticket: T) -> None:
         """``ticket``'s request was sent to ``pod`` and its first token will not be seen."""
@@ -89,9 +110,13 @@ class UnseenFirstTokens(Generic[T]):
         p = self._pods.get(pod)
         if p is None:
             return False
+        if p.open > 0:
+            p.open -= 1
         if p.base is not None:
             p.done += 1
-        return ticket is not None and p.pending.pop(ticket, 0) is None
+        if ticket is None:
+            return False
+        return p.pending.pop(ticket, 0) is None or p.unknown.pop(ticket, 0) is None
 
     def pending(self, pod: str) -> int:
         p = self._pods.get(pod)
@@ -101,20 +126,23 @@ class UnseenFirstTokens(Generic[T]):
         """The pod's scraped count of first tokens (``None``: it exports none) and of
         finished requests (``None``: unknown, counted as this router's alone); returns
         the pending tickets now past their first token, oldest first."""
-        p = self._pods.get(pod)
-        if p is None or first_tokens is None or not first_tokens >= 0.0:  # (NaN too)
+        if first_tokens is None or not first_tokens >= 0.0:  # (NaN too)
             return []
+        p = self._pod(pod)
         if p.base is None or first_tokens < p.last:  # the first scrape, or a restart
             p.base, p.last = first_tokens, first_tokens
             p.done_base = finished
             p.seen = p.released = p.done = 0
+            p.unknown.update(p.pending)
+            p.pending.clear()
             return []
         p.last = first_tokens
         produced = first_tokens - p.base
         if finished is not None and p.done_base is not None and finished >= p.done_base:
             total = finished - p.done_base
-            if total > p.done:  # others' requests finished there too: only our share
-                produced *= p.done / total if total > 0 else 1.0
+            ours = p.done + p.open  # ours that may have finished there: at most these
+            if total > ours:  # others' requests finished there too: only our share
+                produced *= ours / total
         n = min(int(produced) - p.seen - p.released, len(p.pending))
         if n <= 0:
             return []

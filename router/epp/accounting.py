@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from router.decision.request import Routed
 from router.fleet.load import RequestLoad
 from router.metrics import PodMetrics
-from router.proxy.assemble import one_token
+from router.proxy.assemble import assemblable, one_token
 from router.proxy.first_output import FirstOutput, opening_watch
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ class Accounting:
         "_load",
         "_pm",
         "_policy_name",
+        "_unseen",
         "_watch",
         "pod",
         "routed",
@@ -77,6 +78,12 @@ class Accounting:
         self._done = False
         #: the answer's HTTP status (499 until response headers say otherwise)
         self.status = 499
+        #: a JSON answer forwarded as it came: its first token never shows here
+        self._unseen = not (
+            routed.stream
+            or one_token(routed)
+            or (core.settings.proxy.stream_json_answers and assemblable(routed))
+        )
 
     async def begin(self, pod: str) -> None:
         """The request goes to ``pod``: the policy hears of it, its load is held."""
@@ -84,7 +91,8 @@ class Accounting:
         self.pod = pod
         tokens = self.routed.route.prompt_tokens
         core.policy.on_routed(self.routed.route, pod)
-        load = self._load = RequestLoad(core.load, pod, tokens)
+        ledger = core.first_tokens
+        load = self._load = RequestLoad(core.load, pod, tokens, ledger)
         if load.local is not None:
             load.begin_now()
         else:
@@ -93,6 +101,8 @@ class Accounting:
                 await load.begin()
             finally:
                 core.pending.remove(pod, tokens)
+        if self._unseen:  # a JSON answer the gateway carries: the pod's count tells
+            ledger.expect(load, self.routed.route)
         pm = self._pm = core.metrics.pod_metrics(self.routed.model, pod, self._policy_name)
         pm.inflight.inc()
 
@@ -150,6 +160,8 @@ class Accounting:
         self._core.tenants.observe_ttft(self.routed.tenant, ttft)
         self._core.policy.on_first_token(self.routed.route, self.pod, ttft)
         load = self._load
+        if load.ledger is not None:
+            load.ledger.seen(self.pod)
         if load.local is not None:
             load.first_token_now()
         else:

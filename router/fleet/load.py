@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from router.fleet.first_tokens import FirstTokenLedger, Unseen
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +128,29 @@ class PendingLoad:
 class RequestLoad:
     """The load one request puts on its pod; guarantees each counter is undone once."""
 
-    __slots__ = ("_ended", "_prefilled", "local", "pod", "prefill_tokens", "store")
+    __slots__ = (
+        "_ended",
+        "_prefilled",
+        "ledger",
+        "local",
+        "pod",
+        "prefill_tokens",
+        "store",
+        "ticket",
+    )
 
-    def __init__(self, store: LoadStore, pod: str, prefill_tokens: int) -> None:
+    def __init__(
+        self,
+        store: LoadStore,
+        pod: str,
+        prefill_tokens: int,
+        ledger: FirstTokenLedger | None = None,
+    ) -> None:
         self.store = store
+        #: told of the request's end; ``ticket``: set when its first token will not be
+        #: seen (router/fleet/first_tokens.py)
+        self.ledger = ledger
+        self.ticket: Unseen | None = None
         #: the store when it is this process's memory: then the ``*_now`` methods apply
         #: the counts synchronously (no await, so no pending overlay is needed either)
         self.local = store if isinstance(store, MemoryLoadStore) else None
@@ -140,6 +162,8 @@ class RequestLoad:
     def begin_now(self) -> None:
         assert self.local is not None
         self.local.begin_now(self.pod, self.prefill_tokens)
+        if self.ledger is not None:
+            self.ledger.started(self.pod)
 
     def first_token_now(self) -> None:
         assert self.local is not None
@@ -154,8 +178,12 @@ class RequestLoad:
         self.first_token_now()
         self._ended = True
         self.local.end_now(self.pod)
+        if self.ledger is not None:
+            self.ledger.ended(self.pod, self.ticket)
 
     async def begin(self) -> None:
+        if self.ledger is not None:
+            self.ledger.started(self.pod)
         await self.store.begin(self.pod, self.prefill_tokens)
 
     async def first_token(self) -> None:
@@ -166,6 +194,8 @@ class RequestLoad:
     async def end(self) -> None:
         if self._ended:
             return
-        await self.first_token()
         self._ended = True
+        if self.ledger is not None:
+            self.ledger.ended(self.pod, self.ticket)
+        await self.first_token()
         await self.store.end(self.pod)

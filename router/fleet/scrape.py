@@ -3,7 +3,9 @@
 ``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``
 (summed / averaged over engines), ``vllm:prefix_cache_hits_total`` (summed; what the
 speculative entries are checked against, router/decision/learning.py) and
-``vllm:cache_config_info{block_size=...}``.  A value
+``vllm:cache_config_info{block_size=...}``; the first tokens and finished requests the
+engine counted (scoring/unseen_first_tokens.py) and its inter-token latency and decode
+time histograms (``Policy.on_scraped``).  A value
 older than ``scrape.stale_after_s`` is reported as unknown (None), never as stale truth.
 ``max_model_len`` is learned from ``GET /v1/models`` on the same loop.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -22,8 +25,12 @@ import httpx
 
 from router.fleet.pods import PodRegistry
 from router.logs import RateLimitedLog
+from scoring.policies.base import PodCounters
 
 log = logging.getLogger(__name__)
+
+
+_NO_COUNTERS = PodCounters()
 
 
 @dataclass(slots=True)
@@ -39,9 +46,30 @@ class Scraped:
     capacity_blocks: int | None = None
     #: ``vllm:prefix_cache_hits_total``: prompt tokens served from the prefix cache, ever
     prefix_hits: float | None = None
+    #: ``vllm:time_to_first_token_seconds_count``: first tokens out of the engine, ever
+    #: (observed at the first token, not at the end: scoring/unseen_first_tokens.py)
+    first_tokens: float | None = None
+    #: ``vllm:request_success_total`` (every finished reason): requests finished, ever
+    finished: float | None = None
+    #: what a policy reads of the engine's histograms (``Policy.on_scraped``)
+    counters: PodCounters = _NO_COUNTERS
 
 
 _INF = float("inf")
+#: histogram and counter series summed over the pod's engines and labels, by name: the
+#: Scraped field (or PodCounters field) each feeds.  A negative or non-finite sample
+#: leaves its field unknown (it is optional: the scrape stands)
+_SUMS = {
+    "vllm:time_to_first_token_seconds_count": "first_tokens",
+    "vllm:request_success_total": "finished",
+    "vllm:inter_token_latency_seconds_sum": "itl_sum_s",
+    "vllm:inter_token_latency_seconds_count": "itl_count",
+    # its name before vLLM 0.10 (the same samples)
+    "vllm:time_per_output_token_seconds_sum": "tpot_sum_s",
+    "vllm:time_per_output_token_seconds_count": "tpot_count",
+    "vllm:request_decode_time_seconds_sum": "decode_sum_s",
+    "vllm:request_decode_time_seconds_count": "decode_count",
+}
 #: the series a policy reads as counts or shares: a negative or non-finite sample of one
 #: fails the scrape (counted, and the pod's scraped view goes unknown when it is stale)
 _COUNTS = frozenset(
@@ -72,6 +100,7 @@ def parse_vllm_metrics(text: str) -> Scraped:
     capacity = 0
     hits = 0.0
     seen_h = False
+    sums: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
@@ -94,7 +123,10 @@ def parse_vllm_metrics(text: str) -> Scraped:
             continue
         if name in _COUNTS and not 0.0 <= value < _INF:  # (NaN fails too)
             raise ValueError(f"{name} is {parts[0]}: not a count")
-        if name == "vllm:num_requests_waiting":
+        field = _SUMS.get(name)
+        if field is not None:
+            sums[field] = sums.get(field, 0.0) + (value if 0.0 <= value < _INF else math.nan)
+        elif name == "vllm:num_requests_waiting":
             waiting += value
             seen_w = True
         elif name == "vllm:num_requests_running":
@@ -112,14 +144,28 @@ def parse_vllm_metrics(text: str) -> Scraped:
             blocks = _label(labels, "num_gpu_blocks")
             if blocks is not None and blocks.isdigit():
                 capacity += int(blocks)
+    known = {k: v for k, v in sums.items() if v == v}  # (NaN: a bad sample among them)
+    if "itl_count" not in known and "tpot_count" in known:
+        known["itl_sum_s"] = known.get("tpot_sum_s", math.nan)
+        known["itl_count"] = known["tpot_count"]
+    run = int(running) if seen_r else None
     return Scraped(
         at=time.monotonic(),
         waiting=int(waiting) if seen_w else None,
-        running=int(running) if seen_r else None,
+        running=run,
         kv_usage=(sum(usage) / len(usage)) if usage else None,
         block_size=block_size,
         capacity_blocks=capacity or None,
         prefix_hits=hits if seen_h else None,
+        first_tokens=known.get("first_tokens"),
+        finished=known.get("finished"),
+        counters=PodCounters(
+            running=run,
+            itl_sum_s=known.get("itl_sum_s"),
+            itl_count=known.get("itl_count"),
+            decode_sum_s=known.get("decode_sum_s"),
+            decode_count=known.get("decode_count"),
+        ),
     )
 
 

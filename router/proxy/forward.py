@@ -136,6 +136,10 @@ class Proxy(ProxyWiring):
         if whole:
             raw_body = streamed_body(raw_body, routed.body, routed.kind)
         head_first = leg is None and one_token(routed)  # its head is its first token
+        # a JSON answer forwarded as it came: its first token is not seen here, the pod's
+        # count of them tells when it is past its prefill (router/fleet/first_tokens.py)
+        ledger = self.first_tokens
+        unseen = ledger is not None and not (leg or whole or head_first or routed.stream)
         tail = self._head_tail(headers, len(raw_body))
         retryable = RETRYABLE_STATUS if leg is None else leg.retry_status
         extra = {} if leg is None else leg.header_map
@@ -158,7 +162,7 @@ class Proxy(ProxyWiring):
                 raw_body, tokens = leg.attempt(pod, last_error)
                 tail = self._head_tail(headers, len(raw_body))
             pm = m.pod_metrics(routed.model, pod, self.policy_name)
-            load = RequestLoad(self.load, pod, tokens)
+            load = RequestLoad(self.load, pod, tokens, ledger)
             # the policy hears of the request now (its in-flight bookkeeping must see it
             # while it runs); the pending overlay covers the shared store's round trip
             self.policy.on_routed(route, pod)
@@ -172,6 +176,8 @@ class Proxy(ProxyWiring):
                     await load.begin()
                 finally:
                     self.pending.remove(pod, tokens)
+            if unseen and ledger is not None:
+                ledger.expect(load, route)
             gauge = pm.inflight
             gauge.inc()
             attempt = self._watch.begin(receive, pod, first_byte_s)

@@ -59,6 +59,7 @@ class Gateway(RouterCore):
         self.disagg = Disaggregator(self.proxy, self.router.pd, settings.pd)
         if self.learner.enabled:
             self.proxy.on_sent = self.router.sent
+        self.proxy.first_tokens = self.first_tokens
         self._api_keys = [k.encode() for k in settings.api_keys]
         self.max_json_depth = settings.proxy.max_json_depth
 

@@ -158,6 +158,8 @@ class StreamRelay(Bookkeeping, Failures):
         if self.on_ttft is not None:
             self.on_ttft(routed.tenant, ttft)
         self.policy.on_first_token(routed.route, pod, ttft)
+        if load.ledger is not None:
+            load.ledger.seen(pod)
         if load.local is not None:
             load.first_token_now()
         else:

@@ -19,6 +19,7 @@ import httpx
 from router.decision.owners import OwnerStore
 from router.decision.request import Routed
 from router.errors import RouterError
+from router.fleet.first_tokens import FirstTokenLedger
 from router.fleet.load import LoadStore, PendingLoad
 from router.fleet.pods import PodRegistry
 from router.fleet.tls import PodTLS
@@ -107,6 +108,9 @@ class ProxyWiring(StreamRelay):
         #: told of every attempt as it starts, like the policy (the speculative entries,
         #: ``RequestRouter.sent``)
         self.on_sent: Callable[[Routed, str], None] | None = None
+        #: the requests whose first token is not seen here, released by the pods' counts
+        #: (router/fleet/first_tokens.py)
+        self.first_tokens: FirstTokenLedger | None = None
 
     async def aclose(self) -> None:
         """Close the transport if this proxy made its own."""

@@ -251,6 +251,8 @@ class SimEngine:
                 req.output_ids.append(tok)
                 self._active[rid] = n + i
                 m.generation_tokens.inc()
+                if i:
+                    m.inter_token_latency.observe(loop.time() - last_at)
                 last_at = loop.time()
                 yield tok
             req.finish_reason = "length"

@@ -21,6 +21,11 @@ TIME_TO_FIRST_TOKEN_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
+#: vLLM's ``vllm:inter_token_latency_seconds`` buckets (``vllm/v1/metrics/loggers.py``)
+INTER_TOKEN_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
 REQUEST_LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
@@ -131,6 +136,11 @@ class SimMetrics:
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
             TIME_TO_FIRST_TOKEN_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            INTER_TOKEN_LATENCY_BUCKETS,
         )
         self.queue_time = histogram(
             "vllm:request_queue_time_seconds",

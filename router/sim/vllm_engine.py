@@ -205,6 +205,10 @@ class VllmSimEngine(SimEngine):
                     live = self._live.get(s.rid)
                     if live is None or s.num_output <= before[s.rid]:
                         continue
+                    if before[s.rid]:  # decoded: each token one step after the last
+                        gap = plan.duration_s / plan.steps
+                        for _ in range(s.num_output - before[s.rid]):
+                            m.inter_token_latency.observe(gap)
                     for i in range(before[s.rid], min(s.num_output, len(live.outputs))):
                         live.queue.put_nowait(live.outputs[i])
                 for s in result.first_tokens:

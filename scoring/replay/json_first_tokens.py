@@ -38,8 +38,11 @@ class JsonFirstTokens:
         self._start = start_s
         #: the next scrape instant
         self.next_at = start_s
+        for pod in pods:  # a router scrapes each pod as it registers it: before any request
+            self._gap.scraped(pod, 0.0, 0.0)
 
     def routed(self, pod: str, ri: int) -> None:
+        self._gap.started(pod)
         if self._json[ri]:
             self._gap.expect(pod, ri)
 

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -254,6 +255,40 @@ async def test_only_a_streamed_answer_s_first_byte_is_a_first_token(
         assert (prefill_after, ttft_count, len(heard)) == (0, 1.0, 1)
     else:
         assert (prefill_after, ttft_count, heard) == (prefill_before, 0.0, [])
+
+
+async def test_a_json_answer_the_gateway_carries_leaves_the_queue_when_its_pod_counts_it() -> None:
+    """With ``proxy.stream_json_answers`` off the picker never sees a JSON answer's first
+    token; the pod's scraped ``vllm:time_to_first_token_seconds_count`` shows it past its
+    prefill, and its load is released long before the answer ends
+    (router/fleet/first_tokens.py)."""
+    async with sim_pods(1) as pods:
+        json_as_it_came = {"stream_json_answers": False}
+        settings = settings_for(pods, proxy=json_as_it_came, scrape={"interval_s": 0.1})
+        async with running_epp(settings) as (server, ch):
+            pod, picker = pods[0].name, server.picker
+            await wait_until(lambda: picker.scraper.get(pod) is not None, "a first scrape")
+            body = chat_body("a prompt of a few words " * 20, max_tokens=8)
+            stream = await pick(ch, body)
+            await stream.read_request_pick()
+
+            def prefill() -> int:
+                return int(picker.load.snapshot_now([pod])[pod][1])  # type: ignore[attr-defined]
+
+            await wait_until(lambda: prefill() > 0, "the prefill load taken")
+            # the gateway's request reaches the pod (as Envoy would send it): its count moves
+            async with httpx.AsyncClient() as direct:
+                r = await direct.post(pods[0].url + "/v1/chat/completions", content=body)
+            assert r.status_code == 200
+            await wait_until(lambda: prefill() == 0, "the prefill load released by a scrape")
+            released = metric(server, "kvroute_unseen_first_tokens_total")
+            await stream.send(C.response_headers(content_type="application/json"))
+            await stream.read(1)
+            await stream.send(C.response_body(r.content, True))
+            await stream.read(1)
+            await stream.close()
+    assert released == 1
+    assert metric(server, "kvroute_ttft_seconds_count", pod=pod) == 0
 
 
 async def test_a_responses_stream_s_first_token_is_its_first_event_after_the_opening_ones() -> None:

@@ -127,6 +127,40 @@ async def test_a_json_answer_s_prefill_load_ends_at_its_first_token_not_at_its_e
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
 
 
+async def test_a_json_answer_forwarded_as_it_came_leaves_the_queue_when_its_pod_counts_it() -> None:
+    # the switch off: the router sees no first token, and 40 output tokens at 10 tokens/s
+    # keep the answer decoding for 4 s; the pod's vllm:time_to_first_token_seconds_count,
+    # scraped every 0.1 s, shows the request past its prefill long before that
+    async with running(
+        [sim(0, time_scale=1.0, decode_rate=10.0)],
+        proxy={"stream_json_answers": False},
+        scrape={"interval_s": 0.1},
+    ) as rig:
+        load = rig.gateway.proxy.load
+        # (the count's baseline: a router scrapes a pod as it registers it)
+        await wait_until(lambda: rig.gateway.scraper.get("sim-0") is not None, "a scrape")
+        request = asyncio.create_task(
+            rig.client.post("/v1/chat/completions", json=chat("a few words", max_tokens=40))
+        )
+        await wait_until(
+            lambda: load.snapshot_now(["sim-0"])["sim-0"] == (1, 0),  # type: ignore[attr-defined]
+            "the request decoding with its prefill load released",
+            timeout=3.0,
+        )
+        assert not request.done()
+        text = await rig.metrics()
+        r = await request
+        policy = rig.gateway.policy
+        # the pod's decode-time histogram teaches the decode time no first token could
+        await wait_until(
+            lambda: policy.learned().get(("decode_seconds", MODEL), 0.0) > 3.0,
+            "the decode time learned from the pod's histogram",
+        )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
+    assert metric(text, "kvroute_unseen_first_tokens_total") == 1
+    assert metric(text, "kvroute_ttft_seconds_count", pod="sim-0") == 0
+
+
 async def test_a_client_that_leaves_mid_answer_cancels_the_assembly_and_the_pod_s_request() -> None:
     # 100 output tokens at 10 tokens/s: ten seconds of decode, cut after the first token
     async with running([sim(0, time_scale=1.0, decode_rate=10.0)]) as rig:

@@ -62,6 +62,39 @@ def test_missing_series_are_unknown_not_zero() -> None:
     assert s.block_size is None and s.capacity_blocks is None
 
 
+HISTOGRAMS = """\
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 12.0
+vllm:time_to_first_token_seconds_count{engine="1",model_name="m"} 3.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 4.5
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 9.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 4.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 2.5
+vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 100.0
+vllm:request_decode_time_seconds_sum{engine="0",model_name="m"} 30.0
+vllm:request_decode_time_seconds_count{engine="0",model_name="m"} 13.0
+"""
+
+
+def test_the_engine_s_first_tokens_finished_requests_and_latency_histograms_are_read() -> None:
+    s = parse_vllm_metrics(VLLM_METRICS + HISTOGRAMS)
+    assert (s.first_tokens, s.finished) == (15.0, 13.0)  # summed over engines and reasons
+    c = s.counters
+    assert (c.running, c.itl_sum_s, c.itl_count) == (5, 2.5, 100.0)
+    assert (c.decode_sum_s, c.decode_count) == (30.0, 13.0)
+
+
+def test_an_older_engine_s_time_per_output_token_stands_for_the_inter_token_latency() -> None:
+    older = HISTOGRAMS.replace("inter_token_latency", "time_per_output_token")
+    assert parse_vllm_metrics(older).counters.itl_count == 100.0
+
+
+def test_a_bad_histogram_sample_leaves_its_series_unknown_and_the_scrape_stands() -> None:
+    bad = HISTOGRAMS.replace('_count{engine="1",model_name="m"} 3.0', "_count 3e999")
+    s = parse_vllm_metrics(VLLM_METRICS + bad + "vllm:request_decode_time_seconds_sum -1\n")
+    assert s.first_tokens is None and s.counters.decode_sum_s is None
+    assert s.running == 5 and s.finished == 13.0
+
+
 @pytest.mark.parametrize(
     "line",
     [

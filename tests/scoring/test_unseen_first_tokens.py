@@ -11,9 +11,9 @@ from scoring.unseen_first_tokens import UnseenFirstTokens
 def tracker(*pending: str, pod: str = "p", count: float = 10.0) -> UnseenFirstTokens[str]:
     """A tracker whose first scrape of ``pod`` read ``count``, with ``pending`` expected."""
     u: UnseenFirstTokens[str] = UnseenFirstTokens()
+    assert u.scraped(pod, count, None) == []  # the first scrape sets the baseline
     for t in pending:
         u.expect(pod, t)
-    assert u.scraped(pod, count, None) == []  # the first scrape sets the baseline
     return u
 
 
@@ -44,12 +44,22 @@ def test_a_request_that_ends_first_is_dropped_and_says_its_load_was_still_held()
 def test_an_engine_restart_starts_the_count_again() -> None:
     u = tracker("a", "b", count=100.0)
     assert u.scraped("p", 3.0, None) == []  # the count went back: a new baseline
-    assert u.scraped("p", 4.0, None) == ["a"]
+    u.expect("p", "c")
+    assert u.scraped("p", 4.0, None) == ["c"]
+
+
+def test_requests_sent_before_the_count_s_baseline_wait_for_their_end() -> None:
+    u: UnseenFirstTokens[str] = UnseenFirstTokens()
+    u.expect("p", "early")  # its first token may be in the first count
+    assert u.scraped("p", 1.0, None) == []
+    u.expect("p", "late")
+    assert u.scraped("p", 2.0, None) == ["late"]  # not the early one, whose token it isn't
+    assert u.pending("p") == 0
+    assert u.ended("p", "early") is True  # its load is released at its end
 
 
 def test_a_pod_that_exports_no_count_or_a_broken_one_releases_nothing() -> None:
-    u: UnseenFirstTokens[str] = UnseenFirstTokens()
-    u.expect("p", "a")
+    u = tracker("a")
     for count in (None, math.nan, -1.0):
         assert u.scraped("p", count, None) == []
     assert u.scraped("q", 5.0, None) == []  # a pod with nothing expected
@@ -58,16 +68,26 @@ def test_a_pod_that_exports_no_count_or_a_broken_one_releases_nothing() -> None:
 
 def test_other_routers_first_tokens_are_discounted_by_this_router_s_share() -> None:
     u: UnseenFirstTokens[str] = UnseenFirstTokens()
-    for t in "abcd":
-        u.expect("p", t)
     assert u.scraped("p", 0.0, 0.0) == []
-    # the pod finished 4 requests, one of them ours: a quarter of its 8 first tokens
-    u.ended("p")
-    assert u.scraped("p", 8.0, 4.0) == ["a", "b"]
-    # alone in front of it (every finished request ours): all of them
-    alone = tracker("a", "b", count=0.0)
-    alone.ended("p")
-    assert alone.scraped("p", 2.0, None) == ["a", "b"]
+    for _ in range(2):  # two streamed requests of ours, seen and ended
+        u.started("p")
+        u.seen("p")
+        u.ended("p")
+    for t in "abcd":  # four JSON ones, open
+        u.started("p")
+        u.expect("p", t)
+    # the pod finished 12 requests, at most 6 of them ours: half of its 8 first tokens,
+    # less the 2 seen here
+    assert u.scraped("p", 8.0, 12.0) == ["a", "b"]
+
+
+def test_alone_in_front_of_a_pod_every_first_token_it_counts_is_this_router_s() -> None:
+    u = tracker("a", "b", count=0.0)
+    u.scraped("p", 0.0, 0.0)
+    for _ in "ab":
+        u.started("p")
+    # both finished on the pod, neither has ended here yet: still all ours
+    assert u.scraped("p", 2.0, 2.0) == ["a", "b"]
 
 
 def test_a_pod_that_left_is_forgotten() -> None:
