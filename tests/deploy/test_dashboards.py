@@ -41,7 +41,6 @@ VLLM_TARGET_LABELS = TARGET_LABELS | {"pod"}
 #: real vLLM 0.32 exports these (vllm/v1/metrics/loggers.py); the simulated pod does not
 VLLM_ONLY = {
     "vllm:num_preemptions_total": frozenset({"model_name", "engine"}),
-    "vllm:inter_token_latency_seconds_bucket": frozenset({"model_name", "engine", "le"}),
 }
 REAL_VLLM_ONLY_NOTE = "Real vLLM only"
 UIDS = {"kvroute-overview.json": "kvroute-overview", "kvroute-fleet.json": "kvroute-fleet"}
