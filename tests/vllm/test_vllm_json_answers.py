@@ -72,6 +72,46 @@ async def test_through_envoy_the_picker_assembles_the_engines_own_json_answer(
     assert ttft_count == 1  # the picker saw the engine's first token
 
 
+async def test_a_json_answer_sent_as_it_came_leaves_the_queue_by_the_engine_s_own_count(
+    engines: list[EngineProcess],
+) -> None:
+    """With the assembly off the router sees no first token.  The engine counts it in
+    ``vllm:time_to_first_token_seconds_count`` when it comes out (not at the answer's
+    end), and its scraped count releases the request's prefill load while it still
+    decodes (scoring/unseen_first_tokens.py); its histograms give ``cost`` the decode
+    load it cannot learn from first tokens (scoring/policies/scraped_steps.py)."""
+    from router.fleet.scrape import parse_vllm_metrics
+
+    body = {**_body("/v1/completions"), "max_tokens": 400, "ignore_eos": True}
+    as_it_came = {"stream_json_answers": False}
+    async with (
+        httpx.AsyncClient(timeout=120) as direct,
+        running_router(_pods(engines), proxy=as_it_came, scrape={"interval_s": 0.1}) as router,
+    ):
+        before = parse_vllm_metrics((await direct.get(engines[0].base_url + "/metrics")).text)
+        r = await router.post("/v1/completions", json=body)
+        metrics = (await router.get("/metrics")).text
+        after = parse_vllm_metrics((await direct.get(engines[0].base_url + "/metrics")).text)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 400
+    # the engine's counts and histograms, as the router reads them
+    assert before.first_tokens is not None and after.first_tokens == before.first_tokens + 1
+    assert before.finished is not None and after.finished == before.finished + 1
+    c0, c1 = before.counters, after.counters
+    assert c0.itl_count is not None and c1.itl_count == c0.itl_count + 399
+    assert c0.decode_count is not None and c1.decode_count == c0.decode_count + 1
+    # released by a scrape before its 400 tokens ended; no first token seen here
+    assert _sample(metrics, "kvroute_unseen_first_tokens_total") == 1
+    assert _sample(metrics, "kvroute_ttft_seconds_count") == 0
+
+
+def _sample(text: str, name: str) -> float:
+    """The sum of a /metrics text's samples named ``name``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(text)
+    return sum(s.value for f in families for s in f.samples if s.name == name)
+
+
 async def _same_as_the_engines_own(
     engine: EngineProcess, path: str, through: httpx.Response
 ) -> None:

@@ -80,9 +80,11 @@ async def running_router(
     pods: list[dict[str, Any]],
     events: dict[str, Any] | None = None,
     policy_params: dict[str, Any] | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[httpx.AsyncClient]:
     """``kvroute`` (create_app + uvicorn on a free port, policy ``cost`` with
-    ``policy_params``) in front of ``pods``; yields a client once /ready answers 200."""
+    ``policy_params``, more settings in ``overrides``) in front of ``pods``; yields a
+    client once /ready answers 200."""
     from router.config import Settings
     from router.proxy.app import create_app
     from router.proxy.serve import RunningServer
@@ -96,6 +98,7 @@ async def running_router(
             "block_size": BLOCK,
             "policy": "cost",
             "policy_params": policy_params or {},
+            **overrides,
         }
     )
     server = await RunningServer(create_app(settings)).start()
