@@ -272,26 +272,15 @@ def test_a_miss_that_pushes_hot_blocks_out_pays_their_recompute() -> None:
 
 
 def test_rates_fit_stays_finite_on_degenerate_input() -> None:
-    rates = PodRates(
-        Priors(
-            prefill_rate_tokens_per_s=5000,
-            prefill_slowdown_per_running=0.0,
-            request_overhead_s=0.0,
-            decode_step_s=0.025,
-            decode_step_per_running_s=0.0,
-            memory=64,
-            prior_weight=4,
-        )
-    )
+    rates = fresh_pod()
     for _ in range(50):  # zero tokens, zero time: nothing identifies the rate
         rates.first_token(0.0, 0.0, 0.0, 0.0)
     assert rates.token_s(0) > 0 and math.isfinite(rates.token_s(0))
 
 
-def learned_pod() -> PodRates:
-    """A pod shown a spread of prompt sizes, running and decoding requests: 12,000
-    tokens/s, 10 ms a request, 5% slower prefill and 1 ms longer steps per request."""
-    rates = PodRates(
+def fresh_pod() -> PodRates:
+    """A pod's rates at their priors (5,000 tokens/s, 25 ms a decode step), memory 64."""
+    return PodRates(
         Priors(
             prefill_rate_tokens_per_s=5000,
             prefill_slowdown_per_running=0.0,
@@ -302,6 +291,12 @@ def learned_pod() -> PodRates:
             prior_weight=4,
         )
     )
+
+
+def learned_pod() -> PodRates:
+    """A pod shown a spread of prompt sizes, running and decoding requests: 12,000
+    tokens/s, 10 ms a request, 5% slower prefill and 1 ms longer steps per request."""
+    rates = fresh_pod()
     for i in range(1000):
         serve_pod(rates, 2.0 * i, 200 + 300 * (i % 13), i % 5, i % 7)
     return rates
