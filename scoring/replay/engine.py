@@ -91,22 +91,28 @@ def replay_policy(
     on_progress: Callable[[int], None] | None = None,
     scrape_interval_s: float = 0.0,
     json_share: float = 0.0,
+    json_scrape_s: float | None = None,
 ) -> PolicyRun:
     """Replay ``trace`` through ``policy`` on a fresh fleet described by ``cfg``;
     ``scrape_interval_s`` > 0 shows the policy each pod's scraped fields as a scrape that
     often would (:mod:`scoring.replay.scrapes`), 0 exactly; ``json_share``: the share of
-    requests whose clients ask for a JSON answer, not a stream (:func:`json_answers`)."""
+    requests whose clients ask for a JSON answer, not a stream (:func:`json_answers`);
+    ``json_scrape_s``: how often their pods' first-token counts are read (None: every
+    ``scrape_interval_s``, or 1 s when that is 0; scoring/replay/json_first_tokens.py)."""
     wall0 = time.perf_counter()
     cfg.validate()
     json_of = json_answers(len(trace.requests), json_share)
     start = trace.requests[0].arrival_s if trace.requests else 0.0
     scrapes = Scrapes(scrape_interval_s, start)
+    if json_scrape_s is not None and not json_scrape_s > 0.0:  # (NaN too)
+        raise ValueError(f"json_scrape_s must be > 0, got {json_scrape_s!r}")
+    counts_s = json_scrape_s if json_scrape_s is not None else scrape_interval_s
     clock = policy.clock
     try:
         if isinstance(cfg, VllmFleetConfig):
-            run = _replay_vllm(trace, policy, cfg, on_progress, scrapes, json_of)
+            run = _replay_vllm(trace, policy, cfg, on_progress, scrapes, json_of, counts_s)
         else:
-            run = _replay_simple(trace, policy, cfg, on_progress, scrapes, json_of)
+            run = _replay_simple(trace, policy, cfg, on_progress, scrapes, json_of, counts_s)
     finally:
         policy.clock = clock
     run.json_answer = json_of
@@ -159,6 +165,7 @@ def _replay_simple(
     on_progress: Callable[[int], None] | None,
     scrapes: Scrapes,
     json_of: Sequence[bool],
+    counts_s: float,
 ) -> PolicyRun:
     reqs = trace.requests
     pods = [SimPod(f"pod-{i}", cfg, cfg.pod_capacity(i), cfg.speed(i)) for i in range(cfg.pods)]
@@ -172,7 +179,7 @@ def _replay_simple(
     bs = cfg.block_size
     now_s = [run.first_arrival_s]
     policy.clock = lambda: now_s[0]
-    js = _json_first_tokens(json_of, pods, run.first_arrival_s, scrapes)
+    js = _json_first_tokens(json_of, pods, run.first_arrival_s, counts_s)
 
     def start_next(pod_i: int, now: float) -> None:
         nonlocal seq
@@ -266,6 +273,7 @@ def _replay_vllm(
     on_progress: Callable[[int], None] | None,
     scrapes: Scrapes,
     json_of: Sequence[bool],
+    counts_s: float,
 ) -> PolicyRun:
     reqs = trace.requests
     n = len(reqs)
@@ -279,7 +287,7 @@ def _replay_vllm(
     last_finish = run.first_arrival_s
     now_s = [run.first_arrival_s]
     policy.clock = lambda: now_s[0]
-    js = _json_first_tokens(json_of, pods, run.first_arrival_s, scrapes)
+    js = _json_first_tokens(json_of, pods, run.first_arrival_s, counts_s)
 
     def start_step(pod_i: int, now: float, horizon: float) -> None:
         nonlocal seq
@@ -368,12 +376,12 @@ def _replay_vllm(
 
 
 def _json_first_tokens(
-    json_of: Sequence[bool], pods: Sequence[SimPod | VllmPod], start_s: float, scrapes: Scrapes
+    json_of: Sequence[bool], pods: Sequence[SimPod | VllmPod], start_s: float, every_s: float
 ) -> JsonFirstTokens | None:
     """The pods' first-token counts the router scrapes, when some answers are JSON."""
     if not any(json_of):
         return None
-    return JsonFirstTokens(list(json_of), [p.name for p in pods], start_s, scrapes.interval_s)
+    return JsonFirstTokens(list(json_of), [p.name for p in pods], start_s, every_s)
 
 
 def _blocks(tokens: int, block_size: int) -> int:

@@ -214,9 +214,10 @@ def _replay(
     cfg: FleetConfig | VllmFleetConfig,
     params: Mapping[str, Any] | None = None,
     json_share: float = 0.0,
+    json_scrape_s: float | None = None,
 ) -> PolicyRun:
     policy = build_policy(name, {**fleet_defaults(name, cfg), **(params or {})})
-    return replay_policy(trace, policy, cfg, json_share=json_share)
+    return replay_policy(trace, policy, cfg, json_share=json_share, json_scrape_s=json_scrape_s)
 
 
 def parse_variant(spec: str) -> tuple[str, str, dict[str, Any]]:
@@ -252,11 +253,13 @@ def run_cell(
     variants: Sequence[str] = (),
     json_share: float = 0.0,
     tie_seed: int = 0,
+    json_scrape_s: float | None = None,
 ) -> dict[str, Any]:
     """Replay every policy (default: every registered one) and every variant
     (:func:`parse_variant`) on ``cell`` for ``seed``; ``json_share`` of the requests
     ask for JSON answers forwarded as they came
-    (:func:`scoring.replay.engine.json_answers`).  ``tie_seed`` is the ``seed`` of
+    (:func:`scoring.replay.engine.json_answers`), their pods' first-token counts read
+    every ``json_scrape_s`` (None: 1 s, the live default).  ``tie_seed`` is the ``seed`` of
     every policy that breaks ties with one (a variant that sets its own keeps it): which
     of two pods a policy scores equal gets a request, drawn again, so that a cell's
     spread over tie seeds is its noise (:mod:`scoring.replay.matrix_ties`)."""
@@ -284,6 +287,7 @@ def run_cell(
         },
         "offered_load": cell.load,
         "json_share": json_share,
+        **({"json_scrape_s": json_scrape_s} if json_scrape_s is not None else {}),
         "time_scale": factor,
         "ceilings": {"infinite": infinite_ceiling(scaled), "pooled": pooled},
         "policies": {},
@@ -302,7 +306,7 @@ def run_cell(
         ]
         out["tie_seed"] = tie_seed
     for name, policy, params in runs:
-        run = _replay(scaled, policy, cfg, params, json_share)
+        run = _replay(scaled, policy, cfg, params, json_share, json_scrape_s)
         m = summarize_run(run)
         out["policies"][name] = {
             "hit_rate": m["hit_rate"],

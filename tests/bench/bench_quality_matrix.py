@@ -125,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
         "token seen, prefill load held to the end (kvroute replay --json-share)",
     )
     ap.add_argument(
+        "--json-scrape-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --json-share: read the pods' first-token counts every S seconds "
+        "(default 1, kvroute serve's scrape.interval_s)",
+    )
+    ap.add_argument(
         "--tie-seeds",
         type=int,
         default=1,
@@ -159,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.jobs < 1 or (a.limit is not None and a.limit < 2) or a.block_size < 1 or a.tie_seeds < 1:
         print(
             "bench_quality_matrix: --jobs >= 1, --limit >= 2, --block-size >= 1, --tie-seeds >= 1",
+            file=sys.stderr,
+        )
+        return 2
+    if a.json_scrape_s is not None and not a.json_scrape_s > 0.0:
+        print(
+            f"bench_quality_matrix: --json-scrape-s must be > 0, got {a.json_scrape_s}",
             file=sys.stderr,
         )
         return 2
@@ -223,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             pod_model=a.pod_model,
             variants=a.variant,
             json_share=a.json_share,
+            json_scrape_s=a.json_scrape_s,
             tie_seed=tie,
         )
         for tie in range(a.tie_seeds)

@@ -204,6 +204,28 @@ def test_once_cost_sees_a_first_token_the_scrapes_no_longer_set_its_decode_load(
     assert policy.learned()[key] == before
 
 
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan])
+def test_a_json_scrape_interval_that_is_not_positive_is_refused_by_name(
+    tmp_path: Path, bad: float
+) -> None:
+    trace = two_requests(tmp_path)
+    with pytest.raises(ValueError, match="json_scrape_s"):
+        replay_policy(trace, Heard(), one_pod_fleets()[1], json_share=1.0, json_scrape_s=bad)  # type: ignore[arg-type]
+
+
+def test_the_counts_are_read_at_the_cadence_asked_for_whatever_the_views_scrape(
+    tmp_path: Path,
+) -> None:
+    trace = two_requests(tmp_path)
+    cfg = one_pod_fleets()[1]
+    seen = {}
+    for every_s in (10.0, 0.25):  # views exact either way
+        heard = Heard()
+        replay_policy(trace, heard, cfg, json_share=1.0, json_scrape_s=every_s)  # type: ignore[arg-type]
+        seen[every_s] = heard.outstanding_seen[1]["pod-0"]
+    assert seen == {10.0: trace.requests[0].prompt_tokens, 0.25: 0}
+
+
 def test_the_cli_replays_a_share_of_json_answers_and_reports_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

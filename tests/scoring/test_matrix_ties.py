@@ -68,10 +68,15 @@ def test_a_tie_seed_is_every_seeded_policys_seed_unless_a_variant_sets_its_own(
     replay = matrix._replay
 
     def recording(
-        trace: Any, name: str, cfg: Any, params: Any = None, json_share: float = 0.0
+        trace: Any,
+        name: str,
+        cfg: Any,
+        params: Any = None,
+        json_share: float = 0.0,
+        json_scrape_s: float | None = None,
     ) -> Any:
         built[name + str(params)] = dict(params or {})
-        return replay(trace, name, cfg, params, json_share)
+        return replay(trace, name, cfg, params, json_share, json_scrape_s)
 
     monkeypatch.setattr(matrix, "_replay", recording)
     c = matrix.Cell("chat", 4, "equal", "medium", 0.8)
