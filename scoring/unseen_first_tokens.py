@@ -118,6 +118,11 @@ class UnseenFirstTokens(Generic[T]):
             return False
         return p.pending.pop(ticket, 0) is None or p.unknown.pop(ticket, 0) is None
 
+    def seen_count(self, pod: str) -> int:
+        """First tokens the router saw on ``pod`` since its count's baseline."""
+        p = self._pods.get(pod)
+        return p.seen if p is not None else 0
+
     def pending(self, pod: str) -> int:
         p = self._pods.get(pod)
         return len(p.pending) if p is not None else 0

@@ -81,5 +81,9 @@ class FirstTokenLedger:
             if self._released is not None:
                 self._released.inc()
 
+    def seen_count(self, pod: str) -> int:
+        """First tokens seen on ``pod`` since its count's baseline (its first scrape)."""
+        return self._gap.seen_count(pod)
+
     def forget(self, pod: str) -> None:
         self._gap.forget(pod)

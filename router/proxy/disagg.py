@@ -197,7 +197,7 @@ class Disaggregator:
             state = proxy.registry.get(pod)
             if state is None or (i > 0 and not state.healthy):
                 continue
-            load = RequestLoad(proxy.load, pod, route.prompt_tokens)
+            load = RequestLoad(proxy.load, pod, route.prompt_tokens, proxy.first_tokens)
             policy.on_routed(route, pod)
             await _begin(proxy, load)
             t0 = time.perf_counter()
@@ -223,6 +223,8 @@ class Disaggregator:
             elapsed = time.perf_counter() - t0
             m.child(m.pd_prefill_seconds, routed.model, pod).observe(elapsed)
             policy.on_first_token(route, pod, elapsed)
+            if proxy.first_tokens is not None:  # its one token: the pod counted it too
+                proxy.first_tokens.seen(pod)
             params = _params_of(content)
             if params is None:
                 m.child(m.pd_prefill_attempts, pod, "no_params").inc()

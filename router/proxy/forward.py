@@ -136,10 +136,10 @@ class Proxy(ProxyWiring):
         if whole:
             raw_body = streamed_body(raw_body, routed.body, routed.kind)
         head_first = leg is None and one_token(routed)  # its head is its first token
-        # a JSON answer forwarded as it came: its first token is not seen here, the pod's
-        # count of them tells when it is past its prefill (router/fleet/first_tokens.py)
+        # a JSON answer forwarded as it came (a P/D decode leg's too): its first token is
+        # not seen here, the pod's count tells when it is past (router/fleet/first_tokens.py)
         ledger = self.first_tokens
-        unseen = ledger is not None and not (leg or whole or head_first or routed.stream)
+        unseen = ledger is not None and not (whole or head_first or routed.stream)
         tail = self._head_tail(headers, len(raw_body))
         retryable = RETRYABLE_STATUS if leg is None else leg.retry_status
         extra = {} if leg is None else leg.header_map

@@ -191,6 +191,21 @@ async def test_a_split_request_is_prefilled_on_a_prefill_pod_and_decoded_on_a_de
         assert h.sample("kvroute_pd_prefill_seconds_count", model=MODEL, pod=prefill_pod) == 1
 
 
+async def test_a_prefill_leg_s_one_token_is_a_first_token_the_router_saw() -> None:
+    """The prefill pod counts the leg's token in vllm:time_to_first_token_seconds: the
+    router must count it as seen, or it would read it as the first token of a JSON
+    request sent to that pod as it came (router/fleet/first_tokens.py)."""
+    async with pd_router(pd=SPLIT) as h:
+        scraper, ledger = h.gateway.scraper, h.gateway.first_tokens
+        await wait_until(lambda: all(scraper.get(p) for p in h.pods), "every pod scraped")
+        streamed = chat(max_completion_tokens=8, stream=True)
+        r = await h.client.post("/v1/chat/completions", json=streamed)
+        assert r.status_code == 200, r.text
+        prefill_pod, decode_pod = r.headers["x-kvroute-prefill-pod"], r.headers["x-kvroute-pod"]
+        # the decode leg's first token was streamed back to the router: seen too
+        assert (ledger.seen_count(prefill_pod), ledger.seen_count(decode_pod)) == (1, 1)
+
+
 async def test_the_prefill_copy_is_capped_and_unstreamed_and_the_decode_body_keeps_its_own() -> (
     None
 ):
