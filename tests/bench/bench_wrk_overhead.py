@@ -67,7 +67,6 @@ router's us/req (its cost per request) with the req/s: one core holds about
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import math
@@ -106,6 +105,7 @@ from peer_routers import (  # noqa: E402
     vllm_router_command,
 )
 from source_tree import tree_cwd, tree_env  # noqa: E402
+from wrk_client import WRK_LUA, Wrk, run_ttft, run_wrk  # noqa: E402
 
 MODEL = "fake-model"
 #: the prompt every request sends (one identical prompt, as the users' run did)
@@ -113,21 +113,6 @@ PROMPT = "Summarise the plot of a short story about a lighthouse keeper in two s
 BODY = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
 STREAM_BODY = {**BODY, "max_tokens": 8, "stream": True}
 NETNS_ENV = "KVROUTE_BENCH_NETNS"
-
-#: wrk's Lua: the POST body, and one JSON line of results at the end
-WRK_LUA = """
-wrk.method = "POST"
-wrk.body = %s
-wrk.headers["Content-Type"] = "application/json"
-function done(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format(
-    'WRKJSON {"requests": %%d, "duration_us": %%d, "errors": %%d, "non2xx": %%d, ' ..
-    '"p50_us": %%d, "p99_us": %%d, "mean_us": %%.1f}\\n',
-    summary.requests, summary.duration, e.connect + e.read + e.write + e.timeout, e.status,
-    latency:percentile(50), latency:percentile(99), latency.mean))
-end
-"""
 
 
 # -- the namespace and the gate ------------------------------------------------------------
@@ -307,73 +292,6 @@ def start_vllm_router(
 
 
 @dataclass
-class Wrk:
-    requests: int
-    seconds: float
-    errors: int
-    non2xx: int
-    p50_ms: float
-    p99_ms: float
-
-    @property
-    def rps(self) -> float:
-        return self.requests / self.seconds
-
-
-def run_wrk(script: Path, port: int, threads: int, conns: int, seconds: float) -> Wrk:
-    out = subprocess.run(
-        [
-            *["wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds:g}s", "--timeout", "10s"],
-            *["-s", str(script), f"http://127.0.0.1:{port}/v1/completions"],
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    line = next(x for x in out.splitlines() if x.startswith("WRKJSON "))
-    d = json.loads(line[len("WRKJSON ") :])
-    return Wrk(
-        d["requests"],
-        d["duration_us"] / 1e6,
-        d["errors"],
-        d["non2xx"],
-        d["p50_us"] / 1e3,
-        d["p99_us"] / 1e3,
-    )
-
-
-async def _ttft(port: int, n: int) -> list[float]:
-    data = json.dumps(STREAM_BODY).encode()
-    req = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-    ).encode() + data
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    out = []
-    for i in range(n + 10):
-        t0 = time.perf_counter()
-        writer.write(req)
-        head = await reader.readuntil(b"\r\n\r\n")
-        if b"chunked" not in head.lower():
-            raise RuntimeError(f"expected a chunked stream from port {port}: {head[:200]!r}")
-        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-        await reader.readexactly(size + 2)
-        if i >= 10:  # warm-up excluded
-            out.append(time.perf_counter() - t0)
-        while size:
-            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-            await reader.readexactly(size + 2)
-    writer.close()
-    return out
-
-
-def run_ttft(port: int, n: int) -> float:
-    """p50 time to the first body chunk of a streaming completion, in ms."""
-    return statistics.median(asyncio.run(_ttft(port, n))) * 1e3
-
-
-@dataclass
 class Sample:
     c32: Wrk
     c1: Wrk | None
@@ -408,7 +326,7 @@ def measure(
     backends_s = sum(each)
     n = max(1, c32.requests)
     seq = run_wrk(script, target.port, 1, 1, seconds) if c1 else None
-    ttft = run_ttft(target.port, ttft_n) if ttft_n else float("nan")
+    ttft = run_ttft(target.port, ttft_n, STREAM_BODY) if ttft_n else float("nan")
     used = sum(1 for t in each if t >= USED_SHARE * backends_s) if backends_s > 0 else 0
     return Sample(
         c32, seq, ttft, (r1 - r0) / n * 1e6, backends_s / n * 1e6, (x1 - x0) / n * 1e6, load, used
