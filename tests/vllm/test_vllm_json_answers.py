@@ -18,6 +18,7 @@ import pytest
 
 from tests.epp.envoy_proxy import envoy_binary
 from tests.epp.test_stream import metric
+from tests.router.test_json_answers import metric as metric_of
 from tests.vllm.conftest import EngineFactory
 from tests.vllm.test_vllm_routing import MODEL, _pods, picker_behind_envoy, running_router
 from tools.capture_vllm_events import EngineProcess
@@ -100,16 +101,8 @@ async def test_a_json_answer_sent_as_it_came_leaves_the_queue_by_the_engine_s_ow
     assert c0.itl_count is not None and c1.itl_count == c0.itl_count + 399
     assert c0.decode_count is not None and c1.decode_count == c0.decode_count + 1
     # released by a scrape before its 400 tokens ended; no first token seen here
-    assert _sample(metrics, "kvroute_unseen_first_tokens_total") == 1
-    assert _sample(metrics, "kvroute_ttft_seconds_count") == 0
-
-
-def _sample(text: str, name: str) -> float:
-    """The sum of a /metrics text's samples named ``name``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    families = text_string_to_metric_families(text)
-    return sum(s.value for f in families for s in f.samples if s.name == name)
+    assert metric_of(metrics, "kvroute_unseen_first_tokens_total") == 1
+    assert metric_of(metrics, "kvroute_ttft_seconds_count", pod="vllm-0") == 0
 
 
 async def _same_as_the_engines_own(
