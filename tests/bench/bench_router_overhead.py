@@ -129,12 +129,13 @@ class Conn:
             self.writer.close()
 
 
-async def run_ttft(port: int, n: int) -> list[float]:
-    """Streaming completions, one at a time: time to the first body chunk (a Nagle or
-    delayed-ACK stall anywhere on the path shows here as ~40 ms)."""
+async def run_ttft(port: int, n: int, body: bytes = STREAM_BODY) -> list[float]:
+    """Streaming completions of ``body``, one at a time, after 10 unmeasured: time to the
+    first body chunk (a Nagle or delayed-ACK stall anywhere on the path shows here as
+    ~40 ms)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    req = request_bytes(port, STREAM_BODY)
+    req = request_bytes(port, body)
     out = []
     for i in range(n + 10):
         t0 = time.perf_counter()

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import statistics
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench_router_overhead import run_ttft as overhead_ttft
 
 #: wrk's Lua: the POST body, and one JSON line of results at the end
 WRK_LUA = """
@@ -65,33 +65,8 @@ def run_wrk(script: Path, port: int, threads: int, conns: int, seconds: float) -
     )
 
 
-async def _ttft(port: int, n: int, body: dict[str, object]) -> list[float]:
-    data = json.dumps(body).encode()
-    req = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-    ).encode() + data
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    out = []
-    for i in range(n + 10):
-        t0 = time.perf_counter()
-        writer.write(req)
-        head = await reader.readuntil(b"\r\n\r\n")
-        if b"chunked" not in head.lower():
-            raise RuntimeError(f"expected a chunked stream from port {port}: {head[:200]!r}")
-        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-        await reader.readexactly(size + 2)
-        if i >= 10:  # warm-up excluded
-            out.append(time.perf_counter() - t0)
-        while size:
-            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-            await reader.readexactly(size + 2)
-    writer.close()
-    return out
-
-
 def run_ttft(port: int, n: int, body: dict[str, object]) -> float:
     """p50 time to the first body chunk of ``n`` streaming completions of ``body``
-    (after 10 unmeasured), in ms."""
-    return statistics.median(asyncio.run(_ttft(port, n, body))) * 1e3
+    (after 10 unmeasured), in ms: bench_router_overhead.py's probe."""
+    times = asyncio.run(overhead_ttft(port, n, json.dumps(body).encode()))
+    return statistics.median(times) * 1e3
