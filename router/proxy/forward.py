@@ -60,7 +60,11 @@ Semantics:
   answer sent as it came, the whole body; the head of one of at most one token),
   in-flight until the last.  The policy's ``on_routed`` is called as the attempt starts
   and ``on_complete`` when it ends (a failed attempt ends at once, before the retry's
-  ``on_routed``).
+  ``on_routed``).  A complete answer is written to the client first: its load, hooks,
+  usage and request metrics are settled right after the write, in the same step of the
+  event loop, so the client does not wait for them and no other request is decided
+  before them (``Bookkeeping._settle``; with a shared load store or tenants, whose
+  updates await, before the write as for the other answers).
 * **Errors** — connect failures after the last retry -> 502, read timeout -> 504,
   other transport errors -> 502, a stall of the last attempt -> 504 / 502 (above); all
   as OpenAI error JSON.  Per-request warnings go through :class:`router.logs.RateLimitedLog`.
@@ -77,6 +81,7 @@ answer's relay (:mod:`.streaming`), the failures' errors and the pod hooks
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -281,7 +286,6 @@ class Proxy(ProxyWiring):
                 continue
             if self.hide_pod_errors and resp.status >= 500:
                 return await self._pod_error(resp, content, load, gauge, routed, pod, extra)
-            self._served(routed, pod, pm)
             if content is not None:
                 if routed.kind == "responses" and 200 <= resp.status < 300:
                     rid = id_from_body(content)
@@ -290,6 +294,18 @@ class Proxy(ProxyWiring):
                 if leg is not None:
                     content = leg.edit_body(resp.status, content)
                 count = leg is None or leg.count_usage
+                if whole and resp.is_event_stream:
+                    out = self._whole_headers(resp, pod)
+                else:
+                    out = self._response_headers(resp, pod, leg)
+                if load.local is not None and self.on_answer is None:
+                    # nothing of its bookkeeping awaits: it runs once the client has
+                    # the answer, in the same step of the loop (bookkeeping.py)
+                    settle = partial(
+                        self._settle, routed, pod, pm, load, gauge, resp.status, content, count
+                    )
+                    return RawResponse(resp.status, out, content, settle)
+                self._served(routed, pod, pm)
                 answer = answers.of_body(
                     m,
                     routed,
@@ -310,11 +326,8 @@ class Proxy(ProxyWiring):
                 else:
                     await self._complete(load, gauge, routed, pod, answer)
                 pm.requests(resp.status).inc()
-                if whole and resp.is_event_stream:
-                    out = self._whole_headers(resp, pod)
-                else:
-                    out = self._response_headers(resp, pod, leg)
                 return RawResponse(resp.status, out, content)
+            self._served(routed, pod, pm)
             return self._relay_stream(resp, routed, pod, load, gauge, started, leg)
 
         err = last_error or RouterError(503, "no pod available", reason="no_pod")

@@ -58,21 +58,44 @@ class RawResponse(Response):
     """A complete response with pre-built raw headers (no header normalisation: the hot
     path already holds them as bytes, names lowercase), written in one go on
     `kvroute serve`'s protocol (:func:`router.proxy.oneshot.send_whole`), else as two
-    ASGI messages.  ``headers`` carry no ``content-length``: it is the body's."""
+    ASGI messages.  ``headers`` carry no ``content-length``: it is the body's.
 
-    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    ``after`` runs once the response is written, or failed to be (the client went
+    away): the bookkeeping the client need not wait for.  It runs in the same step of
+    the event loop as the write (the write does not yield), so no other request is
+    decided before it has run; it must not raise."""
+
+    def __init__(
+        self,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        after: Callable[[], None] | None = None,
+    ) -> None:
         self.status_code = status
         self.body = self._content = body
         self.raw_headers = headers
         self.background = None
+        self.after = after
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = self._content
-        if send_whole(send, self.status_code, self.raw_headers, body):
-            return
-        headers = [*self.raw_headers, (b"content-length", b"%d" % len(body))]
-        await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        try:
+            body = self._content
+            if send_whole(send, self.status_code, self.raw_headers, body):
+                return
+            headers = [*self.raw_headers, (b"content-length", b"%d" % len(body))]
+            start = {"type": "http.response.start", "status": self.status_code, "headers": headers}
+            await send(start)
+            await send({"type": "http.response.body", "body": body})
+        finally:
+            self.settle()
+
+    def settle(self) -> None:
+        """Run ``after`` if it has not run (a response never sent must still call this)."""
+        after = self.after
+        if after is not None:
+            self.after = None
+            after()
 
 
 async def relay_chunks(resp: Upstream) -> AsyncIterator[bytes]:
