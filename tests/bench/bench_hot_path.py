@@ -21,6 +21,10 @@ in this process and reports CPU microseconds per request (``time.process_time``)
                      connections, the app behind it, the response bytes taken from the
                      protocol's transport: ``app`` plus uvicorn and the protocol, less
                      only the client socket's syscalls;
+* ``server c1``    — the same, one connection, one request at a time: CPU us from the
+                     request's bytes to its answer's write (what a client waits for),
+                     and for the whole request (what runs after the write included),
+                     medians over the requests;
 * ``relay floor``  — a bare ASGI relay on the same pod transport (round robin, no routing,
                      no metrics): what ``app`` costs with nothing of kvroute's own.
 
@@ -207,6 +211,56 @@ async def server_cpu_per_request(app: App, n: int, concurrency: int = 32) -> flo
     return 1e6 * used / done
 
 
+async def server_c1_on_path(app: App, n: int) -> tuple[float, float]:
+    """One connection, one request at a time (``c1``): the median CPU us per request
+    from the request's bytes reaching the protocol to its answer's write (the router's
+    work the client waits for), and to the next request (all of it: what runs after the
+    write too).  Medians: a request that met a health check or a scrape is an outlier."""
+    import statistics
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from router.proxy.protocol import OneWriteHttpToolsProtocol
+
+    config = uvicorn.Config(
+        app,
+        http=OneWriteHttpToolsProtocol,
+        proxy_headers=False,
+        server_header=False,
+        access_log=False,
+        lifespan="off",
+        log_level="warning",
+    )
+    config.load()
+    state = ServerState()
+    state.default_headers = [(b"date", b"Wed, 02 Dec 2026 00:00:00 GMT")]
+    loop = asyncio.get_running_loop()
+    request = wire_request()
+    transport = _MemoryTransport()
+    protocol = OneWriteHttpToolsProtocol(
+        config=config, server_state=state, app_state={}, _loop=loop
+    )
+    protocol.connection_made(transport)
+    waited: list[float] = []
+    whole: list[float] = []
+    answered: asyncio.Future[float] = loop.create_future()
+
+    def written(data: bytes) -> None:
+        answered.set_result(time.process_time())
+
+    transport.on_write = written
+    for _ in range(n + 200):  # the first 200 warm up
+        answered = loop.create_future()
+        start = time.process_time()
+        protocol.data_received(request)
+        waited.append(await answered - start)
+        await asyncio.sleep(0)  # what the router does after the write runs now
+        whole.append(time.process_time() - start)
+    protocol.connection_lost(None)
+    return 1e6 * statistics.median(waited[200:]), 1e6 * statistics.median(whole[200:])
+
+
 CALLGRIND = False
 
 
@@ -269,6 +323,10 @@ async def measure(
             result["app"] = await cpu_per_request(app, n)
         if only in (None, "server"):
             result["server"] = await server_cpu_per_request(app, n)
+        if only in (None, "c1"):
+            waited, whole = await server_c1_on_path(app, n)
+            result["server c1: before the answer is written"] = waited
+            result["server c1: the whole request"] = whole
         if only is None:
             result["relay floor"] = await cpu_per_request(overhead.relay_app(urls), n)
     finally:
@@ -288,7 +346,7 @@ def main() -> int:
         help="more `kvroute serve` flags, e.g. '--speculative.routed-ttl-s 2'",
     )
     ap.add_argument("--policy", default="cost", help="routing policy (default cost)")
-    ap.add_argument("--only", choices=["app", "server"], help="measure decide and this stage")
+    ap.add_argument("--only", choices=["app", "server", "c1"], help="measure decide and this stage")
     ap.add_argument(
         "--callgrind", action="store_true", help="running under callgrind: zero / dump per stage"
     )
