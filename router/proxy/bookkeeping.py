@@ -80,11 +80,11 @@ class Bookkeeping:
         content: bytes,
         count: bool,
     ) -> None:
-        """A complete answer's bookkeeping once the client has it (the ``after`` of its
-        :class:`~router.proxy.relay.RawResponse`), for a local load and no tenants:
-        then nothing in it awaits, so it runs in the loop step that wrote the answer,
-        before any other request is decided, and the client does not wait for it.  A
-        bug here is logged (once per type per 10 s), never raised: the answer is out."""
+        """A complete answer's bookkeeping, the ``after`` of its
+        :class:`~router.proxy.relay.RawResponse` (which runs it after a one-go write,
+        else before the answer's messages), for a local load and no tenants: then
+        nothing in it awaits, so no other request is decided before it.  A bug here is
+        logged (once per type per 10 s), never raised: the answer goes out."""
         try:
             gauge.dec()
             load.end_now()

@@ -60,11 +60,12 @@ Semantics:
   answer sent as it came, the whole body; the head of one of at most one token),
   in-flight until the last.  The policy's ``on_routed`` is called as the attempt starts
   and ``on_complete`` when it ends (a failed attempt ends at once, before the retry's
-  ``on_routed``).  A complete answer is written to the client first: its load, hooks,
-  usage and request metrics are settled right after the write, in the same step of the
-  event loop, so the client does not wait for them and no other request is decided
-  before them (``Bookkeeping._settle``; with a shared load store or tenants, whose
-  updates await, before the write as for the other answers).
+  ``on_routed``).  A complete answer that goes in one write (`kvroute serve`'s
+  protocol, :class:`~router.proxy.relay.RawResponse`) is written first: its load,
+  hooks, usage and request metrics are settled right after the write, in the same step
+  of the event loop, so the client does not wait for them and no other request is
+  decided before them (``Bookkeeping._settle``).  With a shared load store or tenants,
+  whose updates await, or an answer sent as ASGI messages, they come before it.
 * **Errors** — connect failures after the last retry -> 502, read timeout -> 504,
   other transport errors -> 502, a stall of the last attempt -> 504 / 502 (above); all
   as OpenAI error JSON.  Per-request warnings go through :class:`router.logs.RateLimitedLog`.

@@ -60,10 +60,11 @@ class RawResponse(Response):
     `kvroute serve`'s protocol (:func:`router.proxy.oneshot.send_whole`), else as two
     ASGI messages.  ``headers`` carry no ``content-length``: it is the body's.
 
-    ``after`` runs once the response is written, or failed to be (the client went
-    away): the bookkeeping the client need not wait for.  It runs in the same step of
-    the event loop as the write (the write does not yield), so no other request is
-    decided before it has run; it must not raise."""
+    ``after`` is bookkeeping the client need not wait for; it must not raise.  It runs
+    right after a one-go write, which does not yield: in the same step of the event
+    loop, so no other request is decided before it.  Where the response goes as ASGI
+    messages instead (an access log wraps ``send``, the client's transport is paused,
+    another server), whose sends may wait for a slow client, it runs before them."""
 
     def __init__(
         self,
@@ -79,23 +80,19 @@ class RawResponse(Response):
         self.after = after
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = self._content
         try:
-            body = self._content
-            if send_whole(send, self.status_code, self.raw_headers, body):
-                return
-            headers = [*self.raw_headers, (b"content-length", b"%d" % len(body))]
-            start = {"type": "http.response.start", "status": self.status_code, "headers": headers}
-            await send(start)
-            await send({"type": "http.response.body", "body": body})
+            written = send_whole(send, self.status_code, self.raw_headers, body)
         finally:
-            self.settle()
-
-    def settle(self) -> None:
-        """Run ``after`` if it has not run (a response never sent must still call this)."""
-        after = self.after
-        if after is not None:
-            self.after = None
-            after()
+            after = self.after
+            if after is not None:
+                self.after = None
+                after()
+        if written:
+            return
+        headers = [*self.raw_headers, (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 async def relay_chunks(resp: Upstream) -> AsyncIterator[bytes]:

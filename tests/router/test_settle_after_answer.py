@@ -1,72 +1,30 @@
 """A complete (JSON) answer goes to the client before the router's bookkeeping of it:
 the pod's load, the policy's ``on_finished`` / ``on_complete``, the usage and request
-metrics (router/proxy/bookkeeping.py, ``_settle``).  That bookkeeping does not await,
-so it still runs before any other request is decided.  Real simulated pods and real
-HTTP on loopback; the app is also called as ASGI to see the order of its messages."""
+metrics (router/proxy/bookkeeping.py, ``_settle``).  That bookkeeping does not await
+and runs right after the answer's one-go write, so it still comes before any other
+request is decided.  Real simulated pods and real HTTP on loopback; the one-go write
+(router/proxy/oneshot.py) is observed where the response calls it."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from router.fleet.load import MemoryLoadStore
+from router.proxy import relay
 from tests.router.app_rig import MODEL, Rig, chat, running, sim
 from tests.router.test_json_answers import metric
 
 
-def _scope(body: bytes) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [
-            (b"host", b"127.0.0.1"),
-            (b"content-type", b"application/json"),
-            (b"content-length", b"%d" % len(body)),
-        ],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 8000),
-        "state": {},
-    }
-
-
-async def _asgi_call(rig: Rig, body: dict[str, Any], log: list[str]) -> bytes:
-    """One request straight into the running router's ASGI app; its messages and the
-    policy's hooks are written to ``log`` in the order they happen."""
-    raw = json.dumps(body).encode()
-    delivered = False
-    out = bytearray()
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await asyncio.Event().wait()  # the client never goes away
-        raise AssertionError
-
-    async def send(message: dict[str, Any]) -> None:
-        log.append(message["type"])
-        out.extend(message.get("body", b""))
-
-    app: Any = rig.router.server.config.app
-    await app(_scope(raw), receive, send)
-    return bytes(out)
-
-
-def _record_hooks(rig: Rig, log: list[str]) -> None:
+def _record(rig: Rig, log: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Write to ``log``, in order: the policy's on_routed / on_complete and each answer
+    written in one go."""
     policy = rig.gateway.policy
     routed, complete = policy.on_routed, policy.on_complete
+    whole: Callable[..., bool] = relay.send_whole
 
     def on_routed(request: Any, pod: str) -> None:
         log.append("on_routed")
@@ -76,8 +34,15 @@ def _record_hooks(rig: Rig, log: list[str]) -> None:
         log.append("on_complete")
         complete(request, pod)
 
+    def send_whole(*args: Any) -> bool:
+        written = whole(*args)
+        if written:
+            log.append("written")
+        return written
+
     policy.on_routed = on_routed  # type: ignore[method-assign]
     policy.on_complete = on_complete  # type: ignore[method-assign]
+    monkeypatch.setattr(relay, "send_whole", send_whole)
 
 
 def _open_load(rig: Rig) -> int:
@@ -89,31 +54,52 @@ def _open_load(rig: Rig) -> int:
 
 
 @pytest.mark.parametrize("stream_json", [True, False], ids=["assembled", "as_it_came"])
-async def test_a_json_answer_is_written_before_its_bookkeeping_runs(stream_json: bool) -> None:
+async def test_a_json_answer_is_written_before_its_bookkeeping_runs(
+    stream_json: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async with running([sim(0)], policy="cost", proxy={"stream_json_answers": stream_json}) as rig:
         log: list[str] = []
-        _record_hooks(rig, log)
-        body = await _asgi_call(rig, chat("tell me a story", max_tokens=8), log)
+        _record(rig, log, monkeypatch)
+        r = await rig.client.post("/v1/chat/completions", json=chat("a story", max_tokens=8))
 
-        answer = json.loads(body)
-        assert answer["object"] == "chat.completion"
-        assert log == ["on_routed", "http.response.start", "http.response.body", "on_complete"]
-        assert _open_load(rig) == 0  # settled by the time the app returned
-
-
-async def test_a_streamed_answer_keeps_its_bookkeeping_at_the_end_of_the_stream() -> None:
-    async with running([sim(0)], policy="cost") as rig:
-        log: list[str] = []
-        _record_hooks(rig, log)
-        await _asgi_call(rig, chat("tell me a story", max_tokens=8, stream=True), log)
-
-        assert log[0] == "on_routed"
-        assert log[-1] == "on_complete"
-        assert log.count("on_complete") == 1
+        assert r.status_code == 200
+        assert r.json()["usage"]["completion_tokens"] == 8
+        assert log == ["on_routed", "written", "on_complete"]
         assert _open_load(rig) == 0
 
 
-async def test_over_http_every_answer_is_settled_before_the_next_request_is_decided() -> None:
+async def test_with_an_access_log_the_answer_goes_as_messages_and_its_bookkeeping_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the access log wraps the ASGI send, whose messages may wait for a slow client:
+    # the bookkeeping does not wait with them
+    async with running([sim(0)], policy="cost", proxy={"access_log": "on"}) as rig:
+        log: list[str] = []
+        _record(rig, log, monkeypatch)
+        r = await rig.client.post("/v1/chat/completions", json=chat("a story", max_tokens=8))
+
+        assert r.status_code == 200
+        assert r.json()["usage"]["completion_tokens"] == 8
+        assert log == ["on_routed", "on_complete"]
+        assert _open_load(rig) == 0
+
+
+async def test_a_streamed_answer_keeps_its_bookkeeping_at_the_end_of_the_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with running([sim(0)], policy="cost") as rig:
+        log: list[str] = []
+        _record(rig, log, monkeypatch)
+        body = chat("a story", max_tokens=8, stream=True)
+        async with rig.client.stream("POST", "/v1/chat/completions", json=body) as r:
+            text = (await r.aread()).decode()
+
+        assert r.status_code == 200 and text.rstrip().endswith("data: [DONE]")
+        assert log == ["on_routed", "on_complete"]
+        assert _open_load(rig) == 0
+
+
+async def test_every_answer_is_settled_before_the_next_request_is_decided() -> None:
     async with running([sim(0), sim(1)], policy="cost") as rig:
         policy = rig.gateway.policy
         open_at_routing: list[int] = []
