@@ -161,14 +161,15 @@ def wire_request() -> bytes:
     ) + BODY
 
 
-async def server_cpu_per_request(app: App, n: int, concurrency: int = 32) -> float:
-    """CPU us per request of the protocol + app on in-memory connections (``server``)."""
+def serve_connection(app: App) -> tuple[Any, _MemoryTransport]:
+    """kvroute's uvicorn protocol, configured as `kvroute serve` configures it
+    (router/proxy/serve.py), connected to a new in-memory transport."""
     import uvicorn
     from uvicorn.server import ServerState
 
     from router.proxy.protocol import OneWriteHttpToolsProtocol
 
-    config = uvicorn.Config(  # as `kvroute serve` configures it (router/proxy/serve.py)
+    config = uvicorn.Config(
         app,
         http=OneWriteHttpToolsProtocol,
         proxy_headers=False,
@@ -180,16 +181,22 @@ async def server_cpu_per_request(app: App, n: int, concurrency: int = 32) -> flo
     config.load()
     state = ServerState()
     state.default_headers = [(b"date", b"Wed, 02 Dec 2026 00:00:00 GMT")]
+    transport = _MemoryTransport()
+    protocol = OneWriteHttpToolsProtocol(
+        config=config, server_state=state, app_state={}, _loop=asyncio.get_running_loop()
+    )
+    protocol.connection_made(transport)
+    return protocol, transport
+
+
+async def server_cpu_per_request(app: App, n: int, concurrency: int = 32) -> float:
+    """CPU us per request of the protocol + app on in-memory connections (``server``)."""
     loop = asyncio.get_running_loop()
     request = wire_request()
     statuses: dict[bytes, int] = {}
 
     async def connection(k: int) -> None:
-        transport = _MemoryTransport()
-        protocol = OneWriteHttpToolsProtocol(
-            config=config, server_state=state, app_state={}, _loop=loop
-        )
-        protocol.connection_made(transport)
+        protocol, transport = serve_connection(app)
         for _ in range(k):
             answered: asyncio.Future[bytes] = loop.create_future()
             transport.on_write = answered.set_result
@@ -218,30 +225,9 @@ async def server_c1_on_path(app: App, n: int) -> tuple[float, float]:
     write too).  Medians: a request that met a health check or a scrape is an outlier."""
     import statistics
 
-    import uvicorn
-    from uvicorn.server import ServerState
-
-    from router.proxy.protocol import OneWriteHttpToolsProtocol
-
-    config = uvicorn.Config(
-        app,
-        http=OneWriteHttpToolsProtocol,
-        proxy_headers=False,
-        server_header=False,
-        access_log=False,
-        lifespan="off",
-        log_level="warning",
-    )
-    config.load()
-    state = ServerState()
-    state.default_headers = [(b"date", b"Wed, 02 Dec 2026 00:00:00 GMT")]
     loop = asyncio.get_running_loop()
     request = wire_request()
-    transport = _MemoryTransport()
-    protocol = OneWriteHttpToolsProtocol(
-        config=config, server_state=state, app_state={}, _loop=loop
-    )
-    protocol.connection_made(transport)
+    protocol, transport = serve_connection(app)
     waited: list[float] = []
     whole: list[float] = []
     answered: asyncio.Future[float] = loop.create_future()
