@@ -56,7 +56,9 @@ MOONCAKE = {
 SYNTHETIC = ("agentic", "rag", "rag_bursty", "chat", "mixed")
 WORKLOADS = (*SYNTHETIC, *MOONCAKE)
 FLEET_KINDS = ("equal", "unequal", "mixed")
-FLEETS: tuple[tuple[int, str], ...] = tuple((n, c) for n in (4, 8, 16) for c in FLEET_KINDS)
+#: the matrix's fleet sizes (pods); others are held out (bench_quality_matrix.py --fleet-sizes)
+FLEET_SIZES = (4, 8, 16)
+FLEETS: tuple[tuple[int, str], ...] = tuple((n, c) for n in FLEET_SIZES for c in FLEET_KINDS)
 CACHE_FRACTIONS = {"small": 0.1, "medium": 0.3, "large": 1.0}
 LOADS = (0.5, 0.8, 1.1)
 #: the unequal and mixed fleets' per-pod cache weights, repeated over the pods (mean 1);
@@ -83,11 +85,13 @@ class Cell:
         )
 
 
-def full_matrix() -> list[Cell]:
+def full_matrix(sizes: Sequence[int] = FLEET_SIZES) -> list[Cell]:
+    """Every workload x fleet (``sizes`` pods, each fleet kind) x cache x load."""
     return [
         Cell(w, n, c, size, load)
         for w in WORKLOADS
-        for n, c in FLEETS
+        for n in sizes
+        for c in FLEET_KINDS
         for size in CACHE_FRACTIONS
         for load in LOADS
     ]
