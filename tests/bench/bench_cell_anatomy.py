@@ -151,7 +151,8 @@ def main() -> int:
     ap.add_argument("--pods-from", type=float, default=None, metavar="S")
     ap.add_argument("--pods-to", type=float, default=None, metavar="S")
     a = ap.parse_args()
-    cells = {c.id: c for c in (*full_matrix(), *quick_matrix())}
+    # the matrix's cells on any fleet size it takes (held-out sizes too: --fleet-sizes)
+    cells = {c.id: c for c in (*full_matrix(range(2, 65)), *quick_matrix())}
     cell = cells.get(a.cell)
     if cell is None:
         print(f"bench_cell_anatomy: no matrix cell {a.cell!r}", file=sys.stderr)
