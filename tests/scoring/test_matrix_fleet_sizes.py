@@ -31,15 +31,19 @@ def test_the_full_matrix_takes_other_fleet_sizes_in_every_fleet_kind() -> None:
 def test_the_bench_replays_a_held_out_fleet_size(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["--fleet-sizes", "2", "--cells", "chat/p2-unequal/small/load110", "--limit", "40"]
-    args += ["--policy", "cost", "--policy", "llmd", "--out", str(tmp_path / "run")]
-    assert bench.main(args) == 0
+    cell = "chat/p2-unequal/small/load110"
+    run = tmp_path / "run"
+    sizes_and_cell = ["--fleet-sizes", "2", "--cells", cell, "--limit", "40"]
+    assert (
+        bench.main([*sizes_and_cell, "--policy", "cost", "--policy", "llmd", "--out", str(run)])
+        == 0
+    )
 
-    (out,) = json.loads((tmp_path / "run.json").read_text())["cells"]
-    assert out["cell"] == "chat/p2-unequal/small/load110"
+    (out,) = json.loads(run.with_suffix(".json").read_text())["cells"]
+    assert out["cell"] == cell
     assert out["fleet"]["pods"] == len(out["fleet"]["pod_capacity_tokens"]) == 2
     assert set(out["policies"]) == {"cost", "llmd"}
-    assert "chat/p2-unequal/small/load110" in capsys.readouterr().out
+    assert cell in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args", [["--fleet-sizes", "1"], ["--fleet-sizes", "65"]])
