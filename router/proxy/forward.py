@@ -316,16 +316,7 @@ class Proxy(ProxyWiring):
                     count,
                     want_output=self._policy_wants_output or self.on_answer is not None,
                 )
-                if load.local is not None:
-                    gauge.dec()
-                    load.end_now()
-                    if answer.ok and self._policy_wants_output:
-                        self.policy.on_finished(route, pod, answer.output_tokens)
-                    self.policy.on_complete(route, pod)
-                    if answer.ok and self.on_answer is not None:
-                        await self.on_answer(routed.tenant, answer.output_tokens)
-                else:
-                    await self._complete(load, gauge, routed, pod, answer)
+                await self._complete(load, gauge, routed, pod, answer)
                 pm.requests(resp.status).inc()
                 return RawResponse(resp.status, out, content)
             self._served(routed, pod, pm)
