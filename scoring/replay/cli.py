@@ -29,6 +29,7 @@ from scoring.replay.engine import replay_policy
 from scoring.replay.fleet_args import DEFAULT_PRESET, fleet_config, fleet_defaults, parse_params
 from scoring.replay.presets import ENGINE_PARAMS, PRESETS
 from scoring.replay.report import format_table, summarize
+from scoring.replay.session_loop import SESSION_MODES
 from scoring.replay.simpod import FleetConfig, ReplayConfigError
 from scoring.replay.trace import MOONCAKE_BLOCK_TOKENS, Trace, TraceFormatError, load_trace
 from scoring.replay.workload import workload_stats
@@ -142,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
         "stream instead, proxy.stream_json_answers: that is 0, the default)",
     )
     ap.add_argument(
+        "--sessions",
+        choices=SESSION_MODES,
+        default="open",
+        help="open (default): every request arrives at its trace time; closed: a "
+        "session's next turn arrives its planned gap after its previous answer ends, as "
+        "an agent or a chat client sends it (for generated traces, whose gaps are think "
+        "times; scoring/replay/session_loop.py)",
+    )
+    ap.add_argument(
         "--prefill-pods",
         type=int,
         default=0,
@@ -233,6 +243,8 @@ def replay(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[flo
             raise ReplayConfigError("--scrape-interval-s does not apply to P/D mode")
         if args.json_share:
             raise ReplayConfigError("--json-share does not apply to P/D mode")
+        if args.sessions != "open":
+            raise ReplayConfigError("--sessions closed does not apply to P/D mode")
         if cfg.pod_speed is not None:
             raise ReplayConfigError("--pod-speed does not apply to P/D mode")
         return _replay_pd(args, trace, cfg), {}
@@ -258,6 +270,7 @@ def replay(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[flo
         "fleet": dataclasses.asdict(cfg),
         "scrape_interval_s": args.scrape_interval_s,
         "json_share": args.json_share,
+        "sessions": args.sessions,
         "params": {n: p.params.model_dump(mode="json") for n, p in policies.items()},
     }
     result["ceilings"] = {
@@ -275,6 +288,7 @@ def replay(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, list[flo
             on_progress=tick,
             scrape_interval_s=args.scrape_interval_s,
             json_share=args.json_share,
+            sessions=args.sessions,
         )
         if bar is not None:
             bar.close()

@@ -6,8 +6,12 @@ a :class:`~scoring.replay.simpod.FleetConfig`) and the vLLM-like engine
 :class:`~scoring.replay.vllm_pod.VllmFleetConfig`).  The router's part is the same for
 both (below); only the pods' events differ.
 
+**Arrivals** come from :class:`~scoring.replay.session_loop.Arrivals`: each request at
+its trace time (``sessions="open"``), or a session's later turns after the answer to the
+turn before (``"closed"``), which an answer's end schedules while pods run.
+
 **Simple pods.**  Events live in a heap ``(time, seq, kind, pod, request)``; arrivals
-are merged in from the time-sorted trace.  At equal times, completions are handled
+are merged in, in time order.  At equal times, completions are handled
 before arrivals (a pod that finishes at ``t`` is seen free by a request arriving at
 ``t``).  For each arrival the router's part is played exactly as the live router
 plays it::
@@ -25,8 +29,10 @@ the simulated ones, through the same code as live.
 
 **vLLM pods.**  The heap holds each busy pod's next step end.  When a step ends its
 first tokens and completions are reported, then the pod plans its next step at once
-(vLLM's engine loop), allowed to step over a decode run only up to the next arrival,
-so every pod's state at an arrival is the state of a real engine at that moment.  A
+(vLLM's engine loop), allowed to step over a decode run only up to the next arrival
+(with closed sessions, up to the soonest one an answer could schedule:
+:meth:`~scoring.replay.session_loop.Arrivals.horizon`), so every pod's state at an
+arrival is the state of a real engine at that moment.  A
 request arriving at a pod mid-step waits for the next step; at an idle pod it starts
 one at its arrival.  A request vLLM would reject (prompt >= ``max_model_len``) is
 counted in ``rejected``, has no TTFT, and is completed at once.
@@ -43,6 +49,7 @@ from dataclasses import dataclass, field
 from scoring.policies.base import PodView, Policy
 from scoring.replay.json_first_tokens import JsonFirstTokens
 from scoring.replay.scrapes import Scrapes
+from scoring.replay.session_loop import Arrivals
 from scoring.replay.simpod import FleetConfig, SimPod
 from scoring.replay.trace import Trace, TraceRequest
 from scoring.replay.vllm_pod import VllmFleetConfig, VllmPod
@@ -74,6 +81,8 @@ class PolicyRun:
     #: per pod: busy seconds (simple: prefilling; vllm: running engine steps)
     busy_s: list[float] = field(default_factory=list)
     first_arrival_s: float = 0.0
+    #: per request: when it arrived (its trace time, unless a closed session moved it)
+    arrival_s: list[float] = field(default_factory=list)
     last_finish_s: float = 0.0
     wall_s: float = 0.0
     rejected: int = 0  # requests the pods refused (TTFT nan)
@@ -92,13 +101,16 @@ def replay_policy(
     scrape_interval_s: float = 0.0,
     json_share: float = 0.0,
     json_scrape_s: float | None = None,
+    sessions: str = "open",
 ) -> PolicyRun:
     """Replay ``trace`` through ``policy`` on a fresh fleet described by ``cfg``;
     ``scrape_interval_s`` > 0 shows the policy each pod's scraped fields as a scrape that
     often would (:mod:`scoring.replay.scrapes`), 0 exactly; ``json_share``: the share of
     requests whose clients ask for a JSON answer, not a stream (:func:`json_answers`);
     ``json_scrape_s``: how often their pods' first-token counts are read (None: every
-    ``scrape_interval_s``, or 1 s when that is 0; scoring/replay/json_first_tokens.py)."""
+    ``scrape_interval_s``, or 1 s when that is 0; scoring/replay/json_first_tokens.py);
+    ``sessions``: "open" (every request at its planned time) or "closed" (a session's
+    next turn after its previous answer; scoring/replay/session_loop.py)."""
     wall0 = time.perf_counter()
     cfg.validate()
     json_of = json_answers(len(trace.requests), json_share)
@@ -107,15 +119,21 @@ def replay_policy(
     if json_scrape_s is not None and not json_scrape_s > 0.0:  # (NaN too)
         raise ValueError(f"json_scrape_s must be > 0, got {json_scrape_s!r}")
     counts_s = json_scrape_s if json_scrape_s is not None else scrape_interval_s
+    arrivals = Arrivals(trace.requests, sessions)
     clock = policy.clock
     try:
         if isinstance(cfg, VllmFleetConfig):
-            run = _replay_vllm(trace, policy, cfg, on_progress, scrapes, json_of, counts_s)
+            run = _replay_vllm(
+                trace, policy, cfg, on_progress, scrapes, json_of, counts_s, arrivals
+            )
         else:
-            run = _replay_simple(trace, policy, cfg, on_progress, scrapes, json_of, counts_s)
+            run = _replay_simple(
+                trace, policy, cfg, on_progress, scrapes, json_of, counts_s, arrivals
+            )
     finally:
         policy.clock = clock
     run.json_answer = json_of
+    run.arrival_s = list(arrivals.at)
     run.wall_s = time.perf_counter() - wall0
     return run
 
@@ -166,6 +184,7 @@ def _replay_simple(
     scrapes: Scrapes,
     json_of: Sequence[bool],
     counts_s: float,
+    arr: Arrivals,
 ) -> PolicyRun:
     reqs = trace.requests
     pods = [SimPod(f"pod-{i}", cfg, cfg.pod_capacity(i), cfg.speed(i)) for i in range(cfg.pods)]
@@ -201,12 +220,12 @@ def _replay_simple(
         pod = pods[pod_i]
         r = reqs[ri]
         if kind == _PREFILL_DONE:
-            run.ttft_s[ri] = now - r.arrival_s
+            run.ttft_s[ri] = now - arr.at[ri]
             pod.prefilling = False
             if js is not None:
                 js.first_token(pod.name, ri)
             if not json_of[ri]:
-                policy.on_first_token(r.route, pod.name, now - r.arrival_s)
+                policy.on_first_token(r.route, pod.name, now - arr.at[ri])
                 pod.outstanding -= r.prompt_tokens
             step = pod.decode_step_s()
             pod.decoding += 1
@@ -220,17 +239,21 @@ def _replay_simple(
             if r.answer_keys:
                 pod.cache_answer(r.cached_keys())
             last_finish = max(last_finish, now)
-            run.e2e_s[ri] = now - r.arrival_s
+            run.e2e_s[ri] = now - arr.at[ri]
             # a JSON answer ends: the router's load sees its prefill done, unless a
             # scrape of the pod's first tokens released it before
             if json_of[ri] if js is None else js.finished(pod.name, ri):
                 pod.outstanding -= r.prompt_tokens
             policy.on_finished(r.route, pod.name, r.output_tokens)
             policy.on_complete(r.route, pod.name)
+            arr.ended(ri, now)
 
-    def advance(to: float) -> None:
-        """Events (and with JSON answers, scrape instants) up to ``to``, in order."""
+    def advance(limit: float) -> None:
+        """Events (and with JSON answers, scrape instants) up to ``limit`` or the next
+        arrival, whichever is first (an answer's end can schedule one), in order."""
+        to = limit
         while heap:
+            to = min(limit, arr.next_time())
             if js is not None and js.next_at <= heap[0][0] and js.next_at <= to:
                 at = now_s[0] = js.next_at
                 for name, ri in js.scrape(at):
@@ -241,11 +264,15 @@ def _replay_simple(
             else:
                 break
         if js is not None:
-            js.skip_to(to)
+            js.skip_to(min(limit, arr.next_time()))
 
-    for ri, r in enumerate(reqs):
-        t = r.arrival_s
-        advance(t)
+    for k in range(len(reqs)):
+        advance(math.inf)
+        t = arr.next_time()
+        if t == math.inf:
+            break
+        ri = arr.pop()
+        r = reqs[ri]
         now_s[0] = t
         keys = list(r.route.block_keys)
         pod_i = _pick(policy, r, scrapes.views(t, [p.view(keys) for p in pods]), index_of)
@@ -259,7 +286,7 @@ def _replay_simple(
             js.routed(pod.name, ri)
         start_next(pod_i, t)
         if on_progress is not None:
-            on_progress(ri)
+            on_progress(k)
     advance(math.inf)
     run.busy_s = [p.busy_s for p in pods]
     run.last_finish_s = last_finish
@@ -274,6 +301,7 @@ def _replay_vllm(
     scrapes: Scrapes,
     json_of: Sequence[bool],
     counts_s: float,
+    arr: Arrivals,
 ) -> PolicyRun:
     reqs = trace.requests
     n = len(reqs)
@@ -296,14 +324,14 @@ def _replay_vllm(
             seq += 1
             push(heap, (now + plan.duration_s, seq, pod_i))
 
-    def end_step(now: float, pod_i: int, horizon: float) -> None:
+    def end_step(now: float, pod_i: int) -> None:
         nonlocal last_finish
         pod = pods[pod_i]
         now_s[0] = now
         result = pod.finish_step()
         for s in result.first_tokens:
             r = reqs[s.rid]
-            ttft = now - r.arrival_s + overhead
+            ttft = now - arr.at[s.rid] + overhead
             run.ttft_s[s.rid] = ttft
             if js is not None:
                 js.first_token(pod.name, s.rid)
@@ -315,7 +343,7 @@ def _replay_vllm(
             run.hit_tokens[s.rid] = run.gpu_hit_tokens[s.rid] = s.hit_tokens
             pod.inflight -= 1
             last_finish = max(last_finish, now)
-            run.e2e_s[s.rid] = now - r.arrival_s + overhead
+            run.e2e_s[s.rid] = now - arr.at[s.rid] + overhead
             pod.decoded(run.e2e_s[s.rid] - run.ttft_s[s.rid])
             # a JSON answer ends: the router's load sees its prefill done, unless a
             # scrape of the pod's first tokens released it before
@@ -324,11 +352,14 @@ def _replay_vllm(
                 pod.outstanding -= r.prompt_tokens
             policy.on_finished(r.route, pod.name, s.num_output)
             policy.on_complete(r.route, pod.name)
-        start_step(pod_i, now, horizon)
+            arr.ended(s.rid, now + overhead)  # the client has the answer
+        start_step(pod_i, now, arr.horizon(now))
 
-    def advance(to: float, horizon: float) -> None:
-        """Step ends (and with JSON answers, scrape instants) up to ``to``, in order."""
+    def advance(limit: float) -> None:
+        """Step ends (and with JSON answers, scrape instants) up to ``limit`` or the next
+        arrival, whichever is first (an answer's end can schedule one), in order."""
         while heap:
+            to = min(limit, arr.next_time())
             step_at = heap[0][0]
             if js is not None and js.next_at <= step_at and js.next_at <= to:
                 at = now_s[0] = js.next_at
@@ -339,15 +370,19 @@ def _replay_vllm(
                     policy.on_prefill_done(reqs[ri].route, name)
             elif step_at <= to:
                 end, _, pod_i = pop(heap)
-                end_step(end, pod_i, horizon)
+                end_step(end, pod_i)
             else:
                 break
         if js is not None:
-            js.skip_to(to)
+            js.skip_to(min(limit, arr.next_time()))
 
-    for ri, r in enumerate(reqs):
-        t = r.arrival_s
-        advance(t, t)
+    for k in range(n):
+        advance(math.inf)
+        t = arr.next_time()
+        if t == math.inf:
+            break
+        ri = arr.pop()
+        r = reqs[ri]
         now_s[0] = t
         keys = list(r.route.block_keys)
         pod_i = _pick(policy, r, scrapes.views(t, [p.view(keys) for p in pods]), index_of)
@@ -357,16 +392,17 @@ def _replay_vllm(
             run.rejected += 1
             run.ttft_s[ri] = run.e2e_s[ri] = math.nan
             policy.on_complete(r.route, pod.name)
+            arr.ended(ri, t)
         else:
             pod.inflight += 1
             pod.outstanding += r.prompt_tokens
             if js is not None:
                 js.routed(pod.name, ri)
             if not pod.stepping:
-                start_step(pod_i, t, reqs[ri + 1].arrival_s if ri + 1 < n else math.inf)
+                start_step(pod_i, t, arr.horizon(t))
         if on_progress is not None:
-            on_progress(ri)
-    advance(math.inf, math.inf)
+            on_progress(k)
+    advance(math.inf)
     run.busy_s = [p.busy_s for p in pods]
     run.last_finish_s = last_finish
     run.pod_preemptions = [p.sched.preemptions for p in pods]

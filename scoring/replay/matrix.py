@@ -219,9 +219,17 @@ def _replay(
     params: Mapping[str, Any] | None = None,
     json_share: float = 0.0,
     json_scrape_s: float | None = None,
+    sessions: str = "open",
 ) -> PolicyRun:
     policy = build_policy(name, {**fleet_defaults(name, cfg), **(params or {})})
-    return replay_policy(trace, policy, cfg, json_share=json_share, json_scrape_s=json_scrape_s)
+    return replay_policy(
+        trace,
+        policy,
+        cfg,
+        json_share=json_share,
+        json_scrape_s=json_scrape_s,
+        sessions=sessions,
+    )
 
 
 def parse_variant(spec: str) -> tuple[str, str, dict[str, Any]]:
@@ -258,6 +266,7 @@ def run_cell(
     json_share: float = 0.0,
     tie_seed: int = 0,
     json_scrape_s: float | None = None,
+    sessions: str = "open",
 ) -> dict[str, Any]:
     """Replay every policy (default: every registered one) and every variant
     (:func:`parse_variant`) on ``cell`` for ``seed``; ``json_share`` of the requests
@@ -266,7 +275,9 @@ def run_cell(
     every ``json_scrape_s`` (None: 1 s, the live default).  ``tie_seed`` is the ``seed`` of
     every policy that breaks ties with one (a variant that sets its own keeps it): which
     of two pods a policy scores equal gets a request, drawn again, so that a cell's
-    spread over tie seeds is its noise (:mod:`scoring.replay.matrix_ties`)."""
+    spread over tie seeds is its noise (:mod:`scoring.replay.matrix_ties`).  ``sessions``:
+    "closed" sends a session's next turn after its previous answer
+    (:mod:`scoring.replay.session_loop`), "open" at its planned time."""
     import time
 
     wall0 = time.perf_counter()
@@ -292,6 +303,7 @@ def run_cell(
         "offered_load": cell.load,
         "json_share": json_share,
         **({"json_scrape_s": json_scrape_s} if json_scrape_s is not None else {}),
+        **({"sessions": sessions} if sessions != "open" else {}),
         "time_scale": factor,
         "ceilings": {"infinite": infinite_ceiling(scaled), "pooled": pooled},
         "policies": {},
@@ -310,7 +322,7 @@ def run_cell(
         ]
         out["tie_seed"] = tie_seed
     for name, policy, params in runs:
-        run = _replay(scaled, policy, cfg, params, json_share, json_scrape_s)
+        run = _replay(scaled, policy, cfg, params, json_share, json_scrape_s, sessions)
         m = summarize_run(run)
         out["policies"][name] = {
             "hit_rate": m["hit_rate"],

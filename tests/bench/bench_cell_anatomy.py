@@ -43,6 +43,7 @@ from scoring.replay.matrix import (
     parse_variant,
     quick_matrix,
 )
+from scoring.replay.session_loop import SESSION_MODES
 from scoring.replay.simpod import PerPod, ReplayConfigError
 
 
@@ -150,6 +151,13 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=20.0, help="seconds of arrivals a row")
     ap.add_argument("--pods-from", type=float, default=None, metavar="S")
     ap.add_argument("--pods-to", type=float, default=None, metavar="S")
+    ap.add_argument(
+        "--sessions",
+        choices=SESSION_MODES,
+        default="open",
+        help="closed: a session's next turn after its previous answer (rows stay by "
+        "planned arrival)",
+    )
     a = ap.parse_args()
     # the matrix's cells on any fleet size it takes (held-out sizes too: --fleet-sizes)
     cells = {c.id: c for c in (*full_matrix(range(2, 65)), *quick_matrix())}
@@ -172,7 +180,10 @@ def main() -> int:
     arrivals = [r.arrival_s for r in scaled.requests]
     runs = {
         label: replay_policy(
-            scaled, build_policy(policy, {**fleet_defaults(policy, cfg), **params}), cfg
+            scaled,
+            build_policy(policy, {**fleet_defaults(policy, cfg), **params}),
+            cfg,
+            sessions=a.sessions,
         )
         for label, policy, params in runs_of
     }

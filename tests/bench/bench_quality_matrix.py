@@ -50,17 +50,18 @@ from scoring.replay.matrix import (
     MOONCAKE,
     POD_MODELS,
     TRACES_DIR,
-    add_ratios,
     full_matrix,
     parse_variant,
     quick_matrix,
     run_matrix,
     select,
 )
+from scoring.replay.matrix_merge import merge_runs, merge_ties, same_setup
 from scoring.replay.matrix_report import markdown, summary_table
 from scoring.replay.matrix_summary import summarize
 from scoring.replay.matrix_targets import leave_out, targets, targets_table
 from scoring.replay.matrix_ties import ties_table
+from scoring.replay.session_loop import SESSION_MODES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,6 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="the full matrix's fleet sizes in pods (default 4 8 16); other sizes are "
         "held out: no default was ever looked at on them (2 <= N <= 64; not with --quick)",
+    )
+    ap.add_argument(
+        "--sessions",
+        choices=SESSION_MODES,
+        default="open",
+        help="open: every request at its planned time (the default); closed: a session's "
+        "next turn its planned gap after its previous answer ends, as an agent or a chat "
+        "client sends it (scoring/replay/session_loop.py)",
     )
     ap.add_argument(
         "--from-json",
@@ -256,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             json_share=a.json_share,
             json_scrape_s=a.json_scrape_s,
             tie_seed=tie,
+            sessions=a.sessions,
         )
         for tie in range(a.tie_seeds)
     }
@@ -270,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         limit=a.limit,
         pod_model=a.pod_model,
         json_share=a.json_share,
+        sessions=a.sessions,
         jobs=a.jobs,
         wall_s=wall_s,
         tie_seeds=a.tie_seeds,
@@ -304,9 +315,7 @@ def merge_main(a: argparse.Namespace, argv: list[str]) -> int:
     docs = [json.loads(f.read_text()) for f in a.merge]
     try:
         results, seeds = merge_runs(docs, a.seed)
-        same = {(d["run"]["block_size"], d["run"]["pod_model"]) for d in docs}
-        if len(same) > 1:
-            raise ValueError(f"runs differ in (block size, pod model): {sorted(same)}")
+        block_size, pod_model, sessions = same_setup(docs)
         ties = merge_ties(docs, seeds)
     except ValueError as e:
         print(f"bench_quality_matrix: --merge: {e}", file=sys.stderr)
@@ -317,8 +326,9 @@ def merge_main(a: argparse.Namespace, argv: list[str]) -> int:
         results,
         merged=[str(f) for f in a.merge],
         policies=list(results[0]["policies"]) if results else [],
-        block_size=docs[0]["run"]["block_size"],
-        pod_model=docs[0]["run"]["pod_model"],
+        block_size=block_size,
+        pod_model=pod_model,
+        sessions=sessions,
         wall_s=sum(d["run"]["wall_s"] for d in docs),
         jobs=len(docs),
         tie_seeds=len(ties) + 1,
@@ -327,19 +337,6 @@ def merge_main(a: argparse.Namespace, argv: list[str]) -> int:
         doc["ties"] = ties
     finish(doc, a.targets, a.out, a.leave_out)
     return 0
-
-
-def merge_ties(docs: list[dict[str, Any]], seeds: list[int]) -> dict[str, list[dict[str, Any]]]:
-    """The runs' other tie seeds (``--tie-seeds``), each joined as :func:`merge_runs`
-    joins tie seed 0; {} when no run has any.  Raises ``ValueError`` when the runs were
-    drawn under different tie seeds (a variant must meet the peers of its own draw)."""
-    drawn = {tuple(sorted(d.get("ties", {}), key=int)) for d in docs}
-    if len(drawn) > 1:
-        raise ValueError(f"runs differ in tie seeds: {sorted(drawn)}")
-    return {
-        tie: merge_runs([{"cells": d["ties"][tie]} for d in docs], seeds)[0]
-        for tie in next(iter(drawn))
-    }
 
 
 def finish(
@@ -362,35 +359,6 @@ def finish(
             text += "\n" + extra + "\n"
     Path(f"{base}.md").write_text(text)
     print(f"wrote {base}.md and {base}.json", file=sys.stderr)
-
-
-def merge_runs(
-    docs: list[dict[str, Any]], seeds: list[int] | None
-) -> tuple[list[dict[str, Any]], list[int]]:
-    """The cells of several runs joined per (cell, seed), ratios recomputed, and the
-    seeds (``seeds`` if given, else in order of appearance); raises ``ValueError``."""
-    merged: dict[tuple[str, int], dict[str, Any]] = {}
-    order: list[int] = []
-    for doc in docs:
-        for r in doc["cells"]:
-            if r["seed"] not in order:
-                order.append(r["seed"])
-            key = (r["cell"], r["seed"])
-            have = merged.get(key)
-            if have is None:
-                merged[key] = {**r, "policies": dict(r["policies"])}
-            elif have["requests"] != r["requests"] or have["ceilings"] != r["ceilings"]:
-                raise ValueError(f"{key[0]} seed {key[1]}: the runs replayed different traces")
-            else:
-                have["policies"].update(r["policies"])
-    sets = {tuple(sorted(r["policies"])) for r in merged.values()}
-    if len(sets) > 1:
-        raise ValueError(f"cells have different policy sets: {sorted(sets)}")
-    seeds = list(seeds) if seeds else order
-    results = [merged[k] for k in sorted(merged) if k[1] in seeds]
-    for r in results:
-        add_ratios(r)
-    return results, seeds
 
 
 def print_targets(

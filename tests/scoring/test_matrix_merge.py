@@ -7,9 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.bench_module import load_bench
-
-bench = load_bench("bench_quality_matrix")
+from scoring.replay.matrix_merge import merge_runs, same_setup
 
 
 def cell(name: str, seed: int, requests: int = 100, **p90: float) -> dict[str, Any]:
@@ -27,7 +25,7 @@ def cell(name: str, seed: int, requests: int = 100, **p90: float) -> dict[str, A
 def test_merge_joins_policies_per_cell_and_recomputes_the_ratios() -> None:
     peers = {"cells": [cell("a", 0, cost=2.0, llmd=4.0), cell("a", 1, cost=3.0, llmd=1.5)]}
     mine = {"cells": [cell("a", 1, measured=1.0), cell("a", 0, measured=8.0)]}
-    results, seeds = bench.merge_runs([peers, mine], None)
+    results, seeds = merge_runs([peers, mine], None)
     assert seeds == [0, 1]
     by_seed = {r["seed"]: r["policies"] for r in results}
     assert by_seed[0]["cost"]["p90_vs_best"] == 1.0
@@ -38,6 +36,16 @@ def test_merge_joins_policies_per_cell_and_recomputes_the_ratios() -> None:
 def test_merge_refuses_different_traces_and_incomplete_cells() -> None:
     a = {"cells": [cell("a", 0, cost=1.0)]}
     with pytest.raises(ValueError, match="different traces"):
-        bench.merge_runs([a, {"cells": [cell("a", 0, requests=99, measured=1.0)]}], None)
+        merge_runs([a, {"cells": [cell("a", 0, requests=99, measured=1.0)]}], None)
     with pytest.raises(ValueError, match="policy sets"):
-        bench.merge_runs([a, {"cells": [cell("b", 0, measured=1.0)]}], None)
+        merge_runs([a, {"cells": [cell("b", 0, measured=1.0)]}], None)
+
+
+def test_merge_refuses_runs_replayed_with_sessions_open_and_closed() -> None:
+    def run(**setup: Any) -> dict[str, Any]:
+        return {"run": {"block_size": 16, "pod_model": "vllm", **setup}, "cells": []}
+
+    assert same_setup([run(), run(sessions="open")]) == (16, "vllm", "open")  # before: open
+    assert same_setup([run(sessions="closed")] * 2) == (16, "vllm", "closed")
+    with pytest.raises(ValueError, match=r"sessions.*'closed'.*'open'"):
+        same_setup([run(sessions="closed"), run()])

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from scoring.replay import matrix
+from scoring.replay.matrix_merge import merge_ties
 from scoring.replay.matrix_ties import bands, tie_targets, ties_table, verdicts
 from tests.support.bench_module import load_bench
 
@@ -74,9 +75,10 @@ def test_a_tie_seed_is_every_seeded_policys_seed_unless_a_variant_sets_its_own(
         params: Any = None,
         json_share: float = 0.0,
         json_scrape_s: float | None = None,
+        sessions: str = "open",
     ) -> Any:
         built[name + str(params)] = dict(params or {})
-        return replay(trace, name, cfg, params, json_share, json_scrape_s)
+        return replay(trace, name, cfg, params, json_share, json_scrape_s, sessions)
 
     monkeypatch.setattr(matrix, "_replay", recording)
     c = matrix.Cell("chat", 4, "equal", "medium", 0.8)
@@ -149,13 +151,13 @@ def merged_cell(name: str, **p90: float) -> dict[str, Any]:
 def test_merge_joins_tie_runs_draw_by_draw() -> None:
     peers = run_doc(t0=[merged_cell("a", llmd=2.0)], t1=[merged_cell("a", llmd=1.0)])
     mine = run_doc(t0=[merged_cell("a", cost=1.5)], t1=[merged_cell("a", cost=1.5)])
-    ties = bench.merge_ties([peers, mine], [0])
+    ties = merge_ties([peers, mine], [0])
     (joined,) = ties["1"]
     assert joined["policies"]["cost"]["p90_vs_best"] == 1.5  # against draw 1's llmd
     assert joined["policies"]["llmd"]["p90_vs_best"] == 1.0
-    assert bench.merge_ties([{"cells": []}, {"cells": []}], [0]) == {}
+    assert merge_ties([{"cells": []}, {"cells": []}], [0]) == {}
 
 
 def test_merge_refuses_runs_drawn_under_different_tie_seeds() -> None:
     with pytest.raises(ValueError, match="tie seeds"):
-        bench.merge_ties([run_doc(t0=[], t1=[]), run_doc(t0=[])], [0])
+        merge_ties([run_doc(t0=[], t1=[]), run_doc(t0=[])], [0])
