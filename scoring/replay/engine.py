@@ -43,7 +43,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from scoring.policies.base import PodView, Policy
@@ -266,12 +266,7 @@ def _replay_simple(
         if js is not None:
             js.skip_to(min(limit, arr.next_time()))
 
-    for k in range(len(reqs)):
-        advance(math.inf)
-        t = arr.next_time()
-        if t == math.inf:
-            break
-        ri = arr.pop()
+    for k, (ri, t) in enumerate(_in_order(arr, advance)):
         r = reqs[ri]
         now_s[0] = t
         keys = list(r.route.block_keys)
@@ -304,7 +299,6 @@ def _replay_vllm(
     arr: Arrivals,
 ) -> PolicyRun:
     reqs = trace.requests
-    n = len(reqs)
     pods = [VllmPod(f"pod-{i}", cfg, cfg.pod_capacity(i), cfg.speed(i)) for i in range(cfg.pods)]
     index_of = {p.name: i for i, p in enumerate(pods)}
     run = _new_run(policy, [p.name for p in pods], reqs)
@@ -376,12 +370,7 @@ def _replay_vllm(
         if js is not None:
             js.skip_to(min(limit, arr.next_time()))
 
-    for k in range(n):
-        advance(math.inf)
-        t = arr.next_time()
-        if t == math.inf:
-            break
-        ri = arr.pop()
+    for k, (ri, t) in enumerate(_in_order(arr, advance)):
         r = reqs[ri]
         now_s[0] = t
         keys = list(r.route.block_keys)
@@ -409,6 +398,17 @@ def _replay_vllm(
     run.preemptions = sum(run.pod_preemptions)
     run.engine_steps = sum(p.sched.steps for p in pods)
     return run
+
+
+def _in_order(arr: Arrivals, advance: Callable[[float], None]) -> Iterator[tuple[int, float]]:
+    """Each arrival ``(request, time)`` in time order, once the pods' events before it
+    are handled (an answer ending meanwhile can schedule an earlier one)."""
+    while True:
+        advance(math.inf)
+        t = arr.next_time()
+        if t == math.inf:
+            return
+        yield arr.pop(), t
 
 
 def _json_first_tokens(
