@@ -251,7 +251,6 @@ def _replay_simple(
     def advance(limit: float) -> None:
         """Events (and with JSON answers, scrape instants) up to ``limit`` or the next
         arrival, whichever is first (an answer's end can schedule one), in order."""
-        to = limit
         while heap:
             to = min(limit, arr.next_time())
             if js is not None and js.next_at <= heap[0][0] and js.next_at <= to:

@@ -44,7 +44,7 @@ class Arrivals:
     """The arrivals of ``requests`` (trace order, by planned time) under ``mode``.
     ``at[i]``: request ``i``'s arrival (planned until it is scheduled)."""
 
-    __slots__ = ("_heap", "_min_gap", "_next", "_pending", "_seq", "at", "gap", "next_of")
+    __slots__ = ("_closed", "_heap", "_min_gap", "_pending", "_seq", "at", "gap", "next_of")
 
     def __init__(self, requests: Sequence[TraceRequest], mode: str = "open") -> None:
         if mode not in SESSION_MODES:
@@ -76,17 +76,17 @@ class Arrivals:
                     self._pending += 1
             self._heap = [(self.at[i], i) for i in range(len(requests)) if not follows[i]]
             heapq.heapify(self._heap)
-        self._next = closed
+        self._closed = closed
 
     def next_time(self) -> float:
         """The next arrival known now (``inf``: none yet, or none left)."""
-        if self._next:
+        if self._closed:
             return self._heap[0][0] if self._heap else math.inf
         return self.at[self._seq] if self._seq < len(self.at) else math.inf
 
     def pop(self) -> int:
         """The next arrival's request (call only when :meth:`next_time` is finite)."""
-        if self._next:
+        if self._closed:
             return heapq.heappop(self._heap)[1]
         i = self._seq
         self._seq += 1
