@@ -27,12 +27,12 @@ The policy's :attr:`~scoring.policies.base.Policy.clock` reads the replay's virt
 during the replay (restored after), so a policy that learns from observed times sees
 the simulated ones, through the same code as live.
 
-**vLLM pods.**  The heap holds each busy pod's next step end.  When a step ends its
-first tokens and completions are reported, then the pod plans its next step at once
-(vLLM's engine loop), allowed to step over a decode run only up to the next arrival
-(with closed sessions, up to the soonest one an answer could schedule:
-:meth:`~scoring.replay.session_loop.Arrivals.horizon`), so every pod's state at an
-arrival is the state of a real engine at that moment.  A
+**vLLM pods** (the loop is scoring/replay/vllm_loop.py's).  The heap holds each busy
+pod's next step end.  When a step ends its first tokens and completions are reported,
+then the pod plans its next step at once (vLLM's engine loop), allowed to step over a
+decode run only up to the next arrival (with closed sessions, up to the soonest one an
+answer could schedule: :meth:`~scoring.replay.session_loop.Arrivals.horizon`), so
+every pod's state at an arrival is the state of a real engine at that moment.  A
 request arriving at a pod mid-step waits for the next step; at an idle pod it starts
 one at its arrival.  A request vLLM would reject (prompt >= ``max_model_len``) is
 counted in ``rejected``, has no TTFT, and is completed at once.
@@ -43,53 +43,29 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
-from scoring.policies.base import PodView, Policy
-from scoring.replay.json_first_tokens import JsonFirstTokens
+from scoring.policies.base import Policy
+from scoring.replay.run import (
+    Job,
+    PolicyRun,
+    in_order,
+    json_first_tokens,
+    new_run,
+    release_prefilled,
+    route_arrival,
+)
 from scoring.replay.scrapes import Scrapes
 from scoring.replay.session_loop import Arrivals
 from scoring.replay.simpod import FleetConfig, SimPod
-from scoring.replay.trace import Trace, TraceRequest
-from scoring.replay.vllm_pod import VllmFleetConfig, VllmPod
+from scoring.replay.trace import Trace
+from scoring.replay.vllm_loop import replay_vllm
+from scoring.replay.vllm_pod import VllmFleetConfig
+
+__all__ = ["PolicyRun", "json_answers", "replay_policy"]
 
 _PREFILL_DONE = 0
 _DECODE_DONE = 1
-
-
-class PolicyError(RuntimeError):
-    """The policy chose a pod that is not a candidate."""
-
-
-@dataclass
-class PolicyRun:
-    """Raw per-request outcomes of replaying one policy."""
-
-    policy: str
-    pods: list[str]
-    ttft_s: list[float] = field(default_factory=list)  # per request, trace order
-    #: per request: arrival to its last token (what a client of a JSON answer waits);
-    #: NaN for a request a pod refused
-    e2e_s: list[float] = field(default_factory=list)
-    #: per request: whether its client asked for a JSON answer (``json_share``)
-    json_answer: list[bool] = field(default_factory=list)
-    hit_tokens: list[int] = field(default_factory=list)
-    gpu_hit_tokens: list[int] = field(default_factory=list)
-    prompt_tokens: list[int] = field(default_factory=list)
-    pod_of: list[int] = field(default_factory=list)
-    #: per pod: busy seconds (simple: prefilling; vllm: running engine steps)
-    busy_s: list[float] = field(default_factory=list)
-    first_arrival_s: float = 0.0
-    #: per request: when it arrived (its trace time, unless a closed session moved it)
-    arrival_s: list[float] = field(default_factory=list)
-    last_finish_s: float = 0.0
-    wall_s: float = 0.0
-    rejected: int = 0  # requests the pods refused (TTFT nan)
-    preemptions: int = 0  # vllm: running requests preempted for lack of KV blocks
-    #: vllm: the preemptions per pod (empty for the simple pod model, which has none)
-    pod_preemptions: list[int] = field(default_factory=list)
-    engine_steps: int = 0  # vllm: engine steps run, all pods
 
 
 def replay_policy(
@@ -121,15 +97,12 @@ def replay_policy(
     counts_s = json_scrape_s if json_scrape_s is not None else scrape_interval_s
     arrivals = Arrivals(trace.requests, sessions)
     clock = policy.clock
+    job = Job(trace, policy, scrapes, json_of, counts_s, arrivals, on_progress)
     try:
         if isinstance(cfg, VllmFleetConfig):
-            run = _replay_vllm(
-                trace, policy, cfg, on_progress, scrapes, json_of, counts_s, arrivals
-            )
+            run = replay_vllm(job, cfg)
         else:
-            run = _replay_simple(
-                trace, policy, cfg, on_progress, scrapes, json_of, counts_s, arrivals
-            )
+            run = _replay_simple(job, cfg)
     finally:
         policy.clock = clock
     run.json_answer = json_of
@@ -153,43 +126,13 @@ def json_answers(requests: int, share: float) -> list[bool]:
     return [math.floor((i + 1) * share) > math.floor(i * share) for i in range(requests)]
 
 
-def _new_run(policy: Policy, pods: Sequence[str], reqs: Sequence[TraceRequest]) -> PolicyRun:
-    n = len(reqs)
-    run = PolicyRun(policy=policy.name, pods=list(pods))
-    run.ttft_s = [0.0] * n
-    run.e2e_s = [0.0] * n
-    run.hit_tokens = [0] * n
-    run.gpu_hit_tokens = [0] * n
-    run.prompt_tokens = [r.prompt_tokens for r in reqs]
-    run.pod_of = [-1] * n
-    run.first_arrival_s = reqs[0].arrival_s if reqs else 0.0
-    return run
-
-
-def _pick(policy: Policy, r: TraceRequest, views: list[PodView], index_of: dict[str, int]) -> int:
-    """The policy's choice for ``r`` (told it was routed there), as a pod index."""
-    decision = policy.pick(r.route, views)
-    pod_i = index_of.get(decision.pod, -1)
-    if pod_i < 0:
-        raise PolicyError(f"policy {policy.name!r} chose unknown pod {decision.pod!r}")
-    policy.on_routed(r.route, decision.pod)
-    return pod_i
-
-
-def _replay_simple(
-    trace: Trace,
-    policy: Policy,
-    cfg: FleetConfig,
-    on_progress: Callable[[int], None] | None,
-    scrapes: Scrapes,
-    json_of: Sequence[bool],
-    counts_s: float,
-    arr: Arrivals,
-) -> PolicyRun:
+def _replay_simple(job: Job, cfg: FleetConfig) -> PolicyRun:
+    trace, policy, scrapes, arr = job.trace, job.policy, job.scrapes, job.arrivals
+    json_of, counts_s, on_progress = job.json_of, job.counts_s, job.on_progress
     reqs = trace.requests
     pods = [SimPod(f"pod-{i}", cfg, cfg.pod_capacity(i), cfg.speed(i)) for i in range(cfg.pods)]
     index_of = {p.name: i for i, p in enumerate(pods)}
-    run = _new_run(policy, [p.name for p in pods], reqs)
+    run = new_run(policy, [p.name for p in pods], reqs)
 
     heap: list[tuple[float, int, int, int, int]] = []
     seq = 0
@@ -198,7 +141,7 @@ def _replay_simple(
     bs = cfg.block_size
     now_s = [run.first_arrival_s]
     policy.clock = lambda: now_s[0]
-    js = _json_first_tokens(json_of, pods, run.first_arrival_s, counts_s)
+    js = json_first_tokens(json_of, pods, run.first_arrival_s, counts_s)
 
     def start_next(pod_i: int, now: float) -> None:
         nonlocal seq
@@ -255,9 +198,7 @@ def _replay_simple(
             to = min(limit, arr.next_time())
             if js is not None and js.next_at <= heap[0][0] and js.next_at <= to:
                 at = now_s[0] = js.next_at
-                for name, ri in js.scrape(at):
-                    pods[index_of[name]].outstanding -= reqs[ri].prompt_tokens
-                    policy.on_prefill_done(reqs[ri].route, name)
+                release_prefilled(js, at, pods, index_of, reqs, policy)
             elif heap[0][0] <= to:
                 handle(pop(heap))
             else:
@@ -265,17 +206,15 @@ def _replay_simple(
         if js is not None:
             js.skip_to(min(limit, arr.next_time()))
 
-    for k, (ri, t) in enumerate(_in_order(arr, advance)):
+    for k, (ri, t) in enumerate(in_order(arr, advance)):
         r = reqs[ri]
         now_s[0] = t
-        keys = list(r.route.block_keys)
-        pod_i = _pick(policy, r, scrapes.views(t, [p.view(keys) for p in pods]), index_of)
+        pod_i = route_arrival(policy, r, ri, t, scrapes, pods, index_of, run)
         pod = pods[pod_i]
         pod.inflight += 1
         pod.outstanding += r.prompt_tokens
         pod.active_blocks += _blocks(r.prompt_tokens + r.output_tokens, bs)
         pod.queue.append(ri)
-        run.pod_of[ri] = pod_i
         if js is not None:
             js.routed(pod.name, ri)
         start_next(pod_i, t)
@@ -285,138 +224,6 @@ def _replay_simple(
     run.busy_s = [p.busy_s for p in pods]
     run.last_finish_s = last_finish
     return run
-
-
-def _replay_vllm(
-    trace: Trace,
-    policy: Policy,
-    cfg: VllmFleetConfig,
-    on_progress: Callable[[int], None] | None,
-    scrapes: Scrapes,
-    json_of: Sequence[bool],
-    counts_s: float,
-    arr: Arrivals,
-) -> PolicyRun:
-    reqs = trace.requests
-    pods = [VllmPod(f"pod-{i}", cfg, cfg.pod_capacity(i), cfg.speed(i)) for i in range(cfg.pods)]
-    index_of = {p.name: i for i, p in enumerate(pods)}
-    run = _new_run(policy, [p.name for p in pods], reqs)
-    overhead = cfg.engine.request_overhead_s  # outside engine steps, added to each TTFT
-    heap: list[tuple[float, int, int]] = []  # (step end, seq, pod)
-    seq = 0
-    push, pop = heapq.heappush, heapq.heappop
-    last_finish = run.first_arrival_s
-    now_s = [run.first_arrival_s]
-    policy.clock = lambda: now_s[0]
-    js = _json_first_tokens(json_of, pods, run.first_arrival_s, counts_s)
-
-    def start_step(pod_i: int, now: float, horizon: float) -> None:
-        nonlocal seq
-        plan = pods[pod_i].plan_step(horizon - now)
-        if plan is not None:
-            seq += 1
-            push(heap, (now + plan.duration_s, seq, pod_i))
-
-    def end_step(now: float, pod_i: int) -> None:
-        nonlocal last_finish
-        pod = pods[pod_i]
-        now_s[0] = now
-        result = pod.finish_step()
-        for s in result.first_tokens:
-            r = reqs[s.rid]
-            ttft = now - arr.at[s.rid] + overhead
-            run.ttft_s[s.rid] = ttft
-            if js is not None:
-                js.first_token(pod.name, s.rid)
-            if not json_of[s.rid]:
-                pod.outstanding -= r.prompt_tokens
-                policy.on_first_token(r.route, pod.name, ttft)
-        for s in result.finished:
-            r = reqs[s.rid]
-            run.hit_tokens[s.rid] = run.gpu_hit_tokens[s.rid] = s.hit_tokens
-            pod.inflight -= 1
-            last_finish = max(last_finish, now)
-            run.e2e_s[s.rid] = now - arr.at[s.rid] + overhead
-            pod.decoded(run.e2e_s[s.rid] - run.ttft_s[s.rid])
-            # a JSON answer ends: the router's load sees its prefill done, unless a
-            # scrape of the pod's first tokens released it before
-            pending = json_of[s.rid] if js is None else js.finished(pod.name, s.rid)
-            if pending:
-                pod.outstanding -= r.prompt_tokens
-            policy.on_finished(r.route, pod.name, s.num_output)
-            policy.on_complete(r.route, pod.name)
-            arr.ended(s.rid, now + overhead)  # the client has the answer
-        start_step(pod_i, now, arr.horizon(now))
-
-    def advance(limit: float) -> None:
-        """Step ends (and with JSON answers, scrape instants) up to ``limit`` or the next
-        arrival, whichever is first (an answer's end can schedule one), in order."""
-        while heap:
-            to = min(limit, arr.next_time())
-            step_at = heap[0][0]
-            if js is not None and js.next_at <= step_at and js.next_at <= to:
-                at = now_s[0] = js.next_at
-                for p in pods:
-                    policy.on_scraped(p.name, p.counters())
-                for name, ri in js.scrape(at):
-                    pods[index_of[name]].outstanding -= reqs[ri].prompt_tokens
-                    policy.on_prefill_done(reqs[ri].route, name)
-            elif step_at <= to:
-                end, _, pod_i = pop(heap)
-                end_step(end, pod_i)
-            else:
-                break
-        if js is not None:
-            js.skip_to(min(limit, arr.next_time()))
-
-    for k, (ri, t) in enumerate(_in_order(arr, advance)):
-        r = reqs[ri]
-        now_s[0] = t
-        keys = list(r.route.block_keys)
-        pod_i = _pick(policy, r, scrapes.views(t, [p.view(keys) for p in pods]), index_of)
-        pod = pods[pod_i]
-        run.pod_of[ri] = pod_i
-        if pod.admit(ri, r) is None:
-            run.rejected += 1
-            run.ttft_s[ri] = run.e2e_s[ri] = math.nan
-            policy.on_complete(r.route, pod.name)
-            arr.ended(ri, t)
-        else:
-            pod.inflight += 1
-            pod.outstanding += r.prompt_tokens
-            if js is not None:
-                js.routed(pod.name, ri)
-            if not pod.stepping:
-                start_step(pod_i, t, arr.horizon(t))
-        if on_progress is not None:
-            on_progress(k)
-    advance(math.inf)
-    run.busy_s = [p.busy_s for p in pods]
-    run.last_finish_s = last_finish
-    run.pod_preemptions = [p.sched.preemptions for p in pods]
-    run.preemptions = sum(run.pod_preemptions)
-    run.engine_steps = sum(p.sched.steps for p in pods)
-    return run
-
-
-def _in_order(arr: Arrivals, advance: Callable[[float], None]) -> Iterator[tuple[int, float]]:
-    """Each arrival ``(request, time)`` in time order, once the pods' events before it
-    are handled (an answer ending meanwhile can schedule an earlier one)."""
-    while True:
-        advance(math.inf)
-        t = arr.next_time()
-        if t == math.inf:
-            return
-        yield arr.pop(), t
-
-
-def _json_first_tokens(
-    json_of: Sequence[bool], pods: Sequence[SimPod | VllmPod], start_s: float, every_s: float
-) -> JsonFirstTokens | None:
-    """The pods' first-token counts the router scrapes, when some answers are JSON."""
-    if not any(json_of):
-        return None
-    return JsonFirstTokens(list(json_of), [p.name for p in pods], start_s, every_s)
 
 
 def _blocks(tokens: int, block_size: int) -> int:

@@ -23,10 +23,11 @@ whose timestamps already include its original answers' time would count that tim
 twice, so closed replay is meant for generated sessions.  A slow fleet slows its own
 sessions, as a closed-loop client would: the offered load then falls below the plan's.
 
-The event loops (scoring/replay/engine.py) take arrivals from :class:`Arrivals` in time
-order; with closed sessions an arrival can appear while pods run, so a pod's decode run
-may not outlast :meth:`Arrivals.horizon`: the next planned arrival, or the earliest
-instant a turn not yet scheduled could arrive (now plus the shortest planned gap).
+The event loops (scoring/replay/engine.py, scoring/replay/vllm_loop.py) take arrivals
+from :class:`Arrivals` in time order; with closed sessions an arrival can appear while
+pods run, so a pod's decode run may not outlast :meth:`Arrivals.horizon`: the next
+planned arrival, or the earliest instant a turn not yet scheduled could arrive (now
+plus the shortest planned gap).
 """
 
 from __future__ import annotations
