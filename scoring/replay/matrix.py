@@ -66,6 +66,9 @@ LOADS = (0.5, 0.8, 1.1)
 UNEQUAL_WEIGHTS = (4 / 3, 2 / 3)
 #: the replay's pod models: its own simple one and the vLLM-scheduler one (the preset below)
 POD_MODELS = ("simpod", "vllm")
+#: how the matrix replays sessions unless told (session 38; before, "open"): a session's
+#: next turn after its previous answer, as an agent or a chat client sends it
+MATRIX_SESSIONS = "closed"
 #: the vLLM pod model's engine preset (docs/replay.md)
 VLLM_PRESET = "llama3-8b-h100"
 
@@ -266,7 +269,7 @@ def run_cell(
     json_share: float = 0.0,
     tie_seed: int = 0,
     json_scrape_s: float | None = None,
-    sessions: str = "open",
+    sessions: str = MATRIX_SESSIONS,
 ) -> dict[str, Any]:
     """Replay every policy (default: every registered one) and every variant
     (:func:`parse_variant`) on ``cell`` for ``seed``; ``json_share`` of the requests
@@ -303,7 +306,7 @@ def run_cell(
         "offered_load": cell.load,
         "json_share": json_share,
         **({"json_scrape_s": json_scrape_s} if json_scrape_s is not None else {}),
-        **({"sessions": sessions} if sessions != "open" else {}),
+        "sessions": sessions,  # (absent from runs before session 37: open)
         "time_scale": factor,
         "ceilings": {"infinite": infinite_ceiling(scaled), "pooled": pooled},
         "policies": {},

@@ -113,6 +113,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"summarised with the tuning seed only).  {len(doc['cells'])} cell results, "
             f"{len(run['policies'])} policies ({', '.join(run['policies'])}), "
             f"block size {run['block_size']}, pod model `{run['pod_model']}`, "
+            f"sessions {run.get('sessions', 'open')}, "
             f"{run['wall_s']:.0f} s on {run['jobs']} process(es).",
             "",
             "## Summary",

@@ -37,6 +37,7 @@ from scoring.policies.registry import available_policies, build_policy
 from scoring.replay.engine import PolicyRun, replay_policy
 from scoring.replay.fleet_args import fleet_defaults
 from scoring.replay.matrix import (
+    MATRIX_SESSIONS,
     POD_MODELS,
     cell_replay_input,
     full_matrix,
@@ -154,9 +155,9 @@ def main() -> int:
     ap.add_argument(
         "--sessions",
         choices=SESSION_MODES,
-        default="open",
-        help="closed: a session's next turn after its previous answer (rows stay by "
-        "planned arrival)",
+        default=MATRIX_SESSIONS,
+        help="closed (the matrix's default): a session's next turn after its previous "
+        "answer (rows stay by planned arrival); open: every request at its planned time",
     )
     a = ap.parse_args()
     # the matrix's cells on any fleet size it takes (held-out sizes too: --fleet-sizes)

@@ -14,6 +14,9 @@ The first ``--seed`` is the tuning seed, the others are held out: compare a poli
 summary columns for the two groups before believing a constant.  The Mooncake traces
 (``--traces``, default ``../shared/traces/`` next to the repo) are the same for every
 seed.  Policies are whatever the registry holds (``--policy`` to pick some).
+Sessions (the ``agentic`` and ``chat`` families) replay closed, each turn after the
+answer to the one before (``--sessions``); until session 37 the matrix replayed them
+open, so a figure recorded before session 38 reproduces with ``--sessions open``.
 ``--merge`` (repeatable) replays nothing: it joins earlier runs' ``OUT.json`` cell by
 cell (the policies of the same cell and seed side by side, a later file winning for a
 policy in both; the replay is in virtual time, so a policy's numbers do not depend on
@@ -47,6 +50,7 @@ from typing import Any
 from scoring.policies.registry import available_policies
 from scoring.replay.matrix import (
     FLEET_SIZES,
+    MATRIX_SESSIONS,
     MOONCAKE,
     POD_MODELS,
     TRACES_DIR,
@@ -153,10 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--sessions",
         choices=SESSION_MODES,
-        default="open",
-        help="open: every request at its planned time (the default); closed: a session's "
-        "next turn its planned gap after its previous answer ends, as an agent or a chat "
-        "client sends it (scoring/replay/session_loop.py)",
+        default=MATRIX_SESSIONS,
+        help="closed (the default since session 38): a session's next turn its planned gap "
+        "after its previous answer ends, as an agent or a chat client sends it "
+        "(scoring/replay/session_loop.py); open: every request at its planned time, "
+        "whatever the fleet does (the matrix's mode until session 37)",
     )
     ap.add_argument(
         "--from-json",

@@ -208,3 +208,32 @@ def test_the_horizon_is_the_next_arrival_or_the_soonest_a_waiting_turn_could_com
     assert arrivals.pop() == 1
     assert arrivals.next_time() == pytest.approx(6.7) and arrivals.pop() == 2
     assert arrivals.next_time() == math.inf
+
+
+def test_the_matrix_replays_sessions_closed_unless_told_open(tmp_path: Path) -> None:
+    from scoring.replay import matrix
+    from tests.support.bench_module import load_bench
+
+    cell = matrix.Cell("agentic", 4, "equal", "small", 1.1)
+    default = matrix.run_cell(cell, 5, policies=["round_robin"], limit=120, pod_model="vllm")
+    closed = matrix.run_cell(
+        cell, 5, policies=["round_robin"], limit=120, pod_model="vllm", sessions="closed"
+    )
+    opened = matrix.run_cell(
+        cell, 5, policies=["round_robin"], limit=120, pod_model="vllm", sessions="open"
+    )
+    assert default["sessions"] == "closed" and opened["sessions"] == "open"
+    rows = (default["policies"]["round_robin"], closed["policies"]["round_robin"])
+    assert [{k: v for k, v in r.items() if k != "replay_wall_s"} for r in rows] == [
+        {k: v for k, v in rows[1].items() if k != "replay_wall_s"}
+    ] * 2
+    # on an overloaded cell the two modes replay different arrivals: different answers
+    rr, rr_open = default["policies"]["round_robin"], opened["policies"]["round_robin"]
+    assert rr["ttft_p90_s"] != rr_open["ttft_p90_s"]
+    # the bench's run records the mode it replayed (a merge refuses to mix them)
+    bench = load_bench("bench_quality_matrix")
+    out = tmp_path / "run"
+    args = ["--cells", "chat/p8-equal/medium/load80", "--limit", "30", "--policy", "cost"]
+    assert bench.main([*args, "--out", str(out)]) == 0
+    assert json.loads(out.with_suffix(".json").read_text())["run"]["sessions"] == "closed"
+    assert "pod model `simpod`, sessions closed," in out.with_suffix(".md").read_text()
