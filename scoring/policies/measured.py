@@ -71,7 +71,10 @@ fewest resident.)  Then rendezvous hashing of the request id (as ``cost``).
 Priors (used until a pod's observations identify its rates; README has the sources):
 ``prefill_rate_tokens_per_s``, ``prefill_slowdown_per_running``, ``request_overhead_s``,
 ``decode_step_s``, ``decode_step_per_running_s``, ``output_tokens``.  Bad observations
-are dropped and counted (:attr:`MeasuredPolicy.calibration`); scores are never NaN.
+are dropped, logged once and counted (:attr:`MeasuredPolicy.calibration`); a fit
+that solves to a coefficient <= 0 keeps the prior and is counted apart
+(``calibration.prior_fallbacks``), since the observations were fine.  Scores are never
+NaN.
 """
 
 from __future__ import annotations
@@ -327,7 +330,7 @@ class MeasuredPolicy(Policy):
             entry.routed_at, now, float(entry.uncached), float(entry.running)
         )
         if not ok:
-            self.calibration.reject(pod, "prefill fit", entry.uncached)
+            self.calibration.prior_fallbacks["prefill"] += 1
 
     def on_finished(self, request: RouteRequest, pod: str, output_tokens: int | None) -> None:
         entry = self._live.get((request.request_id, id(request)))
@@ -347,7 +350,7 @@ class MeasuredPolicy(Policy):
             self.calibration.reject(pod, "decode time", decode_s)
             return
         if not self.pod_rates(pod).finished(decode_s, output_tokens - 1, entry.decoding):
-            self.calibration.reject(pod, "decode fit", decode_s)
+            self.calibration.prior_fallbacks["decode"] += 1
 
     def on_complete(self, request: RouteRequest, pod: str) -> None:
         entry = self._live.pop((request.request_id, id(request)), None)

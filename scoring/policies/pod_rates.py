@@ -38,7 +38,9 @@ the solve's 1e-12 guard, some 3,000 observations on), and an idle spell lost ``b
 
 Bad observations (NaN, infinite, negative times or token counts) are dropped, counted
 per reason in :attr:`Calibration.rejected` and logged once per reason; a fit that comes
-out non-finite or non-positive falls back to the prior (counted as ``fit``).
+out non-finite or non-positive falls back to the prior, counted per fit in
+:attr:`Calibration.prior_fallbacks` (the observations were fine: not a rejection, not
+logged).
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ class Calibration:
     """Counts of rejected calibration input, shared by every pod of one policy."""
 
     rejected: Counter[str] = field(default_factory=Counter)
+    #: fits ("prefill", "decode") that solved to a coefficient <= 0 and kept the prior:
+    #: a state of the data (e.g. too little spread yet), not bad input, so neither
+    #: logged nor counted as a rejection
+    prior_fallbacks: Counter[str] = field(default_factory=Counter)
     _logged: set[str] = field(default_factory=set)
 
     def reject(self, pod: str, reason: str, value: object) -> None:

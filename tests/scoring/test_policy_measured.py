@@ -158,6 +158,23 @@ def test_nan_or_negative_observations_are_ignored_counted_and_logged_once(
     assert all(math.isfinite(s) for s in d.scores.values())
 
 
+def test_a_fit_that_keeps_its_prior_is_counted_apart_not_as_bad_input(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # larger prompts answered faster: every observation is valid, but the least-squares
+    # slope comes out negative, so the prefill fit keeps its prior
+    pol, clock = policy(prefill_rate_tokens_per_s=5000)
+    prior = pol.pod_rates("a").prefill.theta
+    with caplog.at_level(logging.WARNING, logger="scoring.policies.pod_rates"):
+        for i, tokens in enumerate([100, 2000, 4000, 8000] * 10):
+            serve(pol, clock, "a", f"r{i}", tokens, 2.0 - tokens / 8000)
+    assert pol.rates["a"].prefill.theta == prior
+    assert pol.calibration.prior_fallbacks["prefill"] > 0
+    assert not pol.calibration.rejected  # no observation was bad
+    assert pol.rejected_observations() == {}
+    assert not caplog.records
+
+
 def test_a_clock_running_backwards_is_rejected_not_learned() -> None:
     pol, clock = policy()
     clock.now = 10.0
