@@ -29,171 +29,77 @@ worst ratio and its cell.  The first seed is the *tuning* seed, the others are
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from functools import lru_cache
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from scoring.policies.registry import available_policies, build_policy, policy_class
 from scoring.replay.ceilings import infinite_ceiling, pooled_ceiling
 from scoring.replay.engine import PolicyRun, replay_policy
-from scoring.replay.families import bursty, family_params, rag
-from scoring.replay.families import generate as generate_family
 from scoring.replay.fleet_args import fleet_defaults
+
+# (the matrix's dimensions, cells and fleets; imported from here by name too)
+from scoring.replay.matrix_cells import (
+    CACHE_FRACTIONS,
+    FLEET_KINDS,
+    FLEET_SIZES,
+    LOADS,
+    MATRIX_SESSIONS,
+    MOONCAKE,
+    POD_MODELS,
+    SYNTHETIC,
+    TRACES_DIR,
+    UNEQUAL_WEIGHTS,
+    VLLM_PRESET,
+    WORKLOADS,
+    Cell,
+    fleet_for,
+    full_matrix,
+    load_workload,
+    matrix_preset,
+    matrix_presets,
+    pod_fleet,
+    quick_matrix,
+    select,
+)
 from scoring.replay.offered_load import load_rates, scale_to_load, span_s, working_set_tokens
-from scoring.replay.presets import resolve_preset
 from scoring.replay.report import summarize as summarize_run
 from scoring.replay.simpod import FleetConfig, ReplayConfigError
-from scoring.replay.trace import Trace, load_trace
+from scoring.replay.trace import Trace
 from scoring.replay.vllm_pod import VllmFleetConfig
 
-TRACES_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
-MOONCAKE = {
-    "mooncake_conversation": "mooncake_conversation.jsonl",
-    "mooncake_synthetic": "mooncake_synthetic.jsonl",
-}
-SYNTHETIC = ("agentic", "rag", "rag_bursty", "chat", "mixed")
-WORKLOADS = (*SYNTHETIC, *MOONCAKE)
-FLEET_KINDS = ("equal", "unequal", "mixed")
-#: the matrix's fleet sizes (pods); others are held out (bench_quality_matrix.py --fleet-sizes)
-FLEET_SIZES = (4, 8, 16)
-FLEETS: tuple[tuple[int, str], ...] = tuple((n, c) for n in FLEET_SIZES for c in FLEET_KINDS)
-CACHE_FRACTIONS = {"small": 0.1, "medium": 0.3, "large": 1.0}
-LOADS = (0.5, 0.8, 1.1)
-#: the unequal and mixed fleets' per-pod cache weights, repeated over the pods (mean 1);
-#: the mixed fleet's speeds too
-UNEQUAL_WEIGHTS = (4 / 3, 2 / 3)
-#: the replay's pod models: its own simple one and the vLLM-scheduler one (the preset below)
-POD_MODELS = ("simpod", "vllm")
-#: how the matrix replays sessions unless told (session 38; before, "open"): a session's
-#: next turn after its previous answer, as an agent or a chat client sends it
-MATRIX_SESSIONS = "closed"
-#: the vLLM pod model's engine preset (docs/replay.md)
-VLLM_PRESET = "llama3-8b-h100"
-
-
-@dataclass(frozen=True, order=True)
-class Cell:
-    workload: str
-    pods: int
-    caches: str  # the fleet kind: "equal" | "unequal" | "mixed" (caches and speeds)
-    cache: str  # "small" | "medium" | "large"
-    load: float  # offered load, a share of the fleet's prefill capacity
-
-    @property
-    def id(self) -> str:
-        return (
-            f"{self.workload}/p{self.pods}-{self.caches}/{self.cache}/load{round(self.load * 100)}"
-        )
-
-
-def full_matrix(sizes: Sequence[int] = FLEET_SIZES) -> list[Cell]:
-    """Every workload x fleet (``sizes`` pods, each fleet kind) x cache x load."""
-    return [
-        Cell(w, n, c, size, load)
-        for w in WORKLOADS
-        for n in sizes
-        for c in FLEET_KINDS
-        for size in CACHE_FRACTIONS
-        for load in LOADS
-    ]
-
-
-def quick_matrix() -> list[Cell]:
-    """Every workload on a medium 8-pod fleet at 80%, plus a small unequal 4-pod fleet
-    pushed past capacity: the two corners most policies differ on."""
-    return [
-        cell
-        for w in WORKLOADS
-        for cell in (Cell(w, 8, "equal", "medium", 0.8), Cell(w, 4, "unequal", "small", 1.1))
-    ]
-
-
-def select(cells: Iterable[Cell], patterns: Sequence[str]) -> list[Cell]:
-    """The cells whose id matches any of the ``fnmatch`` ``patterns`` (none: all)."""
-    from fnmatch import fnmatchcase
-
-    cells = list(cells)
-    if not patterns:
-        return cells
-    return [c for c in cells if any(fnmatchcase(c.id, p) for p in patterns)]
-
-
-# --- traces and fleets --------------------------------------------------------------
-
-
-def _synthetic(name: str, seed: int, block_size: int) -> Trace:
-    if name == "rag_bursty":
-        return rag.generate(bursty(family_params("rag", block_size=block_size)), seed)
-    return generate_family(name, seed, block_size=block_size)
-
-
-@lru_cache(maxsize=3)
-def load_workload(
-    name: str, seed: int, *, limit: int | None, block_size: int, traces_dir: str
-) -> Trace:
-    """The workload's trace for ``seed`` (its first ``limit`` requests), memoised per
-    process: every cell of a workload replays the same one."""
-    if name in MOONCAKE:
-        trace = load_trace(Path(traces_dir) / MOONCAKE[name], "mooncake")
-        if trace.malformed:
-            raise ReplayConfigError(f"{name}: {trace.malformed} malformed lines")
-    elif name in SYNTHETIC:
-        trace = _synthetic(name, seed, block_size)
-    else:
-        raise ReplayConfigError(f"unknown workload {name!r}; available: {', '.join(WORKLOADS)}")
-    if limit is not None:
-        trace.requests = trace.requests[:limit]
-    return trace
-
-
-def fleet_for(cell: Cell, trace: Trace, *, prefill_rate: float = 8000.0) -> FleetConfig:
-    """The cell's fleet for ``trace``: total cache = the cache share of the working set,
-    split equally or 2:1, no pod below the longest prompt; other settings are
-    ``kvroute replay``'s defaults."""
-    bs = trace.block_size
-    total = CACHE_FRACTIONS[cell.cache] * working_set_tokens(trace)
-    floor = -(-max(r.prompt_tokens for r in trace.requests) // bs) * bs
-    if cell.caches not in FLEET_KINDS:
-        raise ReplayConfigError(
-            f"caches must be one of {', '.join(FLEET_KINDS)}, got {cell.caches!r}"
-        )
-    weights = [1.0] * cell.pods
-    if cell.caches != "equal":
-        weights = [UNEQUAL_WEIGHTS[i % len(UNEQUAL_WEIGHTS)] for i in range(cell.pods)]
-    caps = tuple(max(floor, int(total * w / cell.pods) // bs * bs) for w in weights)
-    return FleetConfig(
-        pods=cell.pods,
-        capacity_tokens=sum(caps) // cell.pods // bs * bs,
-        block_size=bs,
-        prefill_rate=prefill_rate,
-        decode_rate=40.0,
-        pod_capacity_tokens=caps if cell.caches != "equal" else None,
-        pod_speed=tuple(weights) if cell.caches == "mixed" else None,
-    ).validate()
+__all__ = [
+    "CACHE_FRACTIONS",
+    "FLEET_KINDS",
+    "FLEET_SIZES",
+    "LOADS",
+    "MATRIX_SESSIONS",
+    "MOONCAKE",
+    "POD_MODELS",
+    "SYNTHETIC",
+    "TRACES_DIR",
+    "UNEQUAL_WEIGHTS",
+    "VLLM_PRESET",
+    "WORKLOADS",
+    "Cell",
+    "add_ratios",
+    "cell_replay_input",
+    "fleet_for",
+    "full_matrix",
+    "load_workload",
+    "matrix_preset",
+    "matrix_presets",
+    "parse_variant",
+    "pod_fleet",
+    "quick_matrix",
+    "run_cell",
+    "run_matrix",
+    "select",
+]
 
 
 # --- one cell -----------------------------------------------------------------------
-
-
-def pod_fleet(cfg: FleetConfig, pod_model: str) -> FleetConfig | VllmFleetConfig:
-    """The cell's fleet in ``pod_model``: ``simpod`` as is; ``vllm`` the same pods and
-    per-pod caches, engines of :data:`VLLM_PRESET` (its rates replace simpod's)."""
-    if pod_model == "simpod":
-        return cfg
-    if pod_model == "vllm":
-        return VllmFleetConfig(
-            pods=cfg.pods,
-            capacity_tokens=cfg.capacity_tokens,
-            block_size=cfg.block_size,
-            engine=resolve_preset(VLLM_PRESET, {}),
-            pod_capacity_tokens=cfg.pod_capacity_tokens,
-            pod_speed=cfg.pod_speed,
-        ).validate()
-    raise ReplayConfigError(
-        f"pod-model {pod_model!r} is not available; available: {', '.join(POD_MODELS)}"
-    )
 
 
 def cell_replay_input(
@@ -204,13 +110,15 @@ def cell_replay_input(
     block_size: int = 64,
     traces_dir: str | Path = TRACES_DIR,
     pod_model: str = "simpod",
+    preset: str = VLLM_PRESET,
 ) -> tuple[Trace, FleetConfig | VllmFleetConfig, float]:
     """What :func:`run_cell` replays on ``cell`` for ``seed``: the workload's trace scaled
-    to the cell's offered load, the fleet in ``pod_model``, and the time scale applied."""
+    to the cell's offered load, the fleet in ``pod_model`` (``vllm``: engines of
+    ``preset``), and the time scale applied."""
     trace = load_workload(
         cell.workload, seed, limit=limit, block_size=block_size, traces_dir=str(traces_dir)
     )
-    cfg = pod_fleet(fleet_for(cell, trace), pod_model)
+    cfg = pod_fleet(fleet_for(cell, trace), pod_model, preset)
     scaled, factor = scale_to_load(trace, cfg, cell.load)
     return scaled, cfg, factor
 
@@ -270,6 +178,7 @@ def run_cell(
     tie_seed: int = 0,
     json_scrape_s: float | None = None,
     sessions: str = MATRIX_SESSIONS,
+    preset: str = VLLM_PRESET,
 ) -> dict[str, Any]:
     """Replay every policy (default: every registered one) and every variant
     (:func:`parse_variant`) on ``cell`` for ``seed``; ``json_share`` of the requests
@@ -280,12 +189,19 @@ def run_cell(
     of two pods a policy scores equal gets a request, drawn again, so that a cell's
     spread over tie seeds is its noise (:mod:`scoring.replay.matrix_ties`).  ``sessions``:
     "closed" sends a session's next turn after its previous answer
-    (:mod:`scoring.replay.session_loop`), "open" at its planned time."""
+    (:mod:`scoring.replay.session_loop`), "open" at its planned time.  ``preset``: the
+    vLLM pod model's engine (:func:`matrix_preset`; the simple pod model has none)."""
     import time
 
     wall0 = time.perf_counter()
     scaled, cfg, factor = cell_replay_input(
-        cell, seed, limit=limit, block_size=block_size, traces_dir=traces_dir, pod_model=pod_model
+        cell,
+        seed,
+        limit=limit,
+        block_size=block_size,
+        traces_dir=traces_dir,
+        pod_model=pod_model,
+        preset=preset,
     )
     pooled = pooled_ceiling(scaled, cfg.total_capacity_tokens)
     speeds = [cfg.speed(i) for i in range(cfg.pods)]
@@ -302,6 +218,7 @@ def run_cell(
             "pod_speed": speeds,
             "prefill_rate": load_rates(cfg).prefill_rate,
             "pod_model": pod_model,
+            **({"preset": preset} if pod_model == "vllm" else {}),
         },
         "offered_load": cell.load,
         "json_share": json_share,

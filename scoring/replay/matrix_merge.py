@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from scoring.replay.matrix import add_ratios
+from scoring.replay.matrix import VLLM_PRESET, add_ratios
 
 
 def merge_runs(
@@ -50,13 +50,23 @@ def merge_ties(docs: list[dict[str, Any]], seeds: list[int]) -> dict[str, list[d
     }
 
 
-def same_setup(docs: list[dict[str, Any]]) -> tuple[int, str, str]:
-    """The (block size, pod model, sessions) every run was replayed with; raises
-    ``ValueError`` when they differ (a run before ``--sessions`` was open)."""
-    setups = {
-        (d["run"]["block_size"], d["run"]["pod_model"], d["run"].get("sessions", "open"))
-        for d in docs
-    }
+def same_setup(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What every run was replayed with: block size, pod model, sessions and, for the
+    vLLM pod model, the engine preset (as :func:`report`'s keyword arguments); raises
+    ``ValueError`` when they differ (a run before ``--sessions`` was open, one before
+    ``--preset`` on the matrix's first preset)."""
+    setups = {tuple(sorted(_setup(d["run"]).items())) for d in docs}
     if len(setups) > 1:
-        raise ValueError(f"runs differ in (block size, pod model, sessions): {sorted(setups)}")
-    return next(iter(setups))
+        raise ValueError(f"runs differ in how they were replayed: {sorted(setups)}")
+    return dict(next(iter(setups)))
+
+
+def _setup(run: dict[str, Any]) -> dict[str, Any]:
+    out = {
+        "block_size": run["block_size"],
+        "pod_model": run["pod_model"],
+        "sessions": run.get("sessions", "open"),
+    }
+    if run["pod_model"] == "vllm":
+        out["preset"] = run.get("preset", VLLM_PRESET)
+    return out

@@ -112,7 +112,9 @@ def markdown(doc: dict[str, Any]) -> str:
             "same for every seed: replayed once, shown under each seed as `s (= tuning)`, "
             f"summarised with the tuning seed only).  {len(doc['cells'])} cell results, "
             f"{len(run['policies'])} policies ({', '.join(run['policies'])}), "
-            f"block size {run['block_size']}, pod model `{run['pod_model']}`, "
+            f"block size {run['block_size']}, pod model `{run['pod_model']}`"
+            + (f" (engine `{run['preset']}`)" if "preset" in run else "")
+            + ", "
             f"sessions {run.get('sessions', 'open')}, "
             f"{run['wall_s']:.0f} s on {run['jobs']} process(es).",
             "",

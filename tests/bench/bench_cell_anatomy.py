@@ -39,8 +39,10 @@ from scoring.replay.fleet_args import fleet_defaults
 from scoring.replay.matrix import (
     MATRIX_SESSIONS,
     POD_MODELS,
+    VLLM_PRESET,
     cell_replay_input,
     full_matrix,
+    matrix_presets,
     parse_variant,
     quick_matrix,
 )
@@ -148,6 +150,7 @@ def main() -> int:
     ap.add_argument("--policy", action="append", default=[], choices=available_policies())
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL=POLICY:K=V,...")
     ap.add_argument("--pod-model", default="vllm", choices=POD_MODELS)
+    ap.add_argument("--preset", default=VLLM_PRESET, choices=matrix_presets())
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--window", type=float, default=20.0, help="seconds of arrivals a row")
     ap.add_argument("--pods-from", type=float, default=None, metavar="S")
@@ -177,7 +180,9 @@ def main() -> int:
         return 2
     if not runs_of:
         runs_of = [(p, p, {}) for p in ("cost", "precise_prefix", "llmd")]
-    scaled, cfg, _ = cell_replay_input(cell, a.seed, block_size=a.block_size, pod_model=a.pod_model)
+    scaled, cfg, _ = cell_replay_input(
+        cell, a.seed, block_size=a.block_size, pod_model=a.pod_model, preset=a.preset
+    )
     arrivals = [r.arrival_s for r in scaled.requests]
     runs = {
         label: replay_policy(
@@ -188,7 +193,11 @@ def main() -> int:
         )
         for label, policy, params in runs_of
     }
-    print(f"{cell.id} seed {a.seed}, {len(arrivals)} requests, pod model {a.pod_model}")
+    engine = f" ({a.preset})" if a.pod_model == "vllm" else ""
+    print(
+        f"{cell.id} seed {a.seed}, {len(arrivals)} requests, pod model {a.pod_model}{engine}, "
+        f"sessions {a.sessions}"
+    )
     for label, run in runs.items():
         print(
             f"  {label}: TTFT p90 {p90(run.ttft_s):.2f} s, hit rate "

@@ -54,7 +54,9 @@ from scoring.replay.matrix import (
     MOONCAKE,
     POD_MODELS,
     TRACES_DIR,
+    VLLM_PRESET,
     full_matrix,
+    matrix_presets,
     parse_variant,
     quick_matrix,
     run_matrix,
@@ -99,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=16, help="synthetic families (default 16)")
     ap.add_argument("--traces", type=Path, default=TRACES_DIR, help="dir of the Mooncake traces")
     ap.add_argument("--pod-model", choices=POD_MODELS, default=POD_MODELS[0])
+    ap.add_argument(
+        "--preset",
+        choices=matrix_presets(),
+        default=VLLM_PRESET,
+        help=f"the vLLM pod model's engine (default {VLLM_PRESET}); the caches stay sized "
+        "to each cell's working set",
+    )
     ap.add_argument("--out", type=Path, help="write OUT.md and OUT.json")
     ap.add_argument("--list", action="store_true", help="print the selected cell ids and exit")
     ap.add_argument(
@@ -266,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             block_size=a.block_size,
             traces_dir=a.traces,
             pod_model=a.pod_model,
+            preset=a.preset,
             variants=a.variant,
             json_share=a.json_share,
             json_scrape_s=a.json_scrape_s,
@@ -284,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         block_size=a.block_size,
         limit=a.limit,
         pod_model=a.pod_model,
+        **({"preset": a.preset} if a.pod_model == "vllm" else {}),
         json_share=a.json_share,
         sessions=a.sessions,
         jobs=a.jobs,
@@ -320,7 +331,7 @@ def merge_main(a: argparse.Namespace, argv: list[str]) -> int:
     docs = [json.loads(f.read_text()) for f in a.merge]
     try:
         results, seeds = merge_runs(docs, a.seed)
-        block_size, pod_model, sessions = same_setup(docs)
+        setup = same_setup(docs)
         ties = merge_ties(docs, seeds)
     except ValueError as e:
         print(f"bench_quality_matrix: --merge: {e}", file=sys.stderr)
@@ -331,9 +342,7 @@ def merge_main(a: argparse.Namespace, argv: list[str]) -> int:
         results,
         merged=[str(f) for f in a.merge],
         policies=list(results[0]["policies"]) if results else [],
-        block_size=block_size,
-        pod_model=pod_model,
-        sessions=sessions,
+        **setup,
         wall_s=sum(d["run"]["wall_s"] for d in docs),
         jobs=len(docs),
         tie_seeds=len(ties) + 1,

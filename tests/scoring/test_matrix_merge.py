@@ -45,7 +45,22 @@ def test_merge_refuses_runs_replayed_with_sessions_open_and_closed() -> None:
     def run(**setup: Any) -> dict[str, Any]:
         return {"run": {"block_size": 16, "pod_model": "vllm", **setup}, "cells": []}
 
-    assert same_setup([run(), run(sessions="open")]) == (16, "vllm", "open")  # before: open
-    assert same_setup([run(sessions="closed")] * 2) == (16, "vllm", "closed")
-    with pytest.raises(ValueError, match=r"sessions.*'closed'.*'open'"):
+    open_run = {"block_size": 16, "pod_model": "vllm", "sessions": "open"}
+    assert same_setup([run(), run(sessions="open")]) == {
+        **open_run,
+        "preset": "llama3-8b-h100",
+    }  # a run before --sessions was open, one before --preset on the first preset
+    assert same_setup([run(sessions="closed")] * 2)["sessions"] == "closed"
+    with pytest.raises(ValueError, match=r"'sessions', 'closed'.*'sessions', 'open'"):
         same_setup([run(sessions="closed"), run()])
+
+
+def test_merge_refuses_runs_on_different_engine_presets() -> None:
+    def run(**setup: Any) -> dict[str, Any]:
+        return {"run": {"block_size": 16, "pod_model": "vllm", **setup}, "cells": []}
+
+    assert same_setup([run(), run(preset="llama3-8b-h100")])["preset"] == "llama3-8b-h100"
+    with pytest.raises(ValueError, match=r"llama3-70b-h100-tp4"):
+        same_setup([run(preset="llama3-70b-h100-tp4"), run()])
+    # the simple pod model has no engine preset
+    assert "preset" not in same_setup([{"run": {"block_size": 64, "pod_model": "simpod"}}])
