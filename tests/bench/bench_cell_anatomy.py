@@ -141,7 +141,7 @@ def by_prompt_size(runs: dict[str, PolicyRun], cfg: PerPod) -> None:
             print(f"| {lo:,.0f}-{top} | " + " | ".join(cols) + " |")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--cell", required=True, help="a matrix cell id, e.g. rag/p8-equal/medium/load80"
@@ -152,6 +152,7 @@ def main() -> int:
     ap.add_argument("--pod-model", default="vllm", choices=POD_MODELS)
     ap.add_argument("--preset", default=VLLM_PRESET, choices=matrix_presets())
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--limit", type=int, default=None, help="the first N requests only")
     ap.add_argument("--window", type=float, default=20.0, help="seconds of arrivals a row")
     ap.add_argument("--pods-from", type=float, default=None, metavar="S")
     ap.add_argument("--pods-to", type=float, default=None, metavar="S")
@@ -162,7 +163,7 @@ def main() -> int:
         help="closed (the matrix's default): a session's next turn after its previous "
         "answer (rows stay by planned arrival); open: every request at its planned time",
     )
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     # the matrix's cells on any fleet size it takes (held-out sizes too: --fleet-sizes)
     cells = {c.id: c for c in (*full_matrix(range(2, 65)), *quick_matrix())}
     cell = cells.get(a.cell)
@@ -181,7 +182,7 @@ def main() -> int:
     if not runs_of:
         runs_of = [(p, p, {}) for p in ("cost", "precise_prefix", "llmd")]
     scaled, cfg, _ = cell_replay_input(
-        cell, a.seed, block_size=a.block_size, pod_model=a.pod_model, preset=a.preset
+        cell, a.seed, limit=a.limit, block_size=a.block_size, pod_model=a.pod_model, preset=a.preset
     )
     arrivals = [r.arrival_s for r in scaled.requests]
     runs = {

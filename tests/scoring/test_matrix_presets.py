@@ -61,3 +61,18 @@ def test_the_bench_refuses_a_preset_the_matrix_does_not_take(
         bench.main(["--quick", "--pod-model", "vllm", "--preset", "cpu-tiny"])
     assert exc.value.code == 2
     assert "--preset: invalid choice: 'cpu-tiny'" in capsys.readouterr().err
+
+
+def test_the_cell_anatomy_names_its_engine_and_session_mode(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    anatomy = load_bench("bench_cell_anatomy")
+    args = ["--cell", CELL.id, "--seed", "3", "--limit", "80", "--policy", "cost"]
+    assert anatomy.main([*args, "--preset", "llama3-70b-h100-tp4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        f"{CELL.id} seed 3, 80 requests, pod model vllm (llama3-70b-h100-tp4), sessions closed"
+    )
+    assert "Whole run per pod, `cost`:" in out
+    assert anatomy.main([*args, "--sessions", "open", "--pod-model", "simpod"]) == 0
+    assert "pod model simpod, sessions open" in capsys.readouterr().out
