@@ -28,7 +28,6 @@ WORKLOADS = (*SYNTHETIC, *MOONCAKE)
 FLEET_KINDS = ("equal", "unequal", "mixed")
 #: the matrix's fleet sizes (pods); others are held out (bench_quality_matrix.py --fleet-sizes)
 FLEET_SIZES = (4, 8, 16)
-FLEETS: tuple[tuple[int, str], ...] = tuple((n, c) for n in FLEET_SIZES for c in FLEET_KINDS)
 CACHE_FRACTIONS = {"small": 0.1, "medium": 0.3, "large": 1.0}
 LOADS = (0.5, 0.8, 1.1)
 #: the unequal and mixed fleets' per-pod cache weights, repeated over the pods (mean 1);
