@@ -102,6 +102,7 @@ def markdown(doc: dict[str, Any]) -> str:
     """The whole report: how it was run, the summary, every cell."""
     run = doc["run"]
     held = ", ".join(str(s) for s in run["seeds"][1:]) or "none"
+    engine = f" (engine `{run['preset']}`)" if "preset" in run else ""
     return "\n".join(
         [
             "# Routing quality matrix",
@@ -112,9 +113,7 @@ def markdown(doc: dict[str, Any]) -> str:
             "same for every seed: replayed once, shown under each seed as `s (= tuning)`, "
             f"summarised with the tuning seed only).  {len(doc['cells'])} cell results, "
             f"{len(run['policies'])} policies ({', '.join(run['policies'])}), "
-            f"block size {run['block_size']}, pod model `{run['pod_model']}`"
-            + (f" (engine `{run['preset']}`)" if "preset" in run else "")
-            + ", "
+            f"block size {run['block_size']}, pod model `{run['pod_model']}`{engine}, "
             f"sessions {run.get('sessions', 'open')}, "
             f"{run['wall_s']:.0f} s on {run['jobs']} process(es).",
             "",
